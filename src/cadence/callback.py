@@ -1,0 +1,134 @@
+"""The base class of every feature, and the one dispatcher that calls them."""
+
+from __future__ import annotations
+
+import difflib
+import warnings
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from cadence.event import Event
+
+if TYPE_CHECKING:
+    from cadence.engine import Engine
+
+HOOK_NAMES = frozenset(event.hook_name for event in Event)
+
+
+class Callback:
+    """Acts around engine events. Override ``on_<event>(engine)`` for the events you need; the rest cost nothing.
+
+    A callback talks to the engine only through its public methods and ``engine.state``. Whatever it must carry
+    across a restart goes in ``state_dict()``; it is saved under ``state_key``.
+    """
+
+    def setup(self, engine: Engine) -> None:
+        """Called once when the engine is built, before anything is prepared (install a precision here)."""
+
+    @property
+    def state_key(self) -> str:
+        """Name of this callback's entry in a checkpoint; unique among an engine's callbacks."""
+        return type(self).__qualname__
+
+    def state_dict(self) -> dict[str, Any]:
+        """What must survive a restart; JSON-safe values or tensors."""
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what ``state_dict()`` returned."""
+
+    def on_fit_start(self, engine: Engine) -> None:
+        """See ``Event.FIT_START``."""
+
+    def on_epoch_start(self, engine: Engine) -> None:
+        """See ``Event.EPOCH_START``."""
+
+    def on_batch_start(self, engine: Engine) -> None:
+        """See ``Event.BATCH_START``."""
+
+    def on_before_backward(self, engine: Engine) -> None:
+        """See ``Event.BEFORE_BACKWARD``."""
+
+    def on_after_backward(self, engine: Engine) -> None:
+        """See ``Event.AFTER_BACKWARD``."""
+
+    def on_before_optimizer_step(self, engine: Engine) -> None:
+        """See ``Event.BEFORE_OPTIMIZER_STEP``."""
+
+    def on_after_optimizer_step(self, engine: Engine) -> None:
+        """See ``Event.AFTER_OPTIMIZER_STEP``."""
+
+    def on_batch_end(self, engine: Engine) -> None:
+        """See ``Event.BATCH_END``."""
+
+    def on_epoch_end(self, engine: Engine) -> None:
+        """See ``Event.EPOCH_END``."""
+
+    def on_validation_start(self, engine: Engine) -> None:
+        """See ``Event.VALIDATION_START``."""
+
+    def on_validation_end(self, engine: Engine) -> None:
+        """See ``Event.VALIDATION_END``."""
+
+    def on_fit_end(self, engine: Engine) -> None:
+        """See ``Event.FIT_END``."""
+
+    def on_exception(self, engine: Engine) -> None:
+        """See ``Event.EXCEPTION``."""
+
+
+def _warn_misspelled_hooks(callback: Callback) -> None:
+    for name in dir(type(callback)):
+        if name.startswith("on_") and name not in HOOK_NAMES and callable(getattr(callback, name, None)):
+            close = difflib.get_close_matches(name, sorted(HOOK_NAMES), n=1)
+            hint = f" Did you mean `{close[0]}`?" if close else f" Valid hooks: {', '.join(sorted(HOOK_NAMES))}."
+            warnings.warn(
+                f"{type(callback).__name__}.{name} is not an engine hook and will never be called.{hint}",
+                UserWarning,
+                stacklevel=4,
+            )
+
+
+class Dispatcher:
+    """Calls callbacks in the order given. Which callbacks override which hook is computed once, at attach time,
+    so an event nobody listens to costs one dictionary lookup."""
+
+    def __init__(self, callbacks: Iterable[Callback] = ()) -> None:
+        self._callbacks: list[Callback] = []
+        self._hooks: dict[Event, tuple[Any, ...]] = {event: () for event in Event}
+        for callback in callbacks:
+            self.attach(callback)
+
+    @property
+    def callbacks(self) -> Sequence[Callback]:
+        return tuple(self._callbacks)
+
+    def attach(self, callback: Callback) -> None:
+        if not isinstance(callback, Callback):
+            raise TypeError(
+                f"Callbacks must subclass cadence.Callback; got {type(callback).__name__}. "
+                "Define `class MyCallback(cadence.Callback)` and override its `on_<event>` methods."
+            )
+        keys = {existing.state_key for existing in self._callbacks}
+        if callback.state_key in keys:
+            raise ValueError(
+                f"Two callbacks share the state_key {callback.state_key!r}, so their checkpoints would collide. "
+                "Override `state_key` on one of them to give it a unique name."
+            )
+        _warn_misspelled_hooks(callback)
+        self._callbacks.append(callback)
+        for event in Event:
+            hook = getattr(type(callback), event.hook_name)
+            if hook is not getattr(Callback, event.hook_name):
+                self._hooks[event] = (*self._hooks[event], getattr(callback, event.hook_name))
+
+    def detach(self, callback: Callback) -> None:
+        self._callbacks.remove(callback)
+        for event in Event:
+            self._hooks[event] = tuple(
+                hook for hook in self._hooks[event] if getattr(hook, "__self__", None) is not callback
+            )
+
+    def fire(self, event: Event, engine: Engine) -> None:
+        for hook in self._hooks[event]:
+            hook(engine)

@@ -1,0 +1,149 @@
+"""Dataloader conversion: a user's ``DataLoader`` becomes a ``StatefulDataLoader`` with the same arguments, and
+batches are moved to the device whatever their nesting."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator, Sized
+from typing import Any, cast
+
+import torch
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch.utils.data import DataLoader, RandomSampler, Sampler, SequentialSampler
+
+with warnings.catch_warnings():
+    # torchdata calls the deprecated torch.set_vital when imported and on each construction; it is not ours to fix.
+    warnings.filterwarnings("ignore", message=".*set_vital.*")
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+BatchMover = Callable[[Any], Any]
+
+
+def make_batch_mover(device: torch.device) -> BatchMover:
+    """A function that moves every tensor of a batch (tuples, lists, dicts, dataclasses, nested) to ``device``.
+
+    Flat tuples and lists of tensors, the common case, skip the generic walk.
+    """
+    non_blocking = device.type == "cuda"
+
+    def to_device(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(device, non_blocking=non_blocking)
+
+    def move(batch: Any) -> Any:
+        kind = type(batch)
+        if kind is torch.Tensor:
+            return batch.to(device, non_blocking=non_blocking)
+        if (kind is tuple or kind is list) and all(type(item) is torch.Tensor for item in batch):
+            return kind(item.to(device, non_blocking=non_blocking) for item in batch)
+        return apply_to_collection(batch, torch.Tensor, to_device)
+
+    return move
+
+
+class ResumableBatchSampler(Sampler[list[int]]):
+    """Batches of dataset indices whose order is fixed by ``(seed, epoch)`` alone.
+
+    Nothing about the position is stored here: ``StatefulDataLoader`` counts the batches it took and, on resume,
+    skips that many from a fresh iterator of the same epoch, which is the same sequence. Building whole batches by
+    slicing one list keeps the per-batch cost below torch's own ``RandomSampler`` + ``BatchSampler``.
+    """
+
+    def __init__(self, num_samples: int, batch_size: int, *, shuffle: bool, drop_last: bool, seed: int) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1; got {batch_size}.")
+        self.num_samples = num_samples
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        if self.drop_last:
+            return self.num_samples // self.batch_size
+        return -(-self.num_samples // self.batch_size)
+
+    def indices(self) -> list[int]:
+        """This epoch's sample order."""
+        if not self.shuffle:
+            return list(range(self.num_samples))
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        order: list[int] = torch.randperm(self.num_samples, generator=generator).tolist()
+        return order
+
+    def __iter__(self) -> Iterator[list[int]]:
+        indices = self.indices()
+        size = self.batch_size
+        stop = len(self) * size
+        return (indices[start : start + size] for start in range(0, stop, size))
+
+
+def _draw_seed(generator: torch.Generator | None) -> int:
+    """A shuffling seed from the user's generator, or from torch's global one (so ``torch.manual_seed`` fixes it)."""
+    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item()) % 2**62
+
+
+def _torch_sampler_shuffle(sampler: Any) -> bool | None:
+    """Whether torch's own default sampler shuffles; ``None`` for any other sampler (kept as the user gave it)."""
+    if type(sampler) is SequentialSampler:
+        return False
+    if type(sampler) is RandomSampler and not sampler.replacement and sampler._num_samples is None:
+        return True
+    return None
+
+
+def _loader_arguments(loader: DataLoader[Any], seed: int | None) -> dict[str, Any]:
+    """The constructor arguments that rebuild ``loader``; torch's own samplers become a ResumableBatchSampler."""
+    arguments: dict[str, Any] = {
+        "num_workers": loader.num_workers,
+        "collate_fn": loader.collate_fn,
+        "pin_memory": loader.pin_memory,
+        "timeout": loader.timeout,
+        "worker_init_fn": loader.worker_init_fn,
+        "multiprocessing_context": loader.multiprocessing_context,
+        "generator": loader.generator,
+        "persistent_workers": loader.persistent_workers,
+        "pin_memory_device": loader.pin_memory_device,
+    }
+    if loader.num_workers > 0:
+        arguments["prefetch_factor"] = loader.prefetch_factor
+    if getattr(loader, "in_order", True) is False:
+        arguments["in_order"] = False
+    if loader._dataset_kind == 1:  # an IterableDataset: no sampler to carry over
+        arguments["batch_size"] = loader.batch_size
+        arguments["drop_last"] = loader.drop_last
+        return arguments
+    if loader.batch_size is None:
+        # The user gave a batch_sampler: it decides batching (and drop_last) itself.
+        arguments["batch_sampler"] = loader.batch_sampler
+        return arguments
+    sampler = loader.sampler
+    shuffle = _torch_sampler_shuffle(sampler)
+    if shuffle is not None:
+        if seed is None:
+            seed = _draw_seed(sampler.generator if isinstance(sampler, RandomSampler) else None)
+        arguments["batch_sampler"] = ResumableBatchSampler(
+            len(cast(Sized, sampler)), loader.batch_size, shuffle=shuffle, drop_last=loader.drop_last, seed=seed
+        )
+        return arguments
+    arguments["batch_size"] = loader.batch_size
+    arguments["drop_last"] = loader.drop_last
+    arguments["sampler"] = sampler
+    return arguments
+
+
+def to_stateful(loader: DataLoader[Any], seed: int | None = None) -> StatefulDataLoader[Any]:
+    """A ``StatefulDataLoader`` over the same data with the same arguments as ``loader``.
+
+    Shuffling (``shuffle=True``) follows a ``ResumableBatchSampler`` seeded with ``seed``, else with a seed drawn
+    from the loader's generator or torch's global one, so a resumed epoch replays exactly.
+    """
+    if isinstance(loader, StatefulDataLoader):
+        return loader
+    arguments = _loader_arguments(loader, seed)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*set_vital.*")
+        return StatefulDataLoader(loader.dataset, **arguments)

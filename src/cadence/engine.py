@@ -1,0 +1,455 @@
+"""``Engine``: the imperative API (``prepare``, ``backward``, ``accumulate`` ...) and ``fit()``, written with it."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import math
+import random
+from collections.abc import Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+from torch.utils.data import DataLoader
+
+from cadence.callback import Callback, Dispatcher
+from cadence.data import make_batch_mover, to_stateful
+from cadence.event import Event
+from cadence.precision import Precision
+from cadence.state import State
+from cadence.step import TrainingStep
+from cadence.strategies import ReduceOp, Strategy, resolve_strategy
+from cadence.wrappers import PreparedDataLoader, PreparedModule, PreparedOptimizer, PreparedScheduler
+
+_PREPARABLE = "torch.nn.Module, torch.optim.Optimizer, torch.utils.data.DataLoader, or an LR scheduler"
+
+
+class Engine:
+    """Runs training on one device or many. Use its imperative API in your own loop, or ``fit()`` a
+    ``TrainingStep``; either way the callbacks see the same events (``cadence.Event``).
+
+    Args:
+        accelerator: ``"auto"`` (CUDA, then MPS, then CPU), ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"mps"``.
+        strategy: ``"auto"`` or ``"single"``, or a ``cadence.strategies.Strategy`` instance.
+        callbacks: features, run in the order given at every event.
+        seed: seeds python, numpy and torch, and the prepared dataloaders' shuffling.
+        project_dir: where logs and checkpoints go.
+        progress_bar: ``fit()`` adds a progress bar when no callback shows one; False turns it off.
+    """
+
+    def __init__(
+        self,
+        accelerator: str | torch.device = "auto",
+        strategy: str | Strategy = "auto",
+        callbacks: Iterable[Callback] = (),
+        seed: int | None = None,
+        project_dir: str | Path = ".",
+        progress_bar: bool = True,
+    ) -> None:
+        self.strategy = resolve_strategy(strategy, accelerator)
+        self.state = State()
+        self.seed = seed
+        self.project_dir = Path(project_dir)
+        self.progress_bar = progress_bar
+        self._precision = Precision()
+        self._dispatcher = Dispatcher()
+        self._models: list[nn.Module] = []
+        self._optimizers: list[PreparedOptimizer] = []
+        self._schedulers: list[PreparedScheduler] = []
+        self._dataloaders: list[PreparedDataLoader] = []
+        self._move_batch = make_batch_mover(self.strategy.device)
+        if seed is not None:
+            seed_everything(seed)
+        for callback in callbacks:
+            self.add_callback(callback)
+
+    # --- who and where -------------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.strategy.device
+
+    @property
+    def rank(self) -> int:
+        return self.strategy.rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.strategy.local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.strategy.world_size
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.strategy.rank == 0
+
+    @property
+    def callbacks(self) -> Sequence[Callback]:
+        return self._dispatcher.callbacks
+
+    @property
+    def models(self) -> Sequence[nn.Module]:
+        """The prepared models, in the order prepared."""
+        return tuple(self._models)
+
+    @property
+    def optimizers(self) -> Sequence[PreparedOptimizer]:
+        return tuple(self._optimizers)
+
+    @property
+    def precision(self) -> Precision:
+        return self._precision
+
+    def set_precision(self, precision: Precision) -> None:
+        """Install a precision plugin (the ``MixedPrecision`` callback does, in its ``setup``)."""
+        if self._models:
+            raise RuntimeError(
+                "The precision must be chosen before any model is prepared: pass the MixedPrecision callback "
+                "to Engine(callbacks=[...]) instead of installing it later."
+            )
+        if type(self._precision) is not Precision and type(precision) is not Precision:
+            raise RuntimeError(
+                f"A {self._precision.name} precision is already installed; an engine has one precision. "
+                "Keep a single MixedPrecision callback."
+            )
+        self._precision = precision
+
+    def add_callback(self, callback: Callback) -> None:
+        """Attach a callback after the engine was built; it runs after the existing ones."""
+        self._dispatcher.attach(callback)
+        callback.setup(self)
+
+    def remove_callback(self, callback: Callback) -> None:
+        """Detach a callback; its hooks are not called again."""
+        self._dispatcher.detach(callback)
+
+    def _fire(self, event: Event) -> None:
+        self._dispatcher.fire(event, self)
+
+    def is_training(self) -> bool:
+        """True when no model is prepared yet or a prepared model is in training mode."""
+        return not self._models or any(model.training for model in self._models)
+
+    # --- prepare -------------------------------------------------------------------------------------------
+    def prepare(self, *objects: Any) -> Any:
+        """Prepare models, optimizers, dataloaders and LR schedulers; returns them in the order given (one
+        object alone is returned as itself).
+
+        Models go to the device (wrapped by the strategy); optimizers step only on sync steps; schedulers step
+        only when their optimizer really stepped; dataloaders become resumable and yield batches on the device.
+        """
+        for obj in objects:
+            if not _is_preparable(obj):
+                raise TypeError(
+                    f"engine.prepare() got a {type(obj).__module__}.{type(obj).__qualname__}; it accepts "
+                    f"{_PREPARABLE}. Pass the PyTorch objects themselves."
+                )
+        prepared: list[Any] = [None] * len(objects)
+        # Schedulers last: they need their optimizer prepared, wherever it stands in the argument list.
+        order = sorted(range(len(objects)), key=lambda index: _is_scheduler(objects[index]))
+        for index in order:
+            prepared[index] = self._prepare_one(objects[index])
+        return prepared[0] if len(prepared) == 1 else tuple(prepared)
+
+    def _prepare_one(self, obj: Any) -> Any:
+        if isinstance(obj, (PreparedModule, PreparedOptimizer, PreparedScheduler, PreparedDataLoader)):
+            return obj
+        if isinstance(obj, nn.Module):
+            return self._prepare_model(obj)
+        if isinstance(obj, Optimizer):
+            optimizer = PreparedOptimizer(obj, self)
+            self._optimizers.append(optimizer)
+            return optimizer
+        if isinstance(obj, DataLoader):
+            loader = PreparedDataLoader(to_stateful(obj, self.seed), self, self._move_batch)
+            self._dataloaders.append(loader)
+            return loader
+        return self._prepare_scheduler(obj)
+
+    def _prepare_model(self, model: nn.Module) -> nn.Module:
+        if any(model is existing for existing in self._models):
+            return model  # already the prepared object (one device, full precision: the model itself)
+        if any(model is self.unwrap_model(existing) for existing in self._models):
+            raise ValueError("This model was already prepared; use the object the first prepare() returned.")
+        wrapped = self.strategy.setup_module(model)
+        if self._precision.wraps_forward:
+            wrapped = PreparedModule(wrapped, self)
+        self._models.append(wrapped)
+        return wrapped
+
+    def _prepare_scheduler(self, scheduler: Any) -> PreparedScheduler:
+        target = scheduler.optimizer
+        for optimizer in self._optimizers:
+            if target is optimizer or target is optimizer.optimizer:
+                wrapped = PreparedScheduler(scheduler, optimizer)
+                self._schedulers.append(wrapped)
+                return wrapped
+        raise ValueError(
+            "This scheduler's optimizer was not prepared. Prepare them together: "
+            "`model, optimizer, scheduler = engine.prepare(model, optimizer, scheduler)`."
+        )
+
+    def unwrap_model(self, model: nn.Module) -> nn.Module:
+        """The user's own module inside whatever ``prepare`` wrapped it in."""
+        if isinstance(model, PreparedModule):
+            model = model.module
+        return self.strategy.unwrap_module(model)
+
+    # --- the step ------------------------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, *, num_items: Any = None) -> None:
+        """``loss.backward()`` with the callbacks' loss division and the precision's loss scaling.
+
+        ``num_items``: how many items a summed ``loss`` covers (token-level losses), for item-count averaging.
+        """
+        if not self._models:
+            raise RuntimeError(
+                "engine.backward() was called before any model was prepared. Call "
+                "`model, optimizer = engine.prepare(model, optimizer)` first and train the returned model."
+            )
+        _check_loss(loss)
+        state = self.state
+        state.loss = loss.detach()
+        state.num_items = num_items
+        state.loss_divisor = 1
+        self._fire(Event.BEFORE_BACKWARD)
+        divisor = state.loss_divisor
+        if not (type(divisor) is int and divisor == 1):
+            loss = loss / divisor
+        self.strategy.backward(self._precision.scale_loss(loss))
+        self._fire(Event.AFTER_BACKWARD)
+
+    def autocast(self) -> AbstractContextManager[Any]:
+        """The precision's autocast, for computations outside the prepared model (a loss function)."""
+        return self._precision.forward_context()
+
+    def accumulate(self, model: nn.Module) -> AbstractContextManager[Any]:
+        """Run one batch's forward and backward inside it: gradient sync is skipped on accumulation micro-steps."""
+        if self.state.sync_gradients:
+            return nullcontext()
+        return self.strategy.no_backward_sync(model)
+
+    def _ready_gradients(self) -> bool:
+        if not self.state.sync_gradients:
+            return False
+        for optimizer in self._optimizers:
+            optimizer.ready_gradients()
+        return True
+
+    def clip_grad_norm_(
+        self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
+    ) -> torch.Tensor:
+        """Clip the gradients' total norm to ``max_norm`` and return the norm before clipping.
+
+        Gradients are unscaled (fp16) and normalised first, once per step. On an accumulation micro-step the
+        gradients are incomplete: nothing is clipped and the returned norm is NaN.
+        """
+        if not self._ready_gradients():
+            return torch.tensor(math.nan, device=self.device)
+        return self.strategy.clip_grad_norm_(parameters, max_norm, norm_type)
+
+    def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
+        """Clamp every gradient element into ``[-clip_value, clip_value]`` (after unscaling; not on micro-steps)."""
+        if self._ready_gradients():
+            self.strategy.clip_grad_value_(parameters, clip_value)
+
+    # --- processes -----------------------------------------------------------------------------------------
+    def wait_for_everyone(self) -> None:
+        self.strategy.barrier()
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on the main process only."""
+        if self.is_main_process:
+            print(*args, **kwargs)
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` from every rank, concatenated along the first dimension (scalars are stacked)."""
+        gathered = self.strategy.all_gather(tensor)
+        return gathered if tensor.dim() == 0 else gathered.flatten(0, 1)
+
+    def reduce(self, tensor: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
+        """``tensor`` reduced across ranks with ``op``: ``"mean"``, ``"sum"``, ``"max"`` or ``"min"``."""
+        if op not in ("mean", "sum", "max", "min"):
+            raise ValueError(f"Unknown reduce op {op!r}; use 'mean', 'sum', 'max' or 'min'.")
+        return self.strategy.all_reduce(tensor, op)
+
+    # --- metrics -------------------------------------------------------------------------------------------
+    def log(self, name: str, value: Any) -> None:
+        """Record a metric's latest value in ``state.metrics``; loggers write it at their next row."""
+        self.state.metrics[name] = value
+
+    def log_dict(self, metrics: Mapping[str, Any]) -> None:
+        self.state.metrics.update(metrics)
+
+    # --- the managed loop ----------------------------------------------------------------------------------
+    def fit(
+        self,
+        step: TrainingStep,
+        train_dataloader: DataLoader[Any] | PreparedDataLoader,
+        *,
+        max_epochs: int | None = None,
+        max_steps: int | None = None,
+        val_dataloader: DataLoader[Any] | PreparedDataLoader | None = None,
+    ) -> State:
+        """Train ``step`` until ``max_epochs`` epochs or ``max_steps`` optimizer steps, whichever comes first.
+
+        The loop is the imperative API (see ``cadence.Event``). Returns the final ``State``.
+        """
+        _check_limits(max_epochs, max_steps)
+        model, optimizer, scheduler = self._prepare_step(step)
+        train_loader = self.prepare(train_dataloader)
+        train_loader.drives_training = True
+        val_loader = None
+        if val_dataloader is not None:
+            val_loader = self.prepare(val_dataloader)
+            val_loader.drives_training = False
+        self._add_default_progress_bar()
+        state = self.state
+        state.max_epochs, state.max_steps = max_epochs, max_steps
+        state.should_stop = False
+        self._fire(Event.FIT_START)
+        try:
+            while max_epochs is None or train_loader.epoch < max_epochs:
+                model.train()
+                epochs_before = train_loader.epoch
+                for batch in train_loader:
+                    with self.accumulate(model):
+                        loss, num_items = self._unpack_training_output(step.training_step(batch))
+                        self.backward(loss, num_items=num_items)
+                        optimizer.step()
+                        if scheduler is not None:
+                            scheduler.step()
+                        optimizer.zero_grad()
+                    if max_steps is not None and state.step >= max_steps:
+                        state.stop()
+                if state.batch_idx < 0:
+                    raise RuntimeError(
+                        "The training dataloader yielded no batch: check that its dataset is not empty and that "
+                        "drop_last does not drop every sample."
+                    )
+                if val_loader is not None and (train_loader.epoch > epochs_before or state.should_stop):
+                    self._validate(step, model, val_loader)
+                if state.should_stop:
+                    break
+        except BaseException as error:
+            state.exception = error
+            self._fire(Event.EXCEPTION)
+            raise
+        finally:
+            self._fire(Event.FIT_END)
+            state.exception = None
+        return state
+
+    def _prepare_step(self, step: TrainingStep) -> tuple[nn.Module, PreparedOptimizer, Any]:
+        if not isinstance(step, TrainingStep):
+            raise TypeError(
+                f"fit() takes a cadence.TrainingStep; got {type(step).__name__}. Subclass TrainingStep, set "
+                "self.model and self.optimizer in __init__, and define training_step(batch)."
+            )
+        for name in ("model", "optimizer"):
+            if getattr(step, name, None) is None:
+                raise ValueError(f"{type(step).__name__} has no `{name}`: set `self.{name} = ...` in its __init__.")
+        objects = [step.model, step.optimizer] + ([step.scheduler] if step.scheduler is not None else [])
+        prepared = self.prepare(*objects)
+        step.model, step.optimizer = prepared[0], prepared[1]
+        if step.scheduler is not None:
+            step.scheduler = prepared[2]
+        return step.model, step.optimizer, step.scheduler  # type: ignore[return-value]
+
+    def _unpack_training_output(self, output: Any) -> tuple[torch.Tensor, Any]:
+        if isinstance(output, torch.Tensor):
+            return output, None
+        if isinstance(output, Mapping):
+            if "loss" not in output:
+                raise ValueError(
+                    f"training_step returned a dict without 'loss' (keys: {sorted(output)}). "
+                    "Return {'loss': loss, ...}."
+                )
+            extras = {
+                key: value.detach() if isinstance(value, torch.Tensor) else value
+                for key, value in output.items()
+                if key not in ("loss", "num_items")
+            }
+            if extras:
+                self.log_dict(extras)
+            return output["loss"], output.get("num_items")
+        raise TypeError(
+            f"training_step must return the loss tensor or a dict with 'loss'; it returned "
+            f"{'None' if output is None else type(output).__name__}. Did you forget `return loss`?"
+        )
+
+    def _validate(self, step: TrainingStep, model: nn.Module, loader: PreparedDataLoader) -> None:
+        self._fire(Event.VALIDATION_START)
+        model.eval()
+        sums: dict[str, torch.Tensor] = {}
+        batches = 0
+        with torch.no_grad():
+            for batch in loader:
+                output = step.validation_step(batch)
+                metrics = output if isinstance(output, Mapping) else {"loss": output}
+                for name, value in metrics.items():
+                    value = torch.as_tensor(value, device=self.device).detach().to(torch.float64)
+                    sums[name] = sums[name] + value if name in sums else value
+                batches += 1
+        if batches:
+            self.log_dict({f"val/{name}": self.reduce(total / batches).item() for name, total in sums.items()})
+        model.train()
+        self._fire(Event.VALIDATION_END)
+
+    def _add_default_progress_bar(self) -> None:
+        if not self.progress_bar or any(getattr(cb, "shows_progress", False) for cb in self.callbacks):
+            return
+        # The engine core knows no concrete callback: the default progress bar is whatever the installed
+        # distribution registers under this entry-point group (cadence.callbacks.RichProgressBar).
+        for entry_point in importlib.metadata.entry_points(group="cadence.progress_bar"):
+            self.add_callback(entry_point.load()())
+            return
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python's, numpy's (when installed) and torch's global generators (every device)."""
+    random.seed(seed)
+    try:
+        import numpy
+    except ImportError:
+        pass
+    else:
+        numpy.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _is_scheduler(obj: Any) -> bool:
+    return isinstance(obj, (LRScheduler, ReduceLROnPlateau, PreparedScheduler))
+
+
+def _is_preparable(obj: Any) -> bool:
+    return isinstance(obj, (nn.Module, Optimizer, DataLoader, PreparedDataLoader, PreparedScheduler)) or _is_scheduler(
+        obj
+    )
+
+
+def _check_loss(loss: Any) -> None:
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"backward() needs the loss tensor; got {type(loss).__name__}.")
+    if loss.numel() != 1:
+        raise ValueError(
+            f"backward() needs a scalar loss; got shape {tuple(loss.shape)}. Reduce it first, e.g. `loss.mean()`."
+        )
+    if not loss.requires_grad:
+        raise ValueError(
+            "The loss does not require grad, so backward() would update nothing. It was computed under "
+            "torch.no_grad(), detached (.item()/.detach()), or from a model whose parameters are all frozen: "
+            "compute it from the prepared model's output with grad enabled."
+        )
+
+
+def _check_limits(max_epochs: int | None, max_steps: int | None) -> None:
+    if max_epochs is None and max_steps is None:
+        raise ValueError("fit() needs a limit: pass max_epochs=..., max_steps=..., or both.")
+    for name, value in (("max_epochs", max_epochs), ("max_steps", max_steps)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+            raise ValueError(f"{name} must be a positive integer or None; got {value!r}.")

@@ -1,0 +1,86 @@
+"""The engine's events: this docstring is the training loop, and each member says what holds when it fires.
+
+``Engine.fit`` is written with the same public calls a user makes in a hand-written loop, so the events fire from
+the same places in both::
+
+    prepare(model, optimizer, dataloader, scheduler)  # strategy wraps, precision wraps the forward
+    FIT_START                                          # fit() only
+    for epoch in ...:
+        for batch in dataloader:                       # EPOCH_START before the first batch
+                                                       # BATCH_START: batch on the device, sync decided
+            with accumulate(model):                    # no gradient sync unless state.sync_gradients
+                loss = step.training_step(batch)       # forward under the precision's autocast
+                backward(loss)                         # BEFORE_BACKWARD, (loss / divisor) * scale, AFTER_BACKWARD
+                optimizer.step()                       # skipped and recorded unless state.sync_gradients;
+                                                       # else unscale once, BEFORE_OPTIMIZER_STEP, step,
+                                                       # AFTER_OPTIMIZER_STEP
+                scheduler.step()                       # steps only if its optimizer really stepped
+                optimizer.zero_grad()                  # skipped unless state.sync_gradients
+                                                       # BATCH_END: when the next batch is asked for
+                                                       # EPOCH_END: when the dataloader is exhausted
+        VALIDATION_START ... VALIDATION_END            # fit() only, with a val_dataloader, after each epoch
+    FIT_END                                            # fit() only, also after an exception
+    EXCEPTION                                          # fit() only, before the exception propagates
+
+A prepared dataloader fires the epoch and batch events while a prepared model is in training mode: an
+evaluation loop runs after ``model.eval()`` and so never counts as training batches.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class Event(str, Enum):
+    """One member per point in the loop; ``Callback.on_<value>(engine)`` is its hook."""
+
+    FIT_START = "fit_start"
+    """Once per ``fit()``, after preparation, before the first epoch."""
+
+    EPOCH_START = "epoch_start"
+    """A training dataloader is about to yield its first batch; ``state.epoch`` is the new epoch's index."""
+
+    BATCH_START = "batch_start"
+    """A training batch is on the device. ``state.batch_idx`` and ``state.is_last_batch`` describe it. Callbacks
+    that decide ``state.sync_gradients`` (gradient accumulation) do so here, and only here."""
+
+    BEFORE_BACKWARD = "before_backward"
+    """``engine.backward(loss)`` was called: ``state.loss`` and ``state.num_items`` are set and
+    ``state.loss_divisor`` is 1. A callback may set ``state.loss_divisor``; the engine divides the loss by it,
+    then the precision scales it, then autograd runs."""
+
+    AFTER_BACKWARD = "after_backward"
+    """Gradients of this batch are accumulated into ``.grad`` (still scaled under fp16, unsynced on a no-sync
+    micro-step)."""
+
+    BEFORE_OPTIMIZER_STEP = "before_optimizer_step"
+    """Fires only on a sync step. Gradients are synced across ranks, unscaled exactly once, and divided by
+    ``state.grad_divisor`` when a callback set it: they are the gradients the optimizer will use. Clipping lives
+    here. A callback may veto the step with ``state.veto_step(reason)``."""
+
+    AFTER_OPTIMIZER_STEP = "after_optimizer_step"
+    """Fires only on a sync step, after the step was taken or skipped: ``state.skip_reason`` says which
+    (``None`` when the weights were updated) and ``state.step`` counts only real updates."""
+
+    BATCH_END = "batch_end"
+    """The loop body for the batch has finished (the next batch was asked for, or the loop ended)."""
+
+    EPOCH_END = "epoch_end"
+    """The training dataloader is exhausted."""
+
+    VALIDATION_START = "validation_start"
+    """``fit()`` is about to run ``validation_step`` over the validation dataloader (model in eval mode, no grad)."""
+
+    VALIDATION_END = "validation_end"
+    """Validation metrics, averaged over batches and ranks, are in ``state.metrics`` under ``val/<name>``."""
+
+    FIT_END = "fit_end"
+    """``fit()`` is returning, normally or through an exception: release resources here."""
+
+    EXCEPTION = "exception"
+    """``fit()`` caught an exception (``state.exception``); it is re-raised after the callbacks ran."""
+
+    @property
+    def hook_name(self) -> str:
+        """The ``Callback`` method called for this event."""
+        return f"on_{self.value}"

@@ -1,0 +1,116 @@
+"""What the engine knows about the run, read by callbacks; every field says who writes it and when."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+Number = float | int | torch.Tensor
+
+
+@dataclass(slots=True)
+class State:
+    """Counters and flags of one engine. Read freely; write only the fields whose docstring names you."""
+
+    step: int = 0
+    """Optimizer updates really applied (skipped steps never count). Written by the prepared optimizer."""
+
+    epoch: int = 0
+    """Index of the current training epoch; it stays the finished epoch's index through ``EPOCH_END`` and
+    validation, until the next ``EPOCH_START``. Written by the training dataloader at ``EPOCH_START``."""
+
+    batch_idx: int = -1
+    """Index within the epoch of the current training batch (the number of batches seen before it). Written by
+    the training dataloader before ``BATCH_START``."""
+
+    is_last_batch: bool = False
+    """True when the current batch is the dataloader's last of the epoch. Written with ``batch_idx``."""
+
+    num_batches: int | None = None
+    """Batches in the current epoch, ``None`` for a dataloader without a length. Written at ``EPOCH_START``."""
+
+    sync_gradients: bool = True
+    """True when this batch ends an optimizer step. Written at ``BATCH_START`` by the callback that owns
+    accumulation; True when no callback writes it."""
+
+    loss: torch.Tensor | None = None
+    """The current batch's loss as passed to ``engine.backward``. Written by ``engine.backward``."""
+
+    num_items: Number | None = None
+    """Items the current loss sums over (token-level losses), or ``None``. Written by ``engine.backward``."""
+
+    loss_divisor: Number = 1
+    """The engine divides the loss by this before backward. Reset to 1 by ``engine.backward``; written at
+    ``BEFORE_BACKWARD`` (gradient accumulation)."""
+
+    grad_divisor: Number | None = None
+    """When set, gradients are divided by it after unscaling and before ``BEFORE_OPTIMIZER_STEP`` (item-count
+    normalisation). Written by callbacks before a sync step's ``optimizer.step()``; reset by the engine after each
+    step."""
+
+    skip_reason: str | None = None
+    """Why the last ``optimizer.step()`` did not update the weights (``"accumulating"``, ``"overflow"``, a veto's
+    reason), ``None`` when it did. Written by the prepared optimizer."""
+
+    skipped_steps: dict[str, int] = field(default_factory=dict)
+    """How many ``optimizer.step()`` calls were skipped, by reason. Written by the prepared optimizer."""
+
+    optimizer: torch.optim.Optimizer | None = None
+    """The prepared optimizer whose step is running, during ``BEFORE/AFTER_OPTIMIZER_STEP``; else ``None``.
+    Written by the prepared optimizer."""
+
+    metrics: dict[str, Any] = field(default_factory=dict)
+    """Latest value of every logged metric. Written through ``engine.log`` / ``engine.log_dict``."""
+
+    max_steps: int | None = None
+    """The run's step limit, when ``fit()`` was given one. Written by ``fit()``."""
+
+    max_epochs: int | None = None
+    """The run's epoch limit, when ``fit()`` was given one. Written by ``fit()``."""
+
+    should_stop: bool = False
+    """Set by ``stop()``; ``fit()`` ends after the current batch."""
+
+    exception: BaseException | None = None
+    """The exception ``fit()`` is handling at ``EXCEPTION``. Written by ``fit()``."""
+
+    _veto: str | None = None
+
+    def stop(self) -> None:
+        """Ask ``fit()`` to end after the current batch (any callback, any event)."""
+        self.should_stop = True
+
+    def veto_step(self, reason: str) -> None:
+        """Skip the optimizer step about to run; ``reason`` lands in ``skip_reason``. Call at
+        ``BEFORE_OPTIMIZER_STEP`` only."""
+        if not reason:
+            raise ValueError("veto_step() needs a non-empty reason: it is recorded in state.skip_reason.")
+        self._veto = reason
+
+    def take_veto(self) -> str | None:
+        """The pending veto's reason, cleared. Called by the prepared optimizer."""
+        reason, self._veto = self._veto, None
+        return reason
+
+    def record_skip(self, reason: str) -> None:
+        """Record that ``optimizer.step()`` did not update the weights. Called by the prepared optimizer."""
+        self.skip_reason = reason
+        self.skipped_steps[reason] = self.skipped_steps.get(reason, 0) + 1
+
+    def counters(self) -> dict[str, Any]:
+        """The fields a checkpoint must restore for an exact resume (JSON-safe)."""
+        return {
+            "step": self.step,
+            "epoch": self.epoch,
+            "batch_idx": self.batch_idx,
+            "skipped_steps": dict(self.skipped_steps),
+        }
+
+    def load_counters(self, counters: dict[str, Any]) -> None:
+        """Restore what ``counters()`` returned."""
+        self.step = int(counters["step"])
+        self.epoch = int(counters["epoch"])
+        self.batch_idx = int(counters["batch_idx"])
+        self.skipped_steps = {str(k): int(v) for k, v in counters["skipped_steps"].items()}

@@ -1,0 +1,45 @@
+"""Backends: one device, DDP, FSDP2. ``resolve_strategy`` turns the Engine's arguments into one of them."""
+
+from __future__ import annotations
+
+import torch
+
+from cadence.strategies.base import ReduceOp, Strategy
+from cadence.strategies.single import SingleDevice
+
+__all__ = ["ReduceOp", "SingleDevice", "Strategy", "resolve_device", "resolve_strategy"]
+
+
+def resolve_device(accelerator: str | torch.device) -> torch.device:
+    """``"auto"`` picks CUDA, then MPS, then the CPU; anything else must name a device torch knows."""
+    if isinstance(accelerator, torch.device):
+        return accelerator
+    if accelerator == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        device = torch.device(accelerator)
+    except RuntimeError as error:
+        raise ValueError(
+            f"Unknown accelerator {accelerator!r}. Use 'auto', 'cpu', 'cuda', 'cuda:<index>' or 'mps'."
+        ) from error
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            f"accelerator={accelerator!r} was asked for but this torch build sees no CUDA device "
+            f"(torch {torch.__version__}). Use accelerator='cpu', or install a CUDA build of torch."
+        )
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise RuntimeError("accelerator='mps' was asked for but MPS is not available here. Use accelerator='cpu'.")
+    return device
+
+
+def resolve_strategy(strategy: str | Strategy, accelerator: str | torch.device) -> Strategy:
+    """The strategy object for ``Engine(strategy=..., accelerator=...)``."""
+    if isinstance(strategy, Strategy):
+        return strategy
+    if strategy in ("auto", "single"):
+        return SingleDevice(resolve_device(accelerator))
+    raise ValueError(f"Unknown strategy {strategy!r}. Use 'auto' or 'single', or pass a cadence Strategy instance.")

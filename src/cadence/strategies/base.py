@@ -1,0 +1,74 @@
+"""What differs between one device and many: placement, wrapping, gradient sync and collectives."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from contextlib import AbstractContextManager
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+ReduceOp = Literal["mean", "sum", "max", "min"]
+
+
+class Strategy(ABC):
+    """One backend. Siblings implement it; nothing outside ``strategies/`` branches on which one is active."""
+
+    name: str
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device: ...
+
+    @property
+    def rank(self) -> int:
+        return 0
+
+    @property
+    def local_rank(self) -> int:
+        return 0
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """Place the module on the device and wrap it for this backend."""
+        return module.to(self.device)
+
+    def unwrap_module(self, module: nn.Module) -> nn.Module:
+        """The user's module inside whatever ``setup_module`` wrapped it in."""
+        return module
+
+    @abstractmethod
+    def no_backward_sync(self, module: nn.Module) -> AbstractContextManager[Any]:
+        """Skip the gradient all-reduce for backward passes inside the context (accumulation micro-steps)."""
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()  # type: ignore[no-untyped-call]
+
+    def clip_grad_norm_(
+        self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
+    ) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(list(parameters), max_norm, norm_type=norm_type)
+
+    def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
+        torch.nn.utils.clip_grad_value_(list(parameters), clip_value)
+
+    @abstractmethod
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Stack ``tensor`` from every rank along a new first dimension, in rank order."""
+
+    @abstractmethod
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor: ...
+
+    @abstractmethod
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any: ...
+
+    @abstractmethod
+    def barrier(self) -> None: ...
+
+    def teardown(self) -> None:  # noqa: B027 - optional: most strategies hold nothing to release
+        """Release what the strategy set up (process groups)."""

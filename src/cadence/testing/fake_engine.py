@@ -1,0 +1,156 @@
+"""``FakeEngine``: the real engine and dispatcher on a tiny CPU model, with no processes.
+
+It can pretend to be rank ``r`` of ``w``: its strategy answers rank and world-size questions as that rank would,
+and its collectives behave as if every rank held the same tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from cadence.callback import Callback
+from cadence.engine import Engine
+from cadence.event import Event
+from cadence.state import State
+from cadence.step import TrainingStep
+from cadence.strategies.base import ReduceOp, Strategy
+
+
+class FakeStrategy(Strategy):
+    """CPU, no process group; pretends to be ``rank`` of ``world_size`` where every rank holds the same data."""
+
+    name = "fake"
+
+    def __init__(self, rank: int = 0, world_size: int = 1) -> None:
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"FakeStrategy needs 0 <= rank < world_size; got rank={rank}, world_size={world_size}.")
+        self._rank = rank
+        self._world_size = world_size
+        self.no_sync_entered = 0
+        """How many times gradient sync was skipped (``no_backward_sync`` entered)."""
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def local_rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    def no_backward_sync(self, module: nn.Module) -> AbstractContextManager[Any]:
+        self.no_sync_entered += 1
+        return nullcontext()
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return torch.stack([tensor] * self._world_size)
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
+        return tensor * self._world_size if op == "sum" else tensor.clone()
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+    def barrier(self) -> None:
+        pass
+
+
+class TinyStep(TrainingStep):
+    """A linear regression step: ``mse(model(x), y)`` with SGD."""
+
+    def __init__(self, in_features: int = 4, out_features: int = 2, lr: float = 0.1) -> None:
+        self.model = nn.Linear(in_features, out_features)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr)
+
+    def training_step(self, batch: Any) -> torch.Tensor:
+        inputs, targets = batch
+        return nn.functional.mse_loss(self.model(inputs), targets)
+
+    def validation_step(self, batch: Any) -> dict[str, torch.Tensor]:
+        inputs, targets = batch
+        return {"loss": nn.functional.mse_loss(self.model(inputs), targets)}
+
+
+def tiny_dataloader(
+    batches: int = 8, batch_size: int = 4, in_features: int = 4, out_features: int = 2, seed: int = 0
+) -> DataLoader[Any]:
+    """A dataloader of ``batches`` batches of random regression data, made from ``seed`` alone."""
+    generator = torch.Generator().manual_seed(seed)
+    inputs = torch.randn(batches * batch_size, in_features, generator=generator)
+    targets = torch.randn(batches * batch_size, out_features, generator=generator)
+    return DataLoader(TensorDataset(inputs, targets), batch_size=batch_size)
+
+
+class FakeEngine(Engine):
+    """An ``Engine`` on the CPU with a ``FakeStrategy``: the same dispatcher, loop and wrappers as the real one.
+
+    ``fire(event)`` runs one event's hooks; ``run(steps=N)`` trains N batches for real (on ``TinyStep`` and
+    ``tiny_dataloader`` unless a step and data are given).
+    """
+
+    def __init__(
+        self,
+        callbacks: Iterable[Callback] = (),
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int | None = 0,
+        project_dir: str = ".",
+    ) -> None:
+        super().__init__(
+            strategy=FakeStrategy(rank, world_size),
+            callbacks=callbacks,
+            seed=seed,
+            project_dir=project_dir,
+            progress_bar=False,
+        )
+
+    def fire(self, event: Event) -> None:
+        """Run every callback's hook for ``event`` once, as the engine would at that point."""
+        self._fire(event)
+
+    def run(
+        self,
+        steps: int,
+        step: TrainingStep | None = None,
+        dataloader: DataLoader[Any] | None = None,
+    ) -> State:
+        """Train ``steps`` batches with ``fit()`` (epochs repeat as needed); returns the State."""
+        if steps < 1:
+            raise ValueError(f"run(steps=...) needs at least one step; got {steps}.")
+        step = step if step is not None else TinyStep()
+        dataloader = dataloader if dataloader is not None else tiny_dataloader()
+        # Count batches, not optimizer steps, so accumulation callbacks under test see exactly `steps` batches.
+        counter = _BatchLimit(steps)
+        self.add_callback(counter)
+        try:
+            return self.fit(step, dataloader, max_epochs=10**9)
+        finally:
+            self.remove_callback(counter)
+
+
+class _BatchLimit(Callback):
+    def __init__(self, batches: int) -> None:
+        self.remaining = batches
+
+    @property
+    def state_key(self) -> str:
+        return f"_BatchLimit@{id(self)}"
+
+    def on_batch_end(self, engine: Engine) -> None:
+        self.remaining -= 1
+        if self.remaining == 0:
+            engine.state.stop()

@@ -1,0 +1,276 @@
+"""What ``engine.prepare`` returns: thin wrappers that route the user's calls through the engine's guarantees."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from cadence.event import Event
+
+if TYPE_CHECKING:
+    from cadence.data import BatchMover
+    from cadence.engine import Engine
+
+
+class PreparedModule(nn.Module):
+    """Runs the wrapped module's forward under the precision's autocast. Used only when the precision needs it,
+    so a full-precision model costs no extra call."""
+
+    def __init__(self, module: nn.Module, engine: Engine) -> None:
+        super().__init__()
+        self.module = module
+        self._engine = engine
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with self._engine.precision.forward_context():
+            return self.module(*args, **kwargs)
+
+
+class PreparedOptimizer(Optimizer):
+    """The user's optimizer, stepping only on sync steps and never silently skipping.
+
+    ``step()`` on an accumulation micro-step records ``"accumulating"`` on the State; on a sync step it readies
+    the gradients once (unscale, divide), fires ``BEFORE_OPTIMIZER_STEP``, steps through the precision (which may
+    skip on overflow), records the outcome and fires ``AFTER_OPTIMIZER_STEP``.
+    """
+
+    def __init__(self, optimizer: Optimizer, engine: Engine) -> None:
+        # Optimizer.__init__ is deliberately not called: this object owns no parameters, it forwards to `optimizer`.
+        self.optimizer = optimizer
+        self._engine = engine
+        self.step_count = 0
+        """Updates this optimizer really applied."""
+        self.gradients_ready = False
+        """True once this step's gradients were unscaled and divided (by a clip call or by ``step``)."""
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    def ready_gradients(self) -> None:
+        """Unscale and divide this optimizer's gradients, once per step."""
+        if self.gradients_ready:
+            return
+        engine = self._engine
+        engine.precision.unscale_(self.optimizer)
+        divisor = engine.state.grad_divisor
+        if divisor is not None:
+            grads = [p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+            if grads:
+                torch._foreach_div_(grads, divisor)
+        self.gradients_ready = True
+
+    def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
+        engine = self._engine
+        state = engine.state
+        if not state.sync_gradients:
+            state.record_skip("accumulating")
+            return None
+        self.ready_gradients()
+        state.optimizer = self
+        engine._fire(Event.BEFORE_OPTIMIZER_STEP)
+        reason = state.take_veto()
+        reason = engine.precision.step(self.optimizer, closure, skip_reason=reason)
+        self.gradients_ready = False
+        if reason is None:
+            self.step_count += 1
+            state.step += 1
+            state.skip_reason = None
+        else:
+            state.record_skip(reason)
+        engine._fire(Event.AFTER_OPTIMIZER_STEP)
+        state.optimizer = None
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        # On a micro-step the gradients are being accumulated: clearing them would lose the window.
+        if self._engine.state.sync_gradients:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optimizer.add_param_group(param_group)
+
+    def __repr__(self) -> str:
+        return f"PreparedOptimizer({self.optimizer!r})"
+
+
+class PreparedScheduler:
+    """Steps the wrapped LR scheduler only when its optimizer really stepped since the scheduler last did, so
+    accumulation micro-steps and fp16 overflow skips never advance the schedule."""
+
+    def __init__(self, scheduler: Any, optimizer: PreparedOptimizer) -> None:
+        self.scheduler = scheduler
+        self.optimizer = optimizer
+        self._seen_steps = optimizer.step_count
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        count = self.optimizer.step_count
+        if count == self._seen_steps:
+            return
+        self._seen_steps = count
+        self.scheduler.step(*args, **kwargs)
+
+    def resync(self) -> None:
+        """Forget optimizer steps the scheduler has not seen (after loading a checkpoint)."""
+        self._seen_steps = self.optimizer.step_count
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.scheduler.state_dict())
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state_dict)
+
+    def get_last_lr(self) -> list[float]:
+        return list(self.scheduler.get_last_lr())
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for attributes not defined here (last_epoch, base_lrs, ...).
+        return getattr(self.__dict__["scheduler"], name)
+
+    def __repr__(self) -> str:
+        return f"PreparedScheduler({self.scheduler!r})"
+
+
+class PreparedDataLoader:
+    """Iterates a ``StatefulDataLoader``, moves each batch to the device, and, while it drives training, keeps
+    the State's epoch and batch position and fires the epoch and batch events.
+
+    It drives training when ``drives_training`` is True, or, when that is ``None`` (the default), when a prepared
+    model is in training mode as iteration starts: an evaluation loop after ``model.eval()`` fires nothing.
+    """
+
+    def __init__(self, loader: Any, engine: Engine, mover: BatchMover) -> None:
+        self.loader = loader
+        self._engine = engine
+        self._move = mover
+        self.drives_training: bool | None = None
+        self.epoch = 0
+        """Completed passes over the data; sets the sampler's epoch, so each epoch's shuffle differs."""
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    @property
+    def dataset(self) -> Any:
+        return self.loader.dataset
+
+    @property
+    def batch_size(self) -> int | None:
+        return self.loader.batch_size  # type: ignore[no-any-return]
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.loader.state_dict()  # type: ignore[no-any-return]
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state_dict)
+
+    def _set_sampler_epoch(self) -> None:
+        for sampler in (self.loader.batch_sampler, self.loader.sampler):
+            set_epoch = getattr(sampler, "set_epoch", None)
+            if set_epoch is not None:
+                set_epoch(self.epoch)
+                return
+
+    def __iter__(self) -> Iterator[Any]:
+        training = self.drives_training
+        if training is None:
+            training = self._engine.is_training()
+        self._set_sampler_epoch()
+        if training:
+            yield from self._training_batches()
+            return
+        move = self._move
+        for batch in self.loader:
+            yield move(batch)
+        self.epoch += 1
+
+    def _training_batches(self) -> Iterator[Any]:
+        engine = self._engine
+        state = engine.state
+        fire = engine._fire
+        move = self._move
+        try:
+            num_batches: int | None = len(self.loader)
+        except TypeError:
+            num_batches = None
+        state.num_batches = num_batches
+        state.epoch = self.epoch
+        state.batch_idx = -1
+        if state.should_stop:
+            return
+        fire(Event.EPOCH_START)
+        batches = iter(self.loader) if num_batches is not None else _with_last_flag(iter(self.loader))
+        index = -1
+        pending = False
+        try:
+            for item in batches:
+                if pending:
+                    pending = False
+                    fire(Event.BATCH_END)
+                    if state.should_stop:
+                        return
+                index += 1
+                if num_batches is None:
+                    batch, is_last = item
+                else:
+                    batch, is_last = item, index == num_batches - 1
+                batch = move(batch)
+                state.batch_idx = index
+                state.is_last_batch = is_last
+                fire(Event.BATCH_START)
+                pending = True
+                yield batch
+            if pending:
+                pending = False
+                fire(Event.BATCH_END)
+            fire(Event.EPOCH_END)
+            self.epoch += 1
+        finally:
+            # The loop was left early (break, exception, stop): the batch still gets its BATCH_END.
+            if pending:
+                fire(Event.BATCH_END)
+
+    def __repr__(self) -> str:
+        return f"PreparedDataLoader({self.loader!r})"
+
+
+def _with_last_flag(iterator: Iterator[Any]) -> Iterator[tuple[Any, bool]]:
+    """Pair each item with whether it is the last, reading one ahead (for dataloaders without a length)."""
+    try:
+        current = next(iterator)
+    except StopIteration:
+        return
+    for upcoming in iterator:
+        yield current, False
+        current = upcoming
+    yield current, True

@@ -1,0 +1,57 @@
+"""Small models, data and reference loops shared by the tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import cadence
+
+
+def regression_data(samples: int = 40, features: int = 4, outputs: int = 2, seed: int = 1) -> TensorDataset:
+    generator = torch.Generator().manual_seed(seed)
+    return TensorDataset(
+        torch.randn(samples, features, generator=generator), torch.randn(samples, outputs, generator=generator)
+    )
+
+
+def make_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).to(dtype)
+
+
+def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=0.01)
+
+
+class RegressionStep(cadence.TrainingStep):
+    def __init__(self, seed: int = 0, scheduler: bool = False) -> None:
+        self.model = make_model(seed)
+        self.optimizer = make_optimizer(self.model)
+        if scheduler:
+            self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=2, gamma=0.5)
+
+    def training_step(self, batch: Any) -> torch.Tensor:
+        inputs, targets = batch
+        return nn.functional.mse_loss(self.model(inputs), targets)
+
+    def validation_step(self, batch: Any) -> dict[str, torch.Tensor]:
+        inputs, targets = batch
+        return {"mse": nn.functional.mse_loss(self.model(inputs), targets)}
+
+
+def loader(shuffle: bool = False, batch_size: int = 8, samples: int = 40, **kwargs: Any) -> DataLoader[Any]:
+    return DataLoader(regression_data(samples), batch_size=batch_size, shuffle=shuffle, **kwargs)
+
+
+def parameters(model: nn.Module) -> list[torch.Tensor]:
+    return [parameter.detach().clone() for parameter in model.parameters()]
+
+
+def assert_bitwise_equal(left: list[torch.Tensor], right: list[torch.Tensor]) -> None:
+    assert len(left) == len(right)
+    for a, b in zip(left, right, strict=True):
+        assert torch.equal(a, b), (a - b).abs().max()

@@ -1,0 +1,387 @@
+"""Every public Engine method, and a clear error for each kind of bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+import cadence
+from cadence.testing import FakeEngine, RecordingCallback
+from cadence.wrappers import PreparedDataLoader, PreparedOptimizer, PreparedScheduler
+from tests.helpers import RegressionStep, loader, make_model, make_optimizer
+
+
+def engine(**kwargs: Any) -> cadence.Engine:
+    return cadence.Engine(accelerator="cpu", progress_bar=False, **kwargs)
+
+
+def test_identity_properties_on_one_cpu() -> None:
+    eng = engine()
+    assert eng.device == torch.device("cpu")
+    assert (eng.rank, eng.local_rank, eng.world_size, eng.is_main_process) == (0, 0, 1, True)
+    assert isinstance(eng.state, cadence.State)
+
+
+def test_auto_accelerator_is_cpu_without_gpu() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this check is about machines without a GPU")
+    assert cadence.Engine().device.type == "cpu"
+
+
+def test_unknown_accelerator_and_strategy_are_refused() -> None:
+    with pytest.raises(ValueError, match="Unknown accelerator 'tpu9'"):
+        cadence.Engine(accelerator="tpu9")
+    with pytest.raises(ValueError, match="Unknown strategy 'magic'"):
+        cadence.Engine(accelerator="cpu", strategy="magic")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_cuda_without_gpu_names_the_fix() -> None:
+    with pytest.raises(RuntimeError, match="accelerator='cpu'"):
+        cadence.Engine(accelerator="cuda")
+
+
+def test_prepare_returns_objects_in_order_with_the_right_wrappers() -> None:
+    eng = engine()
+    model = make_model()
+    optimizer = make_optimizer(model)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    prepared = eng.prepare(scheduler, model, loader(), optimizer)
+    assert isinstance(prepared[0], PreparedScheduler)
+    assert prepared[1] is model
+    assert isinstance(prepared[2], PreparedDataLoader)
+    assert isinstance(prepared[3], PreparedOptimizer) and prepared[3].optimizer is optimizer
+    assert eng.prepare(make_model()) is not None  # one object comes back alone, not in a tuple
+
+
+def test_prepare_refuses_other_objects_naming_both_types() -> None:
+    with pytest.raises(TypeError, match=r"got a builtins\.dict; it accepts torch\.nn\.Module"):
+        engine().prepare({"not": "a model"})
+
+
+def test_prepare_refuses_a_scheduler_without_its_optimizer() -> None:
+    optimizer = make_optimizer(make_model())
+    with pytest.raises(ValueError, match="Prepare them together"):
+        engine().prepare(torch.optim.lr_scheduler.StepLR(optimizer, step_size=1))
+
+
+def test_preparing_a_prepared_object_again_returns_it() -> None:
+    eng = engine()
+    model, optimizer = eng.prepare(make_model(), make_optimizer(make_model()))
+    assert eng.prepare(model, optimizer) == (model, optimizer)
+    assert len(eng.models) == 1 and len(eng.optimizers) == 1
+
+
+def test_prepared_optimizer_is_an_optimizer_that_schedulers_accept() -> None:
+    eng = engine()
+    _, optimizer = eng.prepare(make_model(), make_optimizer(make_model()))
+    assert isinstance(optimizer, torch.optim.Optimizer)
+    scheduler = eng.prepare(torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5))
+    assert optimizer.param_groups[0]["lr"] == 0.01
+    assert scheduler.get_last_lr() == [0.01]
+
+
+@dataclasses.dataclass
+class Pair:
+    inputs: torch.Tensor
+    extra: dict[str, list[torch.Tensor]]
+
+
+class NestedDataset(Dataset[Any]):
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> Any:
+        return {"pair": (torch.ones(2) * index, [torch.zeros(1)]), "name": f"item{index}"}
+
+
+def test_batches_of_any_nesting_reach_the_device() -> None:
+    moved: list[torch.device] = []
+
+    def spy_to(self: torch.Tensor, device: torch.device, **_: Any) -> torch.Tensor:
+        moved.append(torch.device(device))
+        return self
+
+    eng = engine()
+    data = eng.prepare(DataLoader(NestedDataset(), batch_size=2))
+    original = torch.Tensor.to
+    torch.Tensor.to = spy_to  # type: ignore[method-assign,assignment]
+    try:
+        batches = list(data)
+    finally:
+        torch.Tensor.to = original  # type: ignore[method-assign]
+    assert len(batches) == 2 and batches[1]["name"] == ["item2", "item3"]
+    assert moved == [torch.device("cpu")] * 4
+    mover_result = eng._move_batch(Pair(torch.ones(1), {"a": [torch.zeros(1)]}))
+    assert isinstance(mover_result, Pair) and isinstance(mover_result.extra["a"][0], torch.Tensor)
+
+
+class CountingStream(IterableDataset[torch.Tensor]):
+    def __iter__(self) -> Any:
+        return iter(torch.arange(10, dtype=torch.float32).view(5, 2))
+
+
+def test_dataloader_without_length_still_flags_its_last_batch() -> None:
+    recorder = RecordingCallback()
+    eng = engine(callbacks=[recorder])
+    data = eng.prepare(DataLoader(CountingStream(), batch_size=2))
+    flags = []
+    for _ in data:
+        flags.append(eng.state.is_last_batch)
+    assert flags == [False, False, True]
+    assert eng.state.num_batches is None
+
+
+def test_backward_checks_the_loss() -> None:
+    eng = engine()
+    model = eng.prepare(make_model())
+    with pytest.raises(ValueError, match="scalar loss; got shape"):
+        eng.backward(model(torch.ones(3, 4)))
+    with pytest.raises(ValueError, match="does not require grad"), torch.no_grad():
+        eng.backward(model(torch.ones(1, 4)).sum())
+    with pytest.raises(TypeError, match="needs the loss tensor; got float"):
+        eng.backward(1.0)  # type: ignore[arg-type]
+
+
+def test_backward_before_prepare_names_prepare() -> None:
+    model = make_model()
+    with pytest.raises(RuntimeError, match=r"engine\.prepare\(model, optimizer\)"):
+        engine().backward(model(torch.ones(1, 4)).sum())
+
+
+def test_backward_fills_gradients_and_state() -> None:
+    eng = engine()
+    model = eng.prepare(make_model())
+    loss = model(torch.ones(2, 4)).sum()
+    eng.backward(loss, num_items=7)
+    assert all(p.grad is not None for p in model.parameters())
+    assert eng.state.loss is not None and float(eng.state.loss) == float(loss.detach())
+    assert eng.state.num_items == 7
+
+
+def test_clip_grad_norm_returns_the_total_norm_and_clips() -> None:
+    eng = engine()
+    model = eng.prepare(make_model())
+    eng.prepare(make_optimizer(model))
+    eng.backward(model(torch.ones(2, 4)).pow(2).sum() * 100)
+    expected = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+    norm = eng.clip_grad_norm_(model.parameters(), max_norm=1.0)
+    assert torch.allclose(norm, expected)
+    assert torch.allclose(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]), torch.tensor(1.0))
+
+
+def test_clip_grad_value_clamps_elements() -> None:
+    eng = engine()
+    model = eng.prepare(make_model())
+    eng.backward(model(torch.ones(2, 4)).pow(2).sum() * 100)
+    eng.clip_grad_value_(model.parameters(), 0.01)
+    assert max(float(p.grad.abs().max()) for p in model.parameters()) <= 0.01
+
+
+def test_gather_reduce_on_one_process_and_pretending_to_be_rank_1_of_3() -> None:
+    eng = engine()
+    assert torch.equal(eng.gather(torch.tensor([1.0, 2.0])), torch.tensor([1.0, 2.0]))
+    assert torch.equal(eng.gather(torch.tensor(3.0)), torch.tensor([3.0]))
+    assert torch.equal(eng.reduce(torch.tensor(2.0), op="sum"), torch.tensor(2.0))
+    fake = FakeEngine(rank=1, world_size=3)
+    assert (fake.rank, fake.world_size, fake.is_main_process) == (1, 3, False)
+    assert torch.equal(fake.gather(torch.tensor([1.0, 2.0])), torch.tensor([1.0, 2.0] * 3))
+    assert torch.equal(fake.reduce(torch.tensor(2.0), op="sum"), torch.tensor(6.0))
+    with pytest.raises(ValueError, match="Unknown reduce op 'avg'"):
+        eng.reduce(torch.tensor(1.0), op="avg")  # type: ignore[arg-type]
+
+
+def test_print_only_on_the_main_process(capsys: pytest.CaptureFixture[str]) -> None:
+    engine().print("hello", 1)
+    FakeEngine(rank=1, world_size=2).print("hidden")
+    assert capsys.readouterr().out == "hello 1\n"
+
+
+def test_unwrap_model_and_autocast_and_wait_for_everyone() -> None:
+    eng = engine()
+    model = make_model()
+    assert eng.unwrap_model(eng.prepare(model)) is model
+    with eng.autocast():
+        assert model(torch.ones(1, 4)).dtype == torch.float32
+    eng.wait_for_everyone()
+
+
+def test_accumulate_is_a_pass_through_without_an_accumulation_callback() -> None:
+    fake = FakeEngine()
+    model = fake.prepare(make_model())
+    with fake.accumulate(model):
+        pass
+    assert fake.strategy.no_sync_entered == 0  # type: ignore[attr-defined]
+    fake.state.sync_gradients = False
+    with fake.accumulate(model):
+        pass
+    assert fake.strategy.no_sync_entered == 1  # type: ignore[attr-defined]
+
+
+def test_scheduler_steps_only_when_the_optimizer_stepped() -> None:
+    eng = engine()
+    model = make_model()
+    optimizer = make_optimizer(model)
+    model, optimizer, scheduler = eng.prepare(
+        model, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    )
+    scheduler.step()  # the optimizer has not stepped yet: nothing happens
+    assert scheduler.get_last_lr() == [0.01]
+    eng.backward(model(torch.ones(1, 4)).sum())
+    optimizer.step()
+    scheduler.step()
+    scheduler.step()  # a second call for the same optimizer step is ignored
+    assert scheduler.get_last_lr() == [0.005]
+    eng.state.sync_gradients = False
+    optimizer.step()
+    scheduler.step()
+    assert scheduler.get_last_lr() == [0.005]
+    assert eng.state.skip_reason == "accumulating" and eng.state.skipped_steps == {"accumulating": 1}
+
+
+def test_a_callback_can_veto_a_step_and_the_skip_is_recorded() -> None:
+    class Veto(cadence.Callback):
+        calls = 0
+
+        def on_before_optimizer_step(self, engine: cadence.Engine) -> None:
+            self.calls += 1
+            if self.calls == 2:
+                engine.state.veto_step("nan guard")
+
+    eng = engine(callbacks=[Veto()])
+    state = eng.fit(RegressionStep(), loader(), max_epochs=1)
+    assert state.step == 4 and state.skipped_steps == {"nan guard": 1}
+    with pytest.raises(ValueError, match="non-empty reason"):
+        state.veto_step("")
+
+
+def test_log_and_log_dict_update_metrics() -> None:
+    eng = engine()
+    eng.log("a", 1.0)
+    eng.log_dict({"b": torch.tensor(2.0)})
+    assert eng.state.metrics == {"a": 1.0, "b": torch.tensor(2.0)}
+
+
+def test_training_step_extras_are_logged_and_validation_is_averaged() -> None:
+    class WithExtras(RegressionStep):
+        def training_step(self, batch: Any) -> dict[str, torch.Tensor]:
+            loss = super().training_step(batch)
+            return {"loss": loss, "double": loss * 2}
+
+        def validation_step(self, batch: Any) -> dict[str, torch.Tensor]:
+            return {"constant": torch.tensor(float(batch[0].shape[0]))}
+
+    eng = engine()
+    eng.fit(WithExtras(), loader(), max_epochs=1, val_dataloader=loader(samples=12, batch_size=8))
+    assert eng.state.metrics["val/constant"] == pytest.approx((8 + 4) / 2)
+    assert float(eng.state.metrics["double"]) == pytest.approx(2 * float(eng.state.loss))
+
+
+@pytest.mark.parametrize(
+    ("limits", "message"),
+    [
+        ({}, "fit\\(\\) needs a limit"),
+        ({"max_steps": 0}, "max_steps must be a positive integer"),
+        ({"max_epochs": -1}, "max_epochs must be a positive integer"),
+        ({"max_steps": 2.5}, "max_steps must be a positive integer"),
+    ],
+)
+def test_fit_limits_are_checked(limits: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        engine().fit(RegressionStep(), loader(), **limits)
+
+
+def test_training_step_returning_none_names_the_fix() -> None:
+    class Forgetful(RegressionStep):
+        def training_step(self, batch: Any) -> Any:
+            super().training_step(batch)
+
+    with pytest.raises(TypeError, match=r"returned None\. Did you forget `return loss`"):
+        engine().fit(Forgetful(), loader(), max_epochs=1)
+
+
+def test_training_step_dict_without_loss_is_refused() -> None:
+    class NoLoss(RegressionStep):
+        def training_step(self, batch: Any) -> Any:
+            return {"value": super().training_step(batch)}
+
+    with pytest.raises(ValueError, match="without 'loss'"):
+        engine().fit(NoLoss(), loader(), max_epochs=1)
+
+
+def test_fit_needs_a_training_step_with_model_and_optimizer() -> None:
+    with pytest.raises(TypeError, match=r"takes a cadence\.TrainingStep"):
+        engine().fit(object(), loader(), max_epochs=1)  # type: ignore[arg-type]
+
+    class NoOptimizer(cadence.TrainingStep):
+        def __init__(self) -> None:
+            self.model = make_model()
+
+    with pytest.raises(ValueError, match=r"has no `optimizer`: set `self\.optimizer = \.\.\.`"):
+        engine().fit(NoOptimizer(), loader(), max_epochs=1)
+
+
+def test_validation_without_validation_step_names_the_fix() -> None:
+    class TrainOnly(cadence.TrainingStep):
+        def __init__(self) -> None:
+            self.model = make_model()
+            self.optimizer = make_optimizer(self.model)
+
+        def training_step(self, batch: Any) -> torch.Tensor:
+            return nn.functional.mse_loss(self.model(batch[0]), batch[1])
+
+    with pytest.raises(NotImplementedError, match="defines no `validation_step"):
+        engine().fit(TrainOnly(), loader(), max_epochs=1, val_dataloader=loader())
+
+
+def test_empty_dataloader_is_an_error_not_an_endless_loop() -> None:
+    with pytest.raises(RuntimeError, match="yielded no batch"):
+        engine().fit(RegressionStep(), loader(samples=4, batch_size=8, drop_last=True), max_epochs=2)
+
+
+def test_misspelled_hook_warns_at_attach_time() -> None:
+    class Typo(cadence.Callback):
+        def on_batch_strat(self, engine: cadence.Engine) -> None:
+            raise AssertionError("never called")
+
+    with pytest.warns(UserWarning, match="on_batch_strat is not an engine hook.*Did you mean `on_batch_start`"):
+        cadence.Engine(accelerator="cpu", callbacks=[Typo()])
+
+
+def test_callbacks_must_be_callbacks_with_unique_state_keys() -> None:
+    with pytest.raises(TypeError, match=r"must subclass cadence\.Callback"):
+        cadence.Engine(accelerator="cpu", callbacks=[object()])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="share the state_key 'RecordingCallback'"):
+        cadence.Engine(accelerator="cpu", callbacks=[RecordingCallback(), RecordingCallback()])
+
+
+def test_two_engines_in_one_process_do_not_see_each_other() -> None:
+    first, second = RecordingCallback(), RecordingCallback()
+    engine_a = engine(callbacks=[first])
+    engine_b = engine(callbacks=[second])
+    engine_a.fit(RegressionStep(), loader(samples=16), max_epochs=1)
+    assert second.events == [] and engine_b.state.step == 0 and engine_a.state.step == 2
+
+
+def test_default_progress_bar_is_added_by_fit_and_can_be_turned_off() -> None:
+    with_bar = cadence.Engine(accelerator="cpu")
+    with_bar.fit(RegressionStep(), loader(samples=16), max_epochs=1)
+    assert [type(cb).__name__ for cb in with_bar.callbacks] == ["RichProgressBar"]
+    without = engine()
+    without.fit(RegressionStep(), loader(samples=16), max_epochs=1)
+    assert list(without.callbacks) == []
+
+
+def test_seed_makes_runs_repeatable() -> None:
+    def run() -> torch.Tensor:
+        eng = cadence.Engine(accelerator="cpu", seed=123, progress_bar=False)
+        step = RegressionStep()
+        eng.fit(step, loader(shuffle=True), max_epochs=2)
+        return torch.cat([p.detach().flatten() for p in step.model.parameters()])
+
+    assert torch.equal(run(), run())

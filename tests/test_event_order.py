@@ -1,0 +1,127 @@
+"""The events fire in the order Event's docstring documents, in fit() and in a hand-written loop alike."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import cadence
+from cadence import Event
+from cadence.testing import RecordingCallback
+from tests.helpers import RegressionStep, loader, make_model, make_optimizer
+
+BATCH = [
+    Event.BATCH_START,
+    Event.BEFORE_BACKWARD,
+    Event.AFTER_BACKWARD,
+    Event.BEFORE_OPTIMIZER_STEP,
+    Event.AFTER_OPTIMIZER_STEP,
+    Event.BATCH_END,
+]
+
+
+def epoch(batches: int, validation: bool) -> list[Event]:
+    events = [Event.EPOCH_START, *BATCH * batches, Event.EPOCH_END]
+    if validation:
+        events += [Event.VALIDATION_START, Event.VALIDATION_END]
+    return events
+
+
+def test_fit_fires_documented_order() -> None:
+    recorder = RecordingCallback()
+    engine = cadence.Engine(accelerator="cpu", callbacks=[recorder], progress_bar=False)
+    engine.fit(RegressionStep(), loader(samples=24), max_epochs=2, val_dataloader=loader(samples=16))
+    expected = [Event.FIT_START, *epoch(3, True), *epoch(3, True), Event.FIT_END]
+    assert recorder.events == expected
+
+
+def test_state_counters_at_each_event() -> None:
+    recorder = RecordingCallback()
+    engine = cadence.Engine(accelerator="cpu", callbacks=[recorder], progress_bar=False)
+    engine.fit(RegressionStep(), loader(samples=16), max_epochs=2)
+    batch_starts = [(r.epoch, r.batch_idx, r.step) for r in recorder.records if r.event is Event.BATCH_START]
+    assert batch_starts == [(0, 0, 0), (0, 1, 1), (1, 0, 2), (1, 1, 3)]
+    steps_after = [r.step for r in recorder.records if r.event is Event.AFTER_OPTIMIZER_STEP]
+    assert steps_after == [1, 2, 3, 4]
+    assert engine.state.epoch == 1 and engine.state.step == 4
+
+
+def test_hand_written_loop_fires_the_same_batch_events() -> None:
+    recorder = RecordingCallback()
+    engine = cadence.Engine(accelerator="cpu", callbacks=[recorder], progress_bar=False)
+    model, optimizer, data = engine.prepare(make_model(), make_optimizer(make_model()), loader(samples=16))
+    optimizer = engine.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
+    for inputs, targets in data:
+        with engine.accumulate(model):
+            engine.backward(nn.functional.mse_loss(model(inputs), targets))
+            optimizer.step()
+            optimizer.zero_grad()
+    assert recorder.events == epoch(2, False)
+
+
+def test_max_steps_stops_mid_epoch_with_batch_end_but_no_epoch_end() -> None:
+    recorder = RecordingCallback()
+    engine = cadence.Engine(accelerator="cpu", callbacks=[recorder], progress_bar=False)
+    state = engine.fit(RegressionStep(), loader(samples=40), max_steps=3)
+    assert state.step == 3 and state.epoch == 0
+    assert recorder.events == [Event.FIT_START, Event.EPOCH_START, *BATCH * 3, Event.FIT_END]
+
+
+def test_max_steps_spans_epochs() -> None:
+    engine = cadence.Engine(accelerator="cpu", progress_bar=False)
+    state = engine.fit(RegressionStep(), loader(samples=16), max_steps=5)
+    assert (state.step, state.epoch, state.batch_idx) == (5, 2, 0)
+
+
+def test_breaking_out_of_a_hand_loop_still_ends_the_batch() -> None:
+    recorder = RecordingCallback()
+    engine = cadence.Engine(accelerator="cpu", callbacks=[recorder], progress_bar=False)
+    model = engine.prepare(make_model())
+    for _ in engine.prepare(loader()):
+        break
+    assert recorder.events == [Event.EPOCH_START, Event.BATCH_START, Event.BATCH_END]
+    assert model.training
+
+
+def test_evaluation_loop_after_model_eval_fires_no_training_events() -> None:
+    recorder = RecordingCallback()
+    engine = cadence.Engine(accelerator="cpu", callbacks=[recorder], progress_bar=False)
+    model, data = engine.prepare(make_model(), loader())
+    model.eval()
+    with torch.no_grad():
+        outputs = [model(inputs) for inputs, _ in data]
+    assert len(outputs) == 5 and recorder.events == []
+    assert engine.state.batch_idx == -1
+
+
+def test_exception_fires_exception_then_fit_end_and_propagates() -> None:
+    class Boom(RegressionStep):
+        def training_step(self, batch: object) -> torch.Tensor:
+            raise RuntimeError("boom")
+
+    recorder = RecordingCallback()
+    engine = cadence.Engine(accelerator="cpu", callbacks=[recorder], progress_bar=False)
+    try:
+        engine.fit(Boom(), loader(), max_epochs=1)
+    except RuntimeError as error:
+        assert str(error) == "boom"
+    else:
+        raise AssertionError("fit() swallowed the exception")
+    assert recorder.events == [
+        Event.FIT_START,
+        Event.EPOCH_START,
+        Event.BATCH_START,
+        Event.BATCH_END,
+        Event.EXCEPTION,
+        Event.FIT_END,
+    ]
+
+
+def test_stop_from_a_callback_ends_fit_after_the_batch() -> None:
+    class StopAtSecondStep(cadence.Callback):
+        def on_after_optimizer_step(self, engine: cadence.Engine) -> None:
+            if engine.state.step == 2:
+                engine.state.stop()
+
+    engine = cadence.Engine(accelerator="cpu", callbacks=[StopAtSecondStep()], progress_bar=False)
+    assert engine.fit(RegressionStep(), loader(), max_epochs=5).step == 2

@@ -1,0 +1,30 @@
+"""Every example runs end to end as a user would run it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_example(name: str, *args: str) -> str:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / name), *args], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_quickstart_loss_drops(tmp_path: Path) -> None:
+    out = run_example("quickstart.py", "--epochs", "3", "--project-dir", str(tmp_path))
+    validations = [float(line.rsplit(" ", 1)[1]) for line in out.splitlines() if "validation: val/mse" in line]
+    assert len(validations) == 3 and validations[-1] < validations[0] / 2
+    assert (tmp_path / "metrics.csv").exists() and "done: 240 steps" in out
+
+
+def test_custom_loop_learns() -> None:
+    out = run_example("custom_loop.py", "--epochs", "2")
+    accuracies = [float(line.rsplit(" ", 1)[1]) for line in out.splitlines() if "eval accuracy" in line]
+    assert len(accuracies) == 2 and accuracies[-1] > 0.9
