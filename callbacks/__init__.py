@@ -1,6 +1,16 @@
 """cadence.callbacks: every built-in training feature, each a ``cadence.Callback`` in a file of its own."""
 
+from .accumulation import GradientAccumulation
+from .clipping import GradientClipping, clip_gradients
 from .csv_logger import CSVLogger
+from .mixed_precision import MixedPrecision
 from .progress import RichProgressBar
 
-__all__ = ["CSVLogger", "RichProgressBar"]
+__all__ = [
+    "CSVLogger",
+    "GradientAccumulation",
+    "GradientClipping",
+    "MixedPrecision",
+    "RichProgressBar",
+    "clip_gradients",
+]

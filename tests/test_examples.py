@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -17,11 +19,14 @@ def run_example(name: str, *args: str) -> str:
     return result.stdout
 
 
-def test_quickstart_loss_drops(tmp_path: Path) -> None:
-    out = run_example("quickstart.py", "--epochs", "3", "--project-dir", str(tmp_path))
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_quickstart_loss_drops(tmp_path: Path, precision: str) -> None:
+    out = run_example("quickstart.py", "--epochs", "3", "--precision", precision, "--project-dir", str(tmp_path))
     validations = [float(line.rsplit(" ", 1)[1]) for line in out.splitlines() if "validation: val/mse" in line]
     assert len(validations) == 3 and validations[-1] < validations[0] / 2
-    assert (tmp_path / "metrics.csv").exists() and "done: 240 steps" in out
+    header = (tmp_path / "metrics.csv").read_text().splitlines()[0]
+    assert header.split(",")[:5] == ["step", "epoch", "loss", "lr", "grad_norm"]
+    assert "(120 micro-steps accumulated)" in out
 
 
 def test_custom_loop_learns() -> None:

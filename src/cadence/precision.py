@@ -6,11 +6,13 @@ The engine calls the installed plugin at fixed points (forward, backward, before
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 
 
 class Precision:
@@ -22,6 +24,10 @@ class Precision:
 
     def forward_context(self) -> AbstractContextManager[Any]:
         return nullcontext()
+
+    def convert_output(self, output: Any) -> Any:
+        """What the prepared model returns, from what its forward computed."""
+        return output
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss
@@ -47,3 +53,96 @@ class Precision:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what ``state_dict()`` returned."""
+
+
+def _to_float32(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.float() if tensor.is_floating_point() and tensor.dtype != torch.float32 else tensor
+
+
+class AutocastPrecision(Precision):
+    """bf16 (or fp16 without loss scaling) autocast around the prepared model's forward.
+
+    The model's floating outputs come back in float32, so a loss computed outside the model runs in full
+    precision (the convention of Accelerate and Fabric); use ``engine.autocast()`` to run more under autocast.
+    """
+
+    wraps_forward = True
+
+    def __init__(self, device_type: str, dtype: torch.dtype) -> None:
+        check_autocast(device_type, dtype)
+        self.device_type = device_type
+        self.dtype = dtype
+        self.name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
+
+    def forward_context(self) -> AbstractContextManager[Any]:
+        return torch.autocast(self.device_type, dtype=self.dtype)
+
+    def convert_output(self, output: Any) -> Any:
+        return apply_to_collection(output, torch.Tensor, _to_float32)
+
+
+class GradScalerPrecision(AutocastPrecision):
+    """fp16 autocast with dynamic loss scaling (``torch.amp.GradScaler``): an overflow skips the step."""
+
+    def __init__(self, device_type: str, init_scale: float = 2.0**16, growth_interval: int = 2000) -> None:
+        super().__init__(device_type, torch.float16)
+        try:
+            self.scaler = torch.amp.GradScaler(device_type, init_scale=init_scale, growth_interval=growth_interval)
+        except (RuntimeError, ValueError, AttributeError) as error:
+            raise RuntimeError(
+                f"fp16 needs a gradient scaler for device type {device_type!r}, which this torch "
+                f"({torch.__version__}) cannot build: {error}. Use MixedPrecision('bf16') or 'fp32'."
+            ) from error
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale(loss)
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        self.scaler.unscale_(optimizer)
+
+    def step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        closure: Callable[[], Any] | None = None,
+        skip_reason: str | None = None,
+    ) -> str | None:
+        if closure is not None:
+            raise ValueError("fp16 loss scaling cannot run an optimizer closure (LBFGS); use bf16 or fp32.")
+        scale_before = self.scaler.get_scale()
+        if skip_reason is None:
+            self.scaler.step(optimizer)
+        # update() after every step, vetoed or not: it resets the scaler's per-step record of this optimizer.
+        self.scaler.update()
+        if skip_reason is not None:
+            return skip_reason
+        # The scale only shrinks when an inf/NaN gradient made the scaler skip optimizer.step().
+        return "overflow" if self.scaler.get_scale() < scale_before else None
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.scaler.state_dict())
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.scaler.load_state_dict(state_dict)
+
+
+def check_autocast(device_type: str, dtype: torch.dtype) -> None:
+    """Raise when ``device_type`` cannot autocast to ``dtype``, naming what to use instead."""
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
+    available = getattr(torch.amp, "is_autocast_available", None)
+    if available is not None and not available(device_type):
+        raise RuntimeError(
+            f"Device type {device_type!r} has no autocast, so {name} mixed precision cannot run there. "
+            "Use MixedPrecision('fp32'), or an accelerator that supports it (cuda, cpu)."
+        )
+    if device_type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        raise RuntimeError("This GPU does not support bf16. Use MixedPrecision('fp16') (with loss scaling).")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.autocast(device_type, dtype=dtype):
+            pass
+    for warning in caught:
+        if "not supported" in str(warning.message) or "disabl" in str(warning.message).lower():
+            raise RuntimeError(
+                f"{name} autocast is not supported on {device_type!r} by torch {torch.__version__} "
+                f"({warning.message}). Use MixedPrecision('bf16') or 'fp32'."
+            )

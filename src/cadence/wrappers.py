@@ -25,9 +25,18 @@ class PreparedModule(nn.Module):
         self.module = module
         self._engine = engine
 
+    def __getattr__(self, name: str) -> Any:
+        # The user's attributes (model.config, model.weight) stay reachable through the wrapper.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["module"], name)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        with self._engine.precision.forward_context():
-            return self.module(*args, **kwargs)
+        precision = self._engine.precision
+        with precision.forward_context():
+            output = self.module(*args, **kwargs)
+        return precision.convert_output(output)
 
 
 class PreparedOptimizer(Optimizer):

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 import torch
-from cadence.callbacks import CSVLogger
 
 from cadence import Engine, Event
+from cadence.callbacks import CSVLogger
 from cadence.testing import FakeEngine, TinyStep
 from tests.helpers import RegressionStep, loader
 

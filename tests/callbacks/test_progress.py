@@ -5,10 +5,10 @@ from __future__ import annotations
 import io
 
 import pytest
-from cadence.callbacks import RichProgressBar
 from rich.console import Console
 
 from cadence import Engine, Event
+from cadence.callbacks import RichProgressBar
 from cadence.testing import FakeEngine, TinyStep, tiny_dataloader
 from tests.helpers import RegressionStep, loader
 

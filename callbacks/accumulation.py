@@ -1,0 +1,105 @@
+"""``GradientAccumulation``: one optimizer step per window of micro-batches, exactly the large batch's gradient."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from cadence import Callback
+
+if TYPE_CHECKING:
+    from cadence import Engine
+
+
+class GradientAccumulation(Callback):
+    """Accumulate gradients over ``steps`` micro-batches per optimizer step.
+
+    - At ``BATCH_START`` it sets ``state.sync_gradients``: True on a window's last micro-batch and on the
+      epoch's last batch, so a short final window still steps. Off sync, the prepared optimizer skips
+      ``step``/``zero_grad`` (recorded as ``"accumulating"``), the scheduler does not advance and
+      ``engine.accumulate(model)`` skips gradient sync.
+    - Mean mode (``training_step`` returns the batch-mean loss): each loss is divided by the real length of its
+      window, so k micro-batches of size b give the gradient of one batch of k*b, partial windows included.
+      (For a dataloader without a length the final window's length is learned at its end; its gradients are
+      rescaled then.)
+    - Item-count mode (``{"loss": summed_loss, "num_items": n}`` or ``engine.backward(loss, num_items=n)``):
+      losses are summed as given and the window's gradients are divided by the window's total item count,
+      summed across ranks, so variable-length batches match the concatenated large batch's mean.
+    """
+
+    def __init__(self, steps: int) -> None:
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise ValueError(f"GradientAccumulation(steps) needs an integer >= 1; got {steps!r}.")
+        self.steps = steps
+        self._window_length: int | None = None
+        self._micro_batches = 0
+        self._items: Any = 0
+        self._item_mode: bool | None = None
+
+    def on_batch_start(self, engine: Engine) -> None:
+        state = engine.state
+        position = state.batch_idx % self.steps
+        if position == 0:
+            self._micro_batches = 0
+            self._items = 0
+            self._item_mode = None
+            state.grad_divisor = None
+            self._window_length = None
+            if state.num_batches is not None:
+                self._window_length = min(self.steps, state.num_batches - state.batch_idx)
+        state.sync_gradients = position == self.steps - 1 or state.is_last_batch
+
+    def on_before_backward(self, engine: Engine) -> None:
+        state = engine.state
+        if state.batch_idx < 0:
+            raise RuntimeError(
+                "GradientAccumulation counts micro-batches from a prepared dataloader, and none is being iterated. "
+                "Iterate `engine.prepare(dataloader)` (or use engine.fit)."
+            )
+        item_mode = state.num_items is not None
+        if self._item_mode is not None and item_mode != self._item_mode:
+            raise ValueError(
+                "Within one accumulation window some losses came with num_items and some without. Return "
+                "{'loss': summed_loss, 'num_items': n} from every training_step, or from none."
+            )
+        self._item_mode = item_mode
+        self._micro_batches += 1
+        if item_mode:
+            self._items = self._items + state.num_items
+        else:
+            state.loss_divisor = self._window_length if self._window_length is not None else self.steps
+
+    def on_after_backward(self, engine: Engine) -> None:
+        state = engine.state
+        if not state.sync_gradients:
+            return
+        if self._item_mode:
+            state.grad_divisor = self._global_item_count(engine)
+        elif self._window_length is None and self._micro_batches != self.steps:
+            # An unsized dataloader ended mid-window: the losses were divided by `steps`, not by the window's
+            # real length, so rescale the summed gradients by steps / length.
+            state.grad_divisor = self._micro_batches / self.steps
+
+    def _global_item_count(self, engine: Engine) -> Any:
+        items = self._items
+        if engine.world_size == 1:
+            return items
+        total = torch.as_tensor(items, device=engine.device, dtype=torch.float64)
+        # DDP averages gradients over ranks; dividing by total / world_size turns that mean into sum / total.
+        return engine.reduce(total, op="sum") / engine.world_size
+
+    def state_dict(self) -> dict[str, Any]:
+        items = self._items.item() if isinstance(self._items, torch.Tensor) else self._items
+        return {
+            "micro_batches": self._micro_batches,
+            "items": items,
+            "item_mode": self._item_mode,
+            "window_length": self._window_length,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._micro_batches = int(state_dict["micro_batches"])
+        self._items = state_dict["items"]
+        self._item_mode = state_dict["item_mode"]
+        self._window_length = state_dict["window_length"]
