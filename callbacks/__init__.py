@@ -1,6 +1,7 @@
 """cadence.callbacks: every built-in training feature, each a ``cadence.Callback`` in a file of its own."""
 
 from .accumulation import GradientAccumulation
+from .checkpoint import Checkpoint
 from .clipping import GradientClipping, clip_gradients
 from .csv_logger import CSVLogger
 from .mixed_precision import MixedPrecision
@@ -8,6 +9,7 @@ from .progress import RichProgressBar
 
 __all__ = [
     "CSVLogger",
+    "Checkpoint",
     "GradientAccumulation",
     "GradientClipping",
     "MixedPrecision",

@@ -76,6 +76,12 @@ class Callback:
     def on_exception(self, engine: Engine) -> None:
         """See ``Event.EXCEPTION``."""
 
+    def on_save_state(self, engine: Engine) -> None:
+        """See ``Event.SAVE_STATE``."""
+
+    def on_load_state(self, engine: Engine) -> None:
+        """See ``Event.LOAD_STATE``."""
+
 
 def _warn_misspelled_hooks(callback: Callback) -> None:
     for name in dir(type(callback)):

@@ -17,6 +17,8 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from torch.utils.data import DataLoader
 
 from cadence.callback import Callback, Dispatcher
+from cadence.checkpoint.engine_state import load_engine_state, save_engine_state
+from cadence.checkpoint.layout import CheckpointDirectory
 from cadence.data import make_batch_mover, to_stateful
 from cadence.event import Event
 from cadence.precision import Precision
@@ -37,8 +39,10 @@ class Engine:
         strategy: ``"auto"`` or ``"single"``, or a ``cadence.strategies.Strategy`` instance.
         callbacks: features, run in the order given at every event.
         seed: seeds python, numpy and torch, and the prepared dataloaders' shuffling.
-        project_dir: where logs and checkpoints go.
+        project_dir: where logs and checkpoints go (``project_dir/checkpoints/checkpoint_{n}``).
         progress_bar: ``fit()`` adds a progress bar when no callback shows one; False turns it off.
+        checkpoint_total_limit: keep at most this many automatically named checkpoints; older ones are deleted
+            only after a new one is committed.
     """
 
     def __init__(
@@ -49,7 +53,10 @@ class Engine:
         seed: int | None = None,
         project_dir: str | Path = ".",
         progress_bar: bool = True,
+        checkpoint_total_limit: int | None = None,
     ) -> None:
+        if checkpoint_total_limit is not None and checkpoint_total_limit < 1:
+            raise ValueError(f"checkpoint_total_limit must be at least 1 or None; got {checkpoint_total_limit}.")
         self.strategy = resolve_strategy(strategy, accelerator)
         self.state = State()
         self.seed = seed
@@ -61,6 +68,10 @@ class Engine:
         self._optimizers: list[PreparedOptimizer] = []
         self._schedulers: list[PreparedScheduler] = []
         self._dataloaders: list[PreparedDataLoader] = []
+        self._registered: list[Any] = []
+        self.checkpoint_total_limit = checkpoint_total_limit
+        self.checkpoints = CheckpointDirectory(self.project_dir / "checkpoints")
+        """The automatically named checkpoints: ``checkpoint_{n}`` under ``project_dir/checkpoints``."""
         self._move_batch = make_batch_mover(self.strategy.device)
         if seed is not None:
             seed_everything(seed)
@@ -100,6 +111,19 @@ class Engine:
     @property
     def optimizers(self) -> Sequence[PreparedOptimizer]:
         return tuple(self._optimizers)
+
+    @property
+    def schedulers(self) -> Sequence[PreparedScheduler]:
+        return tuple(self._schedulers)
+
+    @property
+    def dataloaders(self) -> Sequence[PreparedDataLoader]:
+        return tuple(self._dataloaders)
+
+    @property
+    def registered(self) -> Sequence[Any]:
+        """Objects added with ``register_for_checkpointing``, in order."""
+        return tuple(self._registered)
 
     @property
     def precision(self) -> Precision:
@@ -277,6 +301,44 @@ class Engine:
             raise ValueError(f"Unknown reduce op {op!r}; use 'mean', 'sum', 'max' or 'min'.")
         return self.strategy.all_reduce(tensor, op)
 
+    # --- checkpoints ---------------------------------------------------------------------------------------
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Save and restore these objects (anything with ``state_dict`` and ``load_state_dict``) with the engine."""
+        for obj in objects:
+            missing = [name for name in ("state_dict", "load_state_dict") if not callable(getattr(obj, name, None))]
+            if missing:
+                raise TypeError(
+                    f"register_for_checkpointing() needs objects with state_dict() and load_state_dict(); "
+                    f"{type(obj).__qualname__} has no {' and no '.join(missing)}."
+                )
+            self._registered.append(obj)
+
+    def save_state(self, path: str | Path | None = None) -> Path:
+        """Save everything needed to continue this run exactly, and return the checkpoint directory.
+
+        With no path it goes to ``project_dir/checkpoints/checkpoint_{n}``. The directory appears only once it
+        is complete (written aside, fsynced, renamed); an existing one at ``path`` is replaced only then.
+        """
+        number = self.checkpoints.next_number()
+        directory = Path(path) if path is not None else self.checkpoints.path(number)
+        committed = save_engine_state(self, directory, number)
+        self.checkpoints.advance(number)
+        if path is None and self.checkpoint_total_limit is not None:
+            self.checkpoints.prune(keep=self.checkpoint_total_limit)
+        self.state.checkpoint_dir = committed
+        self._fire(Event.SAVE_STATE)
+        return committed
+
+    def load_state(self, path: str | Path | None = None) -> Path:
+        """Restore a checkpoint written by ``save_state``; with no path, the newest valid one in
+        ``project_dir/checkpoints`` (an incomplete or corrupted newer one is skipped with a warning)."""
+        directory = Path(path) if path is not None else self.checkpoints.latest_valid()
+        manifest = load_engine_state(self, directory)
+        self.checkpoints.advance(int(manifest["checkpoint_number"]))
+        self.state.checkpoint_dir = directory
+        self._fire(Event.LOAD_STATE)
+        return directory
+
     # --- metrics -------------------------------------------------------------------------------------------
     def log(self, name: str, value: Any) -> None:
         """Record a metric's latest value in ``state.metrics``; loggers write it at their next row."""
@@ -294,10 +356,13 @@ class Engine:
         max_epochs: int | None = None,
         max_steps: int | None = None,
         val_dataloader: DataLoader[Any] | PreparedDataLoader | None = None,
+        resume: str | Path | None = None,
     ) -> State:
         """Train ``step`` until ``max_epochs`` epochs or ``max_steps`` optimizer steps, whichever comes first.
 
-        The loop is the imperative API (see ``cadence.Event``). Returns the final ``State``.
+        The loop is the imperative API (see ``cadence.Event``). ``resume="latest"`` continues from the newest
+        valid checkpoint in ``project_dir/checkpoints`` (or starts fresh when there is none); a path resumes
+        from that checkpoint. Returns the final ``State``.
         """
         _check_limits(max_epochs, max_steps)
         model, optimizer, scheduler = self._prepare_step(step)
@@ -308,15 +373,19 @@ class Engine:
             val_loader = self.prepare(val_dataloader)
             val_loader.drives_training = False
         self._add_default_progress_bar()
+        if resume is not None:
+            self._resume(resume)
         state = self.state
         state.max_epochs, state.max_steps = max_epochs, max_steps
-        state.should_stop = False
+        state.should_stop = max_steps is not None and state.step >= max_steps
         self._fire(Event.FIT_START)
         try:
-            while max_epochs is None or train_loader.epoch < max_epochs:
+            while not state.should_stop and (max_epochs is None or train_loader.epoch < max_epochs):
                 model.train()
                 epochs_before = train_loader.epoch
+                batches = 0
                 for batch in train_loader:
+                    batches += 1
                     with self.accumulate(model):
                         loss, num_items = self._unpack_training_output(step.training_step(batch))
                         self.backward(loss, num_items=num_items)
@@ -326,15 +395,13 @@ class Engine:
                         optimizer.zero_grad()
                     if max_steps is not None and state.step >= max_steps:
                         state.stop()
-                if state.batch_idx < 0:
+                if train_loader.empty_epoch:
                     raise RuntimeError(
                         "The training dataloader yielded no batch: check that its dataset is not empty and that "
                         "drop_last does not drop every sample."
                     )
-                if val_loader is not None and (train_loader.epoch > epochs_before or state.should_stop):
+                if val_loader is not None and batches and (train_loader.epoch > epochs_before or state.should_stop):
                     self._validate(step, model, val_loader)
-                if state.should_stop:
-                    break
         except BaseException as error:
             state.exception = error
             self._fire(Event.EXCEPTION)
@@ -343,6 +410,14 @@ class Engine:
             self._fire(Event.FIT_END)
             state.exception = None
         return state
+
+    def _resume(self, resume: str | Path) -> None:
+        if resume != "latest":
+            self.load_state(resume)
+        elif self.checkpoints.numbered():
+            self.load_state()
+        else:
+            self.print(f"resume='latest': no checkpoint in {self.checkpoints.root} yet, starting from scratch.")
 
     def _prepare_step(self, step: TrainingStep) -> tuple[nn.Module, PreparedOptimizer, Any]:
         if not isinstance(step, TrainingStep):

@@ -21,6 +21,7 @@ the same places in both::
         VALIDATION_START ... VALIDATION_END            # fit() only, with a val_dataloader, after each epoch
     FIT_END                                            # fit() only, also after an exception
     EXCEPTION                                          # fit() only, before the exception propagates
+    save_state() -> SAVE_STATE, load_state() -> LOAD_STATE  # after the checkpoint is committed / restored
 
 A prepared dataloader fires the epoch and batch events while a prepared model is in training mode: an
 evaluation loop runs after ``model.eval()`` and so never counts as training batches.
@@ -79,6 +80,12 @@ class Event(str, Enum):
 
     EXCEPTION = "exception"
     """``fit()`` caught an exception (``state.exception``); it is re-raised after the callbacks ran."""
+
+    SAVE_STATE = "save_state"
+    """A checkpoint was committed at ``state.checkpoint_dir`` (callbacks' ``state_dict`` went into it)."""
+
+    LOAD_STATE = "load_state"
+    """A checkpoint was restored from ``state.checkpoint_dir``: every callback's ``load_state_dict`` ran."""
 
     @property
     def hook_name(self) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -72,6 +73,9 @@ class State:
 
     should_stop: bool = False
     """Set by ``stop()``; ``fit()`` ends after the current batch."""
+
+    checkpoint_dir: Path | None = None
+    """The checkpoint last saved or loaded. Written by ``save_state`` / ``load_state``."""
 
     exception: BaseException | None = None
     """The exception ``fit()`` is handling at ``EXCEPTION``. Written by ``fit()``."""

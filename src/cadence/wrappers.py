@@ -185,6 +185,14 @@ class PreparedDataLoader:
         self.drives_training: bool | None = None
         self.epoch = 0
         """Completed passes over the data; sets the sampler's epoch, so each epoch's shuffle differs."""
+        self._in_epoch = False
+        self._batches_done = 0
+        self._resume_batches = 0
+        self._resume_generator_state: torch.Tensor | None = None
+        self._generator_at_epoch_start: torch.Tensor | None = None
+        self._state_before_read_ahead: Any = None
+        self.empty_epoch = False
+        """True when the last full pass yielded no batch at all (an empty dataset)."""
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -198,10 +206,43 @@ class PreparedDataLoader:
         return self.loader.batch_size  # type: ignore[no-any-return]
 
     def state_dict(self) -> dict[str, Any]:
-        return self.loader.state_dict()  # type: ignore[no-any-return]
+        """Where this dataloader stands: completed epochs, batches taken in the current one, the
+        ``StatefulDataLoader``'s own state (sampler position, workers) and its generator."""
+        generator = self.loader.generator
+        if self._in_epoch:
+            batches_done, loader_state = self._batches_done, self._loader_state()
+            generator_state = None if generator is None else generator.get_state()
+        elif self._resume_batches:
+            # Paused mid-epoch (left early, or restored and not iterated yet): the position waiting to be used.
+            batches_done, loader_state = self._resume_batches, self.loader.next_iter_state
+            generator_state = self._resume_generator_state
+        else:
+            batches_done, loader_state = 0, None
+            generator_state = None if generator is None else generator.get_state()
+        return {
+            "epoch": self.epoch,
+            "batches_done": batches_done,
+            "loader": loader_state,
+            "generator": generator_state,
+            "generator_at_epoch_start": self._generator_at_epoch_start if batches_done else None,
+        }
+
+    def _loader_state(self) -> Any:
+        if self._state_before_read_ahead is not None:
+            return self._state_before_read_ahead
+        return self.loader.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.loader.load_state_dict(state_dict)
+        self.epoch = int(state_dict["epoch"])
+        self._resume_batches = int(state_dict["batches_done"])
+        self.loader.load_state_dict(state_dict["loader"] if state_dict["loader"] is not None else {})
+        generator = self.loader.generator
+        if generator is not None and state_dict["generator"] is not None:
+            # Creating the resumed iterator draws from the generator; restore its state after that draw, so
+            # later epochs draw exactly what the uninterrupted run drew.
+            self._resume_generator_state = state_dict["generator"]
+            if state_dict["generator_at_epoch_start"] is not None:
+                generator.set_state(state_dict["generator_at_epoch_start"])
 
     def _set_sampler_epoch(self) -> None:
         for sampler in (self.loader.batch_sampler, self.loader.sampler):
@@ -215,71 +256,108 @@ class PreparedDataLoader:
         if training is None:
             training = self._engine.is_training()
         self._set_sampler_epoch()
+        start = self._resume_batches
+        self._resume_batches = 0
+        batches = self._epoch_batches(start)
         if training:
-            yield from self._training_batches()
+            yield from self._training_batches(batches, start)
             return
         move = self._move
-        for batch in self.loader:
+        for batch, _ in batches:
             yield move(batch)
+
+    def _num_batches(self) -> int | None:
+        try:
+            return len(self.loader)
+        except TypeError:
+            return None
+
+    def _epoch_batches(self, start: int) -> Iterator[tuple[Any, bool]]:
+        """One epoch's ``(batch, is_last)`` pairs, tracking the position a checkpoint needs.
+
+        Without a length, the end is only known by reading one batch ahead; the loader's state is then taken
+        before each read-ahead, so a checkpoint resumes at the batch after the one being trained on.
+        """
+        generator = self.loader.generator
+        if generator is not None and not start:
+            self._generator_at_epoch_start = generator.get_state()
+        iterator = iter(self.loader)
+        if self._resume_generator_state is not None and generator is not None:
+            generator.set_state(self._resume_generator_state)
+        self._resume_generator_state = None
+        self._in_epoch = True
+        self._batches_done = start
+        num_batches = self._num_batches()
+        finished = False
+        try:
+            if num_batches is not None:
+                for batch in iterator:
+                    self._batches_done += 1
+                    yield batch, self._batches_done == num_batches
+            else:
+                yield from self._read_ahead(iterator)
+            finished = True
+        finally:
+            if not finished:
+                # Left mid-epoch (break, stop, exception): keep the position, so the next pass or a checkpoint
+                # taken now continues with the next batch instead of restarting the epoch.
+                self._resume_batches = self._batches_done
+                self.loader.load_state_dict(self._loader_state())
+                self._resume_generator_state = None if generator is None else generator.get_state()
+            self._in_epoch = False
+            self._state_before_read_ahead = None
+        self.empty_epoch = start == 0 and self._batches_done == 0
         self.epoch += 1
 
-    def _training_batches(self) -> Iterator[Any]:
+    def _read_ahead(self, iterator: Iterator[Any]) -> Iterator[tuple[Any, bool]]:
+        try:
+            current = next(iterator)
+        except StopIteration:
+            return
+        while True:
+            self._batches_done += 1
+            self._state_before_read_ahead = self.loader.state_dict()
+            try:
+                upcoming = next(iterator)
+            except StopIteration:
+                yield current, True
+                return
+            yield current, False
+            current = upcoming
+
+    def _training_batches(self, batches: Iterator[tuple[Any, bool]], start: int) -> Iterator[Any]:
         engine = self._engine
         state = engine.state
         fire = engine._fire
         move = self._move
-        try:
-            num_batches: int | None = len(self.loader)
-        except TypeError:
-            num_batches = None
-        state.num_batches = num_batches
+        state.num_batches = self._num_batches()
         state.epoch = self.epoch
-        state.batch_idx = -1
         if state.should_stop:
             return
+        index = start - 1
+        state.batch_idx = index
         fire(Event.EPOCH_START)
-        batches = iter(self.loader) if num_batches is not None else _with_last_flag(iter(self.loader))
-        index = -1
         pending = False
         try:
-            for item in batches:
-                if pending:
-                    pending = False
-                    fire(Event.BATCH_END)
-                    if state.should_stop:
-                        return
+            for batch, is_last in batches:
                 index += 1
-                if num_batches is None:
-                    batch, is_last = item
-                else:
-                    batch, is_last = item, index == num_batches - 1
-                batch = move(batch)
                 state.batch_idx = index
                 state.is_last_batch = is_last
+                batch = move(batch)
                 fire(Event.BATCH_START)
                 pending = True
                 yield batch
-            if pending:
+                # The loop body is done; the next batch has not been read, so a checkpoint taken at BATCH_END
+                # resumes exactly at it.
                 pending = False
                 fire(Event.BATCH_END)
+                if state.should_stop:
+                    return
             fire(Event.EPOCH_END)
-            self.epoch += 1
         finally:
-            # The loop was left early (break, exception, stop): the batch still gets its BATCH_END.
+            # The loop was left early (break, exception): the batch still gets its BATCH_END.
             if pending:
                 fire(Event.BATCH_END)
 
     def __repr__(self) -> str:
         return f"PreparedDataLoader({self.loader!r})"
-
-
-def _with_last_flag(iterator: Iterator[Any]) -> Iterator[tuple[Any, bool]]:
-    """Pair each item with whether it is the last, reading one ahead (for dataloaders without a length)."""
-    try:
-        current = next(iterator)
-    except StopIteration:
-        return
-    for upcoming in iterator:
-        yield current, False
-        current = upcoming
-    yield current, True

@@ -1,0 +1,168 @@
+"""Save and restore everything an engine needs to continue a run exactly: models (and gradients accumulated
+mid-window), optimizers, schedulers, callbacks, registered objects, State counters, and, per rank, the
+dataloaders' positions and every RNG.
+
+Loading reads and checks everything before it changes anything, so a bad checkpoint leaves the run untouched.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from cadence.checkpoint.codec import decode, encode
+from cadence.checkpoint.files import CheckpointError, CheckpointWriter, read_json, read_manifest, read_tensors
+from cadence.checkpoint.rng import capture_rng_states, restore_rng_states
+
+if TYPE_CHECKING:
+    from cadence.engine import Engine
+
+SHARED_JSON = "state.json"
+SHARED_TENSORS = "state.safetensors"
+
+
+def _model_file(index: int) -> str:
+    return f"model_{index}.safetensors"
+
+
+def _grad_file(index: int) -> str:
+    return f"model_{index}.grad.safetensors"
+
+
+def _rank_files(rank: int) -> tuple[str, str]:
+    return f"rank_{rank}.json", f"rank_{rank}.safetensors"
+
+
+def save_engine_state(engine: Engine, directory: Path, checkpoint_number: int) -> Path:
+    """Write the engine's complete state as a committed checkpoint at ``directory``."""
+    writer = CheckpointWriter(directory)
+    try:
+        models = []
+        for index, model in enumerate(engine.models):
+            user_model = engine.unwrap_model(model)
+            aliases = writer.write_tensors(_model_file(index), user_model.state_dict())
+            grads = {name: p.grad for name, p in user_model.named_parameters() if p.grad is not None}
+            if grads:
+                writer.write_tensors(_grad_file(index), grads)
+            models.append({"aliases": aliases, "grads": bool(grads)})
+        tensors: dict[str, torch.Tensor] = {}
+        shared = {
+            "checkpoint_number": checkpoint_number,
+            "counters": engine.state.counters(),
+            "models": models,
+            "optimizers": [encode(o.state_dict(), tensors, f"optimizer_{i}") for i, o in enumerate(engine.optimizers)],
+            "schedulers": [encode(s.state_dict(), tensors, f"scheduler_{i}") for i, s in enumerate(engine.schedulers)],
+            "callbacks": {cb.state_key: encode(cb.state_dict(), tensors, cb.state_key) for cb in engine.callbacks},
+            "registered": [encode(o.state_dict(), tensors, f"registered_{i}") for i, o in enumerate(engine.registered)],
+        }
+        writer.write_tensors(SHARED_TENSORS, tensors)
+        writer.write_json(SHARED_JSON, shared)
+        rank_tensors: dict[str, torch.Tensor] = {}
+        per_rank = {
+            "rng": encode(capture_rng_states(), rank_tensors, "rng"),
+            "dataloaders": [
+                encode(d.state_dict(), rank_tensors, f"dataloader_{i}") for i, d in enumerate(engine.dataloaders)
+            ],
+        }
+        rank_json, rank_safetensors = _rank_files(engine.rank)
+        writer.write_tensors(rank_safetensors, rank_tensors)
+        writer.write_json(rank_json, per_rank)
+        return writer.commit(step=engine.state.step, world_size=engine.world_size, checkpoint_number=checkpoint_number)
+    except BaseException:
+        writer.abort()
+        raise
+
+
+def _check_count(kind: str, saved: Sequence[Any], current: Sequence[Any]) -> None:
+    if len(saved) != len(current):
+        raise CheckpointError(
+            f"The checkpoint holds {len(saved)} {kind}(s) but this engine prepared {len(current)}: prepare the "
+            f"same {kind}s, in the same order, as the run that saved it before calling load_state()."
+        )
+
+
+def _check_model(index: int, model: nn.Module, saved: dict[str, torch.Tensor]) -> None:
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(saved))
+    unexpected = sorted(set(saved) - set(expected))
+    mismatched = [
+        f"{name}: checkpoint {tuple(saved[name].shape)} vs model {tuple(tensor.shape)}"
+        for name, tensor in expected.items()
+        if name in saved and tuple(saved[name].shape) != tuple(tensor.shape)
+    ]
+    if missing or unexpected or mismatched:
+        details = []
+        if missing:
+            details.append(f"missing keys {missing[:10]}{' ...' if len(missing) > 10 else ''}")
+        if unexpected:
+            details.append(f"unexpected keys {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}")
+        if mismatched:
+            details.append(f"shape mismatches {mismatched[:10]}")
+        raise CheckpointError(
+            f"Model {index} does not match the checkpoint ({'; '.join(details)}). It was saved from a different "
+            "architecture: build the same model as the run that saved it."
+        )
+
+
+def load_engine_state(engine: Engine, directory: Path) -> dict[str, Any]:
+    """Restore the engine from a committed checkpoint; returns its manifest. Nothing changes unless every
+    check passes."""
+    manifest = read_manifest(directory)
+    shared = read_json(directory, SHARED_JSON)
+    tensors = read_tensors(directory, SHARED_TENSORS)
+    rank_json, rank_safetensors = _rank_files(engine.rank)
+    if rank_json not in manifest["files"]:
+        raise CheckpointError(
+            f"{directory} has no state for rank {engine.rank} (it was saved with world size "
+            f"{manifest.get('world_size')}); run with the same number of processes."
+        )
+    per_rank = read_json(directory, rank_json)
+    rank_tensors = read_tensors(directory, rank_safetensors)
+
+    _check_count("model", shared["models"], engine.models)
+    _check_count("optimizer", shared["optimizers"], engine.optimizers)
+    _check_count("scheduler", shared["schedulers"], engine.schedulers)
+    _check_count("registered object", shared["registered"], engine.registered)
+    _check_count("dataloader", per_rank["dataloaders"], engine.dataloaders)
+    model_states = []
+    for index, (model, saved) in enumerate(zip(engine.models, shared["models"], strict=True)):
+        user_model = engine.unwrap_model(model)
+        weights = read_tensors(directory, _model_file(index), saved["aliases"])
+        _check_model(index, user_model, weights)
+        grads = read_tensors(directory, _grad_file(index)) if saved["grads"] else {}
+        model_states.append((user_model, weights, grads))
+    callback_states = shared["callbacks"]
+    for callback in engine.callbacks:
+        if callback.state_key not in callback_states and callback.state_dict():
+            warnings.warn(
+                f"The checkpoint has no state for callback {callback.state_key!r} (it was not attached when "
+                "saving); it starts fresh.",
+                UserWarning,
+                stacklevel=3,
+            )
+
+    # Every check passed: apply.
+    for user_model, weights, grads in model_states:
+        user_model.load_state_dict(weights)
+        for name, parameter in user_model.named_parameters():
+            parameter.grad = grads[name].to(parameter.device) if name in grads else None
+    for optimizer, saved in zip(engine.optimizers, shared["optimizers"], strict=True):
+        optimizer.load_state_dict(decode(saved, tensors))
+    for scheduler, saved in zip(engine.schedulers, shared["schedulers"], strict=True):
+        scheduler.load_state_dict(decode(saved, tensors))
+        scheduler.resync()
+    for callback in engine.callbacks:
+        if callback.state_key in callback_states:
+            callback.load_state_dict(decode(callback_states[callback.state_key], tensors))
+    for registered, saved in zip(engine.registered, shared["registered"], strict=True):
+        registered.load_state_dict(decode(saved, tensors))
+    engine.state.load_counters(shared["counters"])
+    for loader, saved in zip(engine.dataloaders, per_rank["dataloaders"], strict=True):
+        loader.load_state_dict(decode(saved, rank_tensors))
+    restore_rng_states(decode(per_rank["rng"], rank_tensors))
+    return manifest
