@@ -26,6 +26,7 @@ test: lint
 
 bench: $(INSTALLED)
 	$(PYTHON) benchmarks/overhead.py
+	$(PYTHON) benchmarks/overhead.py --instructions
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -7,12 +7,21 @@ and time the hypervisor steals from a shared machine is not counted. Reported: t
 over rounds is the best of the rounds, and its ratio to its baseline's best in the same run (the plain loop; for
 the feature row, the hand-written loop with the same features).
 
-    python benchmarks/overhead.py [--rounds 7] [--steps 300] [--threads 1] [--only tiny|medium]
+    python benchmarks/overhead.py [--rounds 15] [--steps 150] [--threads 1] [--only tiny|medium]
+    python benchmarks/overhead.py --instructions     # deterministic: instructions per step under callgrind
+
+``--instructions`` runs each variant under ``valgrind --tool=callgrind`` at two step counts and reports the
+slope, instructions per step: the same on every run of the same machine and build, so a 1% overhead is visible
+where timings on a shared machine swing by 10%.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
+import subprocess
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -258,14 +267,60 @@ def measure(size: Size, rounds: int, steps: int) -> dict[str, tuple[float, float
     return {name: (micros, micros / best[baseline_of(name)]) for name, micros in best.items()}
 
 
+INSTRUCTION_VARIANTS = ("plain PyTorch", "cadence fit()", FEATURES_BASELINE, "cadence fit() + the same 3 callbacks")
+
+
+def run_instrumented(name: str, size: Size, steps: int) -> None:
+    """Child of ``--instructions``: count instructions only while ``steps`` steps of variant ``name`` run."""
+    run = available_variants()[name]
+    run(size, 20)  # first-call costs stay out of the count
+    control = ["callgrind_control", "--instr=on", str(os.getpid())]
+    subprocess.run(control, check=True, capture_output=True)
+    run(size, steps)
+    subprocess.run([*control[:1], "--instr=off", str(os.getpid())], check=True, capture_output=True)
+
+
+def count_instructions(name: str, size: Size, steps: int) -> int:
+    command = [
+        "valgrind", "--tool=callgrind", "--instr-atstart=no", "--callgrind-out-file=/dev/null",
+        sys.executable, __file__, "--child", name, "--only", size.name, "--steps", str(steps),
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, check=True)
+    match = re.search(r"Collected : (\d+)", result.stderr)
+    if match is None:
+        raise RuntimeError(f"callgrind printed no count for {name}:\n{result.stderr[-2000:]}")
+    return int(match.group(1))
+
+
+def instructions_table(size: Size, low: int, high: int) -> None:
+    per_step = {
+        name: (count_instructions(name, size, high) - count_instructions(name, size, low)) / (high - low)
+        for name in INSTRUCTION_VARIANTS
+    }
+    label = f"{size.name} MLP {'-'.join(map(str, size.widths))}, batch {size.batch_size}"
+    print(f"instructions per step (callgrind, slope between {low} and {high} steps)")
+    print("| model | variant | instructions/step | vs its baseline |\n|---|---|---:|---:|")
+    for name, count in per_step.items():
+        print(f"| {label} | {name} | {count:,.0f} | {count / per_step[baseline_of(name)]:.4f}x |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--only", choices=[size.name for size in SIZES])
+    parser.add_argument("--instructions", action="store_true", help="count instructions under callgrind")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    sizes = {size.name: size for size in SIZES}
+    if args.child:
+        run_instrumented(args.child, sizes[args.only or "tiny"], args.steps)
+        return
+    if args.instructions:
+        instructions_table(sizes[args.only or "tiny"], low=50, high=150)
+        return
     print(f"torch {torch.__version__}, {args.threads} thread(s), {args.rounds} rounds x {args.steps} steps, best round")
     print("| model | variant | µs/step | vs its baseline |\n|---|---|---:|---:|")
     for size in SIZES:

@@ -96,7 +96,17 @@ def _torch_sampler_shuffle(sampler: Any) -> bool | None:
 
 
 def _loader_arguments(loader: DataLoader[Any], seed: int | None) -> dict[str, Any]:
-    """The constructor arguments that rebuild ``loader``; torch's own samplers become a ResumableBatchSampler."""
+    """The constructor arguments that rebuild ``loader``; torch's own samplers become a ResumableBatchSampler.
+
+    The loader always gets a generator of its own (the user's, or one seeded from ``seed``): each new iterator
+    draws its workers' base seed from it, and drawing from torch's global generator instead would shift the
+    model's random stream (dropout) whenever a resumed run opens its iterator at another point than the
+    uninterrupted run did.
+    """
+    sampler_generator = getattr(loader.sampler, "generator", None)
+    if seed is None:
+        seed = _draw_seed(loader.generator if loader.generator is not None else sampler_generator)
+    generator = loader.generator if loader.generator is not None else torch.Generator().manual_seed(seed)
     arguments: dict[str, Any] = {
         "num_workers": loader.num_workers,
         "collate_fn": loader.collate_fn,
@@ -104,7 +114,7 @@ def _loader_arguments(loader: DataLoader[Any], seed: int | None) -> dict[str, An
         "timeout": loader.timeout,
         "worker_init_fn": loader.worker_init_fn,
         "multiprocessing_context": loader.multiprocessing_context,
-        "generator": loader.generator,
+        "generator": generator,
         "persistent_workers": loader.persistent_workers,
         "pin_memory_device": loader.pin_memory_device,
     }
@@ -123,8 +133,6 @@ def _loader_arguments(loader: DataLoader[Any], seed: int | None) -> dict[str, An
     sampler = loader.sampler
     shuffle = _torch_sampler_shuffle(sampler)
     if shuffle is not None:
-        if seed is None:
-            seed = _draw_seed(sampler.generator if isinstance(sampler, RandomSampler) else None)
         arguments["batch_sampler"] = ResumableBatchSampler(
             len(cast(Sized, sampler)), loader.batch_size, shuffle=shuffle, drop_last=loader.drop_last, seed=seed
         )

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 
 from cadence.callback import Callback, Dispatcher
 from cadence.checkpoint.engine_state import load_engine_state, save_engine_state
+from cadence.checkpoint.export import save_weights
 from cadence.checkpoint.layout import CheckpointDirectory
 from cadence.data import make_batch_mover, to_stateful
 from cadence.event import Event
@@ -338,6 +339,21 @@ class Engine:
         self.state.checkpoint_dir = directory
         self._fire(Event.LOAD_STATE)
         return directory
+
+    def save_model(
+        self,
+        model: nn.Module,
+        save_directory: str | Path,
+        max_shard_size: int | str = "1GB",
+        safe_serialization: bool = True,
+    ) -> list[Path]:
+        """Export the unwrapped model's weights on the main process: ``model.safetensors`` or shards with
+        ``model.safetensors.index.json``; ``safe_serialization=False`` writes ``pytorch_model.bin``. Tied
+        weights are written once. Returns the files written (empty on other ranks)."""
+        state_dict = self.unwrap_model(model).state_dict()
+        if not self.is_main_process:
+            return []
+        return save_weights(state_dict, save_directory, max_shard_size, safe_serialization)
 
     # --- metrics -------------------------------------------------------------------------------------------
     def log(self, name: str, value: Any) -> None:

@@ -351,8 +351,8 @@ class PreparedDataLoader:
                 # resumes exactly at it.
                 pending = False
                 fire(Event.BATCH_END)
-                if state.should_stop:
-                    return
+                if state.should_stop and not is_last:
+                    return  # a stop on the epoch's last batch still ends the epoch (EPOCH_END, next epoch)
             fire(Event.EPOCH_END)
         finally:
             # The loop was left early (break, exception): the batch still gets its BATCH_END.

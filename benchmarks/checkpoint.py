@@ -1,0 +1,495 @@
+"""Checkpoint throughput of cadence against the disk's own bound, measured in the same run.
+
+A ~100M-parameter fp32 model (a stack of square ``nn.Linear`` layers) with AdamW state (stepped once, so
+``exp_avg`` and ``exp_avg_sq`` exist: ~1.2 GB in all) is saved and loaded by:
+
+* the raw bound: the same byte count as cadence's ``save_state`` checkpoint, in files of the same sizes, written
+  with plain ``write`` + ``fsync`` and read back cold with ``readinto`` into one reused buffer; and likewise for
+  the bytes ``save_model`` writes (fsync's throughput depends on how much is written, so a 400 MB export is
+  compared with a 400 MB raw write);
+* ``engine.save_state`` / ``engine.load_state`` (a full restore of model and optimizer);
+* ``engine.save_model`` / ``cadence.load_checkpoint_in_model``, against safetensors' own ``load_file`` of the
+  same file followed by ``model.load_state_dict`` (the same work: ``load_file`` alone maps the file lazily and
+  reads almost nothing, so it is also shown alone, for reference);
+* Accelerate's ``save_state`` / ``load_state`` and plain ``torch.save`` / ``torch.load(mmap=True,
+  weights_only=True)``, when installed. ``torch.load`` with ``mmap`` is lazy, so it is also timed with every
+  tensor cloned (every byte read).
+
+Every save is timed until its bytes are durable: cadence fsyncs its files itself; the baselines' files (and
+directories) are fsynced inside their timing. Every load is cold: the page cache of the files it reads is dropped
+(``posix_fadvise(POSIX_FADV_DONTNEED)`` after ``fsync``) before it. The operations run round after round
+(``--repeats``), so machine noise hits them alike, and the best round is reported. Each checkpoint is deleted
+right after its load, so the disk holds at most one (~1.2 GB) at a time.
+
+``ratio`` is the time an operation took over the time its reference would take for the same bytes (the
+reference's MB/s over the operation's): 1.00 runs at the reference's speed, 2.00 at half of it.
+
+    python benchmarks/checkpoint.py [--params 100_000_000] [--repeats 2] [--dir PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import logging
+import math
+import os
+import platform
+import shutil
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import safetensors
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+import cadence
+
+warnings.filterwarnings("ignore", message=".*set_vital.*")
+
+MB = 1e6
+BLOCK = 64 * 2**20
+"""Bytes per ``write`` / ``readinto`` of the raw bound."""
+LAYERS = 6
+REPO = Path(__file__).resolve().parent.parent
+
+WRITE_BOUND = "raw write + fsync (bound)"
+READ_BOUND = "raw read, cold (bound)"
+WRITE_BOUND_MODEL = "raw write + fsync, save_model's bytes (bound)"
+READ_BOUND_MODEL = "raw read, cold, save_model's bytes (bound)"
+LOAD_FILE = "safetensors load_file + load_state_dict, cold"
+
+
+# --- files ---------------------------------------------------------------------------------------------------
+def files_under(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    return sorted(entry for entry in path.rglob("*") if entry.is_file())
+
+
+def size_of(path: Path) -> int:
+    return sum(file.stat().st_size for file in files_under(path))
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: Path) -> None:
+    """Make ``path`` durable the way cadence makes its checkpoints: every file, every directory, and the parent."""
+    for file in files_under(path):
+        _fsync(file)
+    directories = [entry for entry in path.rglob("*") if entry.is_dir()] if path.is_dir() else []
+    for directory in [*directories, *([path] if path.is_dir() else []), path.parent]:
+        _fsync(directory)
+
+
+def drop_cache(path: Path) -> None:
+    """Evict ``path``'s files from the page cache, so the next read of them comes from the disk."""
+    gc.collect()  # a lingering mmap of a file would keep its pages
+    for file in files_under(path):
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # only clean pages can be dropped
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+
+
+def settle() -> None:
+    """Flush everything dirty (deletions, earlier writes) before a timed save, so its fsyncs wait only for it."""
+    gc.collect()
+    os.sync()
+
+
+def raw_write(directory: Path, sizes: list[int], block: memoryview) -> None:
+    directory.mkdir()
+    for index, size in enumerate(sizes):
+        with open(directory / f"file_{index}", "wb", buffering=0) as handle:
+            remaining = size
+            while remaining:
+                written = handle.write(block[: min(remaining, len(block))])
+                assert written is not None
+                remaining -= written
+            os.fsync(handle.fileno())
+    _fsync(directory)
+    _fsync(directory.parent)
+
+
+def raw_read(directory: Path, block: memoryview) -> int:
+    total = 0
+    for file in files_under(directory):
+        with open(file, "rb", buffering=0) as handle:
+            while count := handle.readinto(block):
+                total += count
+    return total
+
+
+def describe_disk(path: Path) -> str:
+    """The block device, file system and free space under ``path``, from /proc and /sys (Linux)."""
+    device = os.stat(path).st_dev
+    major, minor = os.major(device), os.minor(device)
+    resolved = str(path.resolve())
+    mount, fstype, source = "?", "?", "?"
+    with contextlib.suppress(OSError):
+        best = -1
+        for line in Path("/proc/self/mountinfo").read_text().splitlines():
+            fields = line.split()
+            if fields[2] != f"{major}:{minor}":
+                continue
+            point = fields[4]
+            inside = resolved == point or resolved.startswith(point.rstrip("/") + "/")
+            if inside and len(point) > best:
+                best = len(point)
+                separator = fields.index("-")
+                mount, fstype, source = point, fields[separator + 1], fields[separator + 2]
+    details = []
+    block = Path(f"/sys/dev/block/{major}:{minor}")
+    if block.exists():
+        node = block.resolve()
+        if (node / "partition").exists():
+            node = node.parent
+        details.append(node.name)
+        sysfs = (("model", "device/model"), ("rotational", "queue/rotational"), ("sched", "queue/scheduler"))
+        for label, name in sysfs:
+            with contextlib.suppress(OSError):
+                value = (node / name).read_text().strip()
+                if value:
+                    details.append(f"{label}={value}")
+    usage = shutil.disk_usage(path)
+    return (
+        f"{source} [{', '.join(details) or 'no /sys entry'}], {fstype} on {mount}; "
+        f"{usage.free / 1e9:.0f} GB free of {usage.total / 1e9:.0f} GB"
+    )
+
+
+# --- the model -----------------------------------------------------------------------------------------------
+def make_model(params: int) -> nn.Sequential:
+    width = max(1, int(math.sqrt(params / LAYERS)))
+    return nn.Sequential(*(nn.Linear(width, width) for _ in range(LAYERS)))
+
+
+def step_once(model: nn.Sequential, optimizer: torch.optim.Optimizer) -> None:
+    width = model[0].in_features
+    model(torch.randn(4, width)).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)  # as after a real step: no gradients in the checkpoint
+
+
+def tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from tensors_in(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from tensors_in(item)
+
+
+# --- timing --------------------------------------------------------------------------------------------------
+@dataclass
+class Result:
+    name: str
+    reference: str | None
+    """The row this one's ratio is against."""
+    nbytes: int = 0
+    seconds: list[float] = field(default_factory=list)
+    error: str | None = None
+
+
+class Bench:
+    def __init__(self) -> None:
+        self.results: dict[str, Result] = {}
+
+    def time(self, name: str, reference: str | None, nbytes: Callable[[], int], action: Callable[[], Any]) -> Any:
+        """Run ``action`` once, timed; ``nbytes`` (called after) gives the bytes it moved."""
+        result = self.results.setdefault(name, Result(name, reference))
+        if result.error is not None:
+            return None
+        try:
+            start = time.perf_counter()
+            value = action()
+            elapsed = time.perf_counter() - start
+        except Exception as error:  # a failing baseline is reported, not fatal
+            result.error = f"{type(error).__name__}: {error}".splitlines()[0][:100]
+            return None
+        result.seconds.append(elapsed)
+        result.nbytes = nbytes()
+        return value
+
+    def best(self, name: str) -> tuple[float, float] | None:
+        """Best seconds and its MB/s."""
+        result = self.results.get(name)
+        if result is None or not result.seconds:
+            return None
+        seconds = min(result.seconds)
+        return seconds, result.nbytes / MB / seconds
+
+    def table(self, order: list[str]) -> str:
+        lines = [
+            "| operation | MB | seconds (best) | MB/s | ratio | ratio to |",
+            "|---|---:|---:|---:|---:|---|",
+        ]
+        for name in order:
+            result = self.results.get(name)
+            if result is None:
+                continue
+            if result.error is not None or not result.seconds:
+                lines.append(f"| {name} | | failed: {result.error or 'not run'} | | | |")
+                continue
+            best = self.best(name)
+            assert best is not None
+            seconds, rate = best
+            ratio, against = "", ""
+            reference = self.best(result.reference) if result.reference else None
+            if reference is not None:
+                ratio, against = f"{reference[1] / rate:.2f}", str(result.reference)
+            lines.append(f"| {name} | {result.nbytes / MB:,.0f} | {seconds:.2f} | {rate:,.0f} | {ratio} | {against} |")
+        return "\n".join(lines)
+
+
+# --- the run -------------------------------------------------------------------------------------------------
+def run(root: Path, params: int, repeats: int) -> None:
+    torch.manual_seed(0)
+    model = make_model(params)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step_once(model, optimizer)
+    engine = cadence.Engine(accelerator="cpu", progress_bar=False, project_dir=root)
+    prepared_model, prepared_optimizer = engine.prepare(model, optimizer)
+    n_params = sum(parameter.numel() for parameter in model.parameters())
+
+    accelerator: Any = None
+    try:
+        from accelerate import Accelerator
+
+        logging.getLogger("accelerate").setLevel(logging.ERROR)
+        accelerator = Accelerator(cpu=True)
+        accelerator.prepare(model, optimizer)  # the same torch objects cadence prepared
+    except ImportError:
+        print("accelerate is not installed: its rows are skipped.")
+
+    # An untimed save: warms up the code paths, and gives the sizes of the files the raw bound writes.
+    warm = root / "warmup"
+    engine.save_state(warm)
+    sizes = [file.stat().st_size for file in files_under(warm)]
+    total = sum(sizes)
+    remove(warm)
+    engine.save_model(prepared_model, warm)
+    model_sizes = [file.stat().st_size for file in files_under(warm)]
+    remove(warm)
+
+    print(f"disk:   {describe_disk(root)}")
+    print(f"dir:    {root}")
+    print(
+        f"model:  {LAYERS} x Linear({model[0].in_features}, {model[0].out_features}) = {n_params:,} fp32 parameters "
+        f"({n_params * 4 / MB:,.0f} MB) + AdamW state"
+    )
+    print(f"bytes:  cadence save_state checkpoint = {total:,} B ({total / MB:,.0f} MB) in {len(sizes)} files")
+    print(
+        f"env:    {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+        f"safetensors {safetensors.__version__}, torch threads {torch.get_num_threads()}, repeats {repeats}"
+    )
+
+    bench = Bench()
+    block = memoryview(bytearray(os.urandom(BLOCK)))
+    read_buffer = memoryview(bytearray(BLOCK))
+    model_file = "model.safetensors"
+
+    for round_index in range(repeats):
+        start = time.perf_counter()
+        # 1. The disk's bound.
+        raw = root / "raw"
+        settle()
+        bench.time(WRITE_BOUND, None, lambda raw=raw: size_of(raw), lambda raw=raw: raw_write(raw, sizes, block))
+        drop_cache(raw)
+        bench.time(READ_BOUND, None, lambda raw=raw: size_of(raw), lambda raw=raw: raw_read(raw, read_buffer))
+        remove(raw)
+        settle()
+        bench.time(
+            WRITE_BOUND_MODEL,
+            None,
+            lambda raw=raw: size_of(raw),
+            lambda raw=raw: raw_write(raw, model_sizes, block),
+        )
+        drop_cache(raw)
+        bench.time(READ_BOUND_MODEL, None, lambda raw=raw: size_of(raw), lambda raw=raw: raw_read(raw, read_buffer))
+        remove(raw)
+
+        # 2. cadence save_state / load_state.
+        state = root / "cadence_state"
+        settle()
+        bench.time(
+            "cadence save_state",
+            WRITE_BOUND,
+            lambda state=state: size_of(state),
+            lambda state=state: engine.save_state(state),
+        )
+        drop_cache(state)
+        bench.time(
+            "cadence load_state, cold",
+            READ_BOUND,
+            lambda state=state: size_of(state),
+            lambda state=state: engine.load_state(state),
+        )
+        remove(state)
+
+        # 3. cadence save_model / load_checkpoint_in_model against safetensors' load_file.
+        export = root / "cadence_model"
+        settle()
+        bench.time(
+            "cadence save_model",
+            WRITE_BOUND_MODEL,
+            lambda export=export: size_of(export),
+            lambda export=export: engine.save_model(prepared_model, export),
+        )
+        weights = export / model_file
+        drop_cache(export)
+        bench.time(
+            "cadence load_checkpoint_in_model, cold",
+            LOAD_FILE,
+            lambda weights=weights: size_of(weights),
+            lambda export=export: cadence.load_checkpoint_in_model(model, export),
+        )
+        drop_cache(export)
+        bench.time(
+            "safetensors load_file, cold (lazy mmap: the call alone)",
+            READ_BOUND_MODEL,
+            lambda weights=weights: size_of(weights),
+            lambda weights=weights: len(load_file(weights)),
+        )
+        drop_cache(export)
+        bench.time(
+            LOAD_FILE,
+            READ_BOUND_MODEL,
+            lambda weights=weights: size_of(weights),
+            lambda weights=weights: model.load_state_dict(load_file(weights)),
+        )
+        remove(export)
+
+        # 4a. Accelerate.
+        if accelerator is not None:
+            saved = root / "accelerate_state"
+            settle()
+
+            def accelerate_save(saved: Path = saved) -> None:
+                accelerator.save_state(str(saved))
+                fsync_tree(saved)
+
+            bench.time(
+                "accelerate save_state + fsync", WRITE_BOUND, lambda saved=saved: size_of(saved), accelerate_save
+            )
+            if saved.exists():
+                drop_cache(saved)
+                bench.time(
+                    "accelerate load_state, cold",
+                    READ_BOUND,
+                    lambda saved=saved: size_of(saved),
+                    lambda saved=saved: accelerator.load_state(str(saved)),
+                )
+                remove(saved)
+
+        # 4b. Plain torch.save / torch.load(mmap=True).
+        pickled = root / "torch_state.pt"
+        settle()
+
+        def torch_save(pickled: Path = pickled) -> None:
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, pickled)
+            fsync_tree(pickled)
+
+        bench.time("torch.save + fsync", WRITE_BOUND, lambda pickled=pickled: size_of(pickled), torch_save)
+        drop_cache(pickled)
+        bench.time(
+            "torch.load mmap, cold (lazy: the call alone)",
+            READ_BOUND,
+            lambda pickled=pickled: size_of(pickled),
+            lambda pickled=pickled: torch.load(pickled, mmap=True, weights_only=True),
+        )
+        drop_cache(pickled)
+
+        def torch_load_touch(pickled: Path = pickled) -> int:
+            loaded = torch.load(pickled, mmap=True, weights_only=True)
+            return len([tensor.clone() for tensor in tensors_in(loaded)])
+
+        bench.time(
+            "torch.load mmap + clone every tensor, cold",
+            READ_BOUND,
+            lambda pickled=pickled: size_of(pickled),
+            torch_load_touch,
+        )
+        remove(pickled)
+        print(f"round {round_index + 1}/{repeats}: {time.perf_counter() - start:.0f} s")
+
+    del prepared_optimizer
+    order = [
+        WRITE_BOUND,
+        "cadence save_state",
+        "accelerate save_state + fsync",
+        "torch.save + fsync",
+        WRITE_BOUND_MODEL,
+        "cadence save_model",
+        READ_BOUND,
+        "cadence load_state, cold",
+        "accelerate load_state, cold",
+        "torch.load mmap, cold (lazy: the call alone)",
+        "torch.load mmap + clone every tensor, cold",
+        READ_BOUND_MODEL,
+        "safetensors load_file, cold (lazy mmap: the call alone)",
+        LOAD_FILE,
+        "cadence load_checkpoint_in_model, cold",
+    ]
+    print()
+    print(bench.table(order))
+    print()
+    print(
+        "ratio: seconds over the seconds its reference ('ratio to') would take for the same bytes; "
+        "best of each row's rounds."
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--params", type=int, default=100_000_000, help="model parameters (default 100M)")
+    parser.add_argument("--repeats", type=int, default=2, help="rounds; the best of each is reported (default 2)")
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        default=REPO / ".bench-tmp",
+        help="where the checkpoints are written (a temporary directory inside it, deleted at the end); "
+        "default .bench-tmp in the repository",
+    )
+    args = parser.parse_args()
+    if args.params < LAYERS or args.repeats < 1:
+        parser.error("--params must be at least 6 and --repeats at least 1")
+    created = not args.dir.exists()
+    args.dir.mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix="checkpoint-", dir=args.dir))
+    try:
+        run(root, args.params, args.repeats)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        if created:
+            with contextlib.suppress(OSError):
+                args.dir.rmdir()
+
+
+if __name__ == "__main__":
+    main()

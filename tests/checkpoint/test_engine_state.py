@@ -1,0 +1,301 @@
+"""save_state / load_state in one process: what is restored, automatic naming, limits, and refusals."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import random
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import cadence
+from cadence import CheckpointError, Event
+from cadence.callbacks import GradientAccumulation, MixedPrecision
+from cadence.checkpoint.files import sha256_of
+from cadence.testing import RecordingCallback
+from tests.helpers import RegressionStep, assert_bitwise_equal, loader, make_model, make_optimizer, parameters
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.value = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"value": self.value, "history": (1, 2.5, None), "ids": {3: "three"}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        assert state_dict["history"] == (1, 2.5, None) and state_dict["ids"] == {3: "three"}
+        self.value = state_dict["value"]
+
+
+def engine(tmp_path: Path, **kwargs: Any) -> cadence.Engine:
+    return cadence.Engine(accelerator="cpu", progress_bar=False, project_dir=tmp_path, seed=3, **kwargs)
+
+
+def trained(tmp_path: Path, steps: int = 3, **kwargs: Any) -> tuple[cadence.Engine, RegressionStep]:
+    eng = engine(tmp_path, **kwargs)
+    step = RegressionStep(scheduler=True)
+    eng.fit(step, loader(shuffle=True), max_steps=steps)
+    return eng, step
+
+
+def test_round_trip_restores_everything(tmp_path: Path) -> None:
+    eng, step = trained(tmp_path, callbacks=[MixedPrecision("fp16", init_scale=1024.0)])
+    counter = Counter()
+    counter.value = 41
+    eng.register_for_checkpointing(counter)
+    saved_parameters = parameters(step.model)
+    saved_optimizer = step.optimizer.state_dict()["state"][0]["exp_avg"].clone()
+    random.seed(5)
+    path = eng.save_state()
+    assert path == tmp_path / "checkpoints" / "checkpoint_0"
+    expected_draws = (random.random(), torch.rand(1))
+
+    fresh, fresh_step = (
+        engine(tmp_path / "other", callbacks=[MixedPrecision("fp16")]),
+        RegressionStep(seed=9, scheduler=True),
+    )
+    restored_counter = Counter()
+    fresh.register_for_checkpointing(restored_counter)
+    fresh.prepare(fresh_step.model, fresh_step.optimizer, fresh_step.scheduler, loader(shuffle=True))
+    fresh.load_state(path)
+    assert_bitwise_equal(parameters(fresh_step.model), saved_parameters)
+    assert torch.equal(fresh.optimizers[0].state_dict()["state"][0]["exp_avg"], saved_optimizer)
+    assert fresh.schedulers[0].get_last_lr() == eng.schedulers[0].get_last_lr()
+    assert fresh.callbacks[0].state_dict()["scale"] == eng.callbacks[0].state_dict()["scale"]
+    assert restored_counter.value == 41
+    assert fresh.state.step == 3 and fresh.state.epoch == eng.state.epoch
+    assert fresh.dataloaders[0].state_dict()["batches_done"] == 3
+    assert (random.random(), torch.rand(1)) == expected_draws
+
+
+def test_save_and_load_fire_their_events(tmp_path: Path) -> None:
+    recorder = RecordingCallback()
+    eng = engine(tmp_path, callbacks=[recorder])
+    eng.prepare(make_model(), make_optimizer(make_model()))
+    path = eng.save_state()
+    eng.load_state()
+    assert recorder.events == [Event.SAVE_STATE, Event.LOAD_STATE]
+    assert eng.state.checkpoint_dir == path
+
+
+def test_gradients_accumulated_mid_window_are_saved(tmp_path: Path) -> None:
+    eng = engine(tmp_path, callbacks=[GradientAccumulation(4)])
+    model, optimizer, data = eng.prepare(make_model(), make_optimizer(make_model()), loader())
+    for inputs, targets in data:
+        with eng.accumulate(model):
+            eng.backward(nn.functional.mse_loss(model(inputs), targets))
+            optimizer.step()
+            optimizer.zero_grad()
+        break  # one micro-batch of a window of four
+    grads = [p.grad.clone() for p in model.parameters()]
+    path = eng.save_state()
+    for p in model.parameters():
+        p.grad = None
+    eng.load_state(path)
+    assert_bitwise_equal([p.grad for p in model.parameters()], grads)
+
+
+def test_automatic_naming_limit_and_counter(tmp_path: Path) -> None:
+    eng = engine(tmp_path, checkpoint_total_limit=2)
+    eng.prepare(make_model())
+    names = [eng.save_state().name for _ in range(4)]
+    assert names == ["checkpoint_0", "checkpoint_1", "checkpoint_2", "checkpoint_3"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["checkpoint_2", "checkpoint_3"]
+    other = engine(tmp_path)
+    other.prepare(make_model())
+    assert other.load_state() == tmp_path / "checkpoints" / "checkpoint_3"
+    assert other.save_state().name == "checkpoint_4"  # the counter continues from what was loaded
+
+
+def test_a_new_run_never_overwrites_existing_checkpoints(tmp_path: Path) -> None:
+    first = engine(tmp_path)
+    first.prepare(make_model())
+    first.save_state()
+    second = engine(tmp_path)
+    second.prepare(make_model())
+    assert second.save_state().name == "checkpoint_1"
+
+
+def test_explicit_path_is_replaced_only_by_a_complete_checkpoint(tmp_path: Path) -> None:
+    eng = engine(tmp_path)
+    model = eng.prepare(make_model())
+    target = tmp_path / "mine"
+    eng.save_state(target)
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    eng.save_state(target)
+    fresh = engine(tmp_path)
+    fresh_model = fresh.prepare(make_model(seed=5))
+    fresh.load_state(target)
+    assert torch.equal(fresh_model[0].weight, model[0].weight)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_register_for_checkpointing_names_the_missing_method(tmp_path: Path) -> None:
+    class OnlySaves:
+        def state_dict(self) -> dict[str, Any]:
+            return {}
+
+    with pytest.raises(TypeError, match="OnlySaves has no load_state_dict"):
+        engine(tmp_path).register_for_checkpointing(OnlySaves())
+    with pytest.raises(TypeError, match="object has no state_dict and no load_state_dict"):
+        engine(tmp_path).register_for_checkpointing(object())
+
+
+def test_state_that_would_need_pickle_is_refused_at_save(tmp_path: Path) -> None:
+    class Opaque:
+        def state_dict(self) -> dict[str, Any]:
+            return {"callable": print}
+
+        def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+            pass
+
+    eng = engine(tmp_path)
+    eng.register_for_checkpointing(Opaque())
+    with pytest.raises(TypeError, match=r"cannot store a builtins\.builtin_function_or_method"):
+        eng.save_state()
+    assert not (tmp_path / "checkpoints" / "checkpoint_0").exists()
+
+
+# --- refusals: nothing is loaded, nothing is overwritten ---------------------------------------------------------
+@pytest.fixture
+def saved(tmp_path: Path) -> Path:
+    eng, _ = trained(tmp_path / "run")
+    return eng.save_state()
+
+
+def restore_into_fresh(tmp_path: Path, path: Path | None = None, model: nn.Module | None = None) -> nn.Module:
+    eng = engine(tmp_path / "run")
+    step = RegressionStep(seed=11, scheduler=True)
+    if model is not None:
+        step.model, step.optimizer = model, make_optimizer(model)
+        step.scheduler = torch.optim.lr_scheduler.StepLR(step.optimizer, step_size=2)
+    eng.prepare(step.model, step.optimizer, step.scheduler, loader(shuffle=True))
+    before = parameters(step.model)
+    try:
+        eng.load_state(path)
+    finally:
+        assert_bitwise_equal(parameters(step.model), before)  # a refused load changes nothing
+    return step.model
+
+
+def test_missing_manifest_is_refused(tmp_path: Path, saved: Path) -> None:
+    (saved / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match=r"has no manifest\.json: the save that wrote it did not finish"):
+        restore_into_fresh(tmp_path, saved)
+
+
+def test_truncated_file_is_refused(tmp_path: Path, saved: Path) -> None:
+    weights = saved / "model_0.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-10])
+    with pytest.raises(CheckpointError, match="truncated or rewritten"):
+        restore_into_fresh(tmp_path, saved)
+
+
+def test_corrupted_byte_is_refused(tmp_path: Path, saved: Path) -> None:
+    weights = saved / "model_0.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-3] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="does not match its sha256"):
+        restore_into_fresh(tmp_path, saved)
+
+
+def test_planted_pickle_is_refused_not_executed(tmp_path: Path, saved: Path) -> None:
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self) -> tuple[Any, ...]:
+            return (Path.touch, (marker,))
+
+    planted = saved / "state.safetensors"
+    planted.write_bytes(pickle.dumps({"x": Payload()}))
+    manifest = json.loads((saved / "manifest.json").read_text())
+    manifest["files"]["state.safetensors"] = {"size": planted.stat().st_size, "sha256": sha256_of(planted)}
+    (saved / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="not a readable safetensors file"):
+        restore_into_fresh(tmp_path, saved)
+    assert not marker.exists()
+
+
+def test_another_architecture_is_refused_with_the_differences(tmp_path: Path, saved: Path) -> None:
+    wider = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 2))
+    with pytest.raises(CheckpointError, match=r"shape mismatches \['0\.weight: checkpoint \(8, 4\) vs model"):
+        restore_into_fresh(tmp_path, saved, wider)
+    deeper = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2), nn.Linear(2, 2))
+    with pytest.raises(CheckpointError, match=r"missing keys \['3\.bias', '3\.weight'\]"):
+        restore_into_fresh(tmp_path, saved, deeper)
+    shallower = nn.Sequential(nn.Linear(4, 8))
+    with pytest.raises(CheckpointError, match=r"unexpected keys \['2\.bias', '2\.weight'\]"):
+        restore_into_fresh(tmp_path, saved, shallower)
+
+
+def test_different_prepared_objects_are_refused(tmp_path: Path, saved: Path) -> None:
+    eng = engine(tmp_path / "run")
+    eng.prepare(make_model())
+    with pytest.raises(CheckpointError, match="holds 1 optimizer"):
+        eng.load_state(saved)
+
+
+def test_latest_skips_a_damaged_newer_checkpoint(tmp_path: Path) -> None:
+    eng, _ = trained(tmp_path)
+    good = eng.save_state()
+    bad = eng.save_state()
+    (bad / "manifest.json").unlink()
+    fresh = engine(tmp_path)
+    step = RegressionStep(seed=2, scheduler=True)
+    fresh.prepare(step.model, step.optimizer, step.scheduler, loader(shuffle=True))
+    with pytest.warns(UserWarning, match=r"Skipping checkpoint_1: .* has no manifest\.json"):
+        assert fresh.load_state() == good
+
+
+def test_no_valid_checkpoint_names_the_directory(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="No valid checkpoint in"):
+        engine(tmp_path).load_state()
+
+
+def test_callback_state_missing_from_the_checkpoint_warns(tmp_path: Path) -> None:
+    eng = engine(tmp_path)
+    eng.prepare(make_model())
+    path = eng.save_state()
+    later = engine(tmp_path, callbacks=[MixedPrecision("fp16")])
+    later.prepare(make_model())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        later.load_state(path)
+    assert any("no state for callback 'MixedPrecision'" in str(w.message) for w in caught)
+
+
+# --- fit(resume=...) -------------------------------------------------------------------------------------------
+def test_fit_resume_latest_continues_and_matches_an_uninterrupted_run(tmp_path: Path) -> None:
+    straight, straight_step = trained(tmp_path / "straight", steps=8)
+
+    first, _ = trained(tmp_path / "split", steps=3)
+    first.save_state()
+    second = engine(tmp_path / "split")
+    step = RegressionStep(scheduler=True)
+    state = second.fit(step, loader(shuffle=True), max_steps=8, resume="latest")
+    assert state.step == 8 and state.epoch == straight.state.epoch
+    assert_bitwise_equal(parameters(step.model), parameters(straight_step.model))
+
+
+def test_fit_resume_latest_without_checkpoints_starts_fresh(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    eng = engine(tmp_path)
+    assert eng.fit(RegressionStep(), loader(), max_steps=2, resume="latest").step == 2
+    assert "no checkpoint in" in capsys.readouterr().out
+
+
+def test_fit_resume_from_a_finished_run_trains_nothing_more(tmp_path: Path) -> None:
+    eng, _ = trained(tmp_path, steps=4)
+    path = eng.save_state()
+    again = engine(tmp_path)
+    step = RegressionStep(scheduler=True)
+    before = parameters(step.model)
+    state = again.fit(step, loader(shuffle=True), max_steps=4, resume=path)
+    assert state.step == 4 and not all(torch.equal(a, b) for a, b in zip(before, parameters(step.model), strict=True))

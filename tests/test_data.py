@@ -1,0 +1,117 @@
+"""Prepared dataloaders: conversion keeps the user's arguments, and a resumed epoch replays exactly."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset, WeightedRandomSampler
+
+import cadence
+from cadence.data import ResumableBatchSampler, to_stateful
+
+
+def ids_dataset(samples: int = 40) -> TensorDataset:
+    return TensorDataset(torch.arange(samples))
+
+
+def ids(batch: Any) -> list[int]:
+    return [int(value) for value in batch[0]]
+
+
+def engine(seed: int | None = 4) -> cadence.Engine:
+    return cadence.Engine(accelerator="cpu", seed=seed, progress_bar=False)
+
+
+def test_resumable_sampler_order_depends_on_seed_and_epoch_only() -> None:
+    first = ResumableBatchSampler(10, 3, shuffle=True, drop_last=False, seed=1)
+    second = ResumableBatchSampler(10, 3, shuffle=True, drop_last=False, seed=1)
+    assert list(first) == list(second) and len(first) == 4
+    first.set_epoch(1)
+    assert list(first) != list(second)
+    assert sorted(index for batch in first for index in batch) == list(range(10))
+    assert len(ResumableBatchSampler(10, 3, shuffle=False, drop_last=True, seed=0)) == 3
+    with pytest.raises(ValueError, match="batch_size must be at least 1"):
+        ResumableBatchSampler(10, 0, shuffle=False, drop_last=False, seed=0)
+
+
+def test_conversion_keeps_batching_workers_and_collation() -> None:
+    def collate(items: list[Any]) -> list[int]:
+        return [int(item[0]) for item in items]
+
+    source = DataLoader(ids_dataset(10), batch_size=4, drop_last=True, collate_fn=collate, num_workers=2)
+    stateful = to_stateful(source, seed=0)
+    assert stateful.num_workers == 2 and stateful.collate_fn is collate
+    assert list(stateful) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_custom_samplers_are_kept() -> None:
+    sampler = WeightedRandomSampler([1.0] * 10, num_samples=6, generator=torch.Generator().manual_seed(0))
+    stateful = to_stateful(DataLoader(ids_dataset(10), batch_size=3, sampler=sampler), seed=0)
+    assert stateful.sampler is sampler and len(stateful) == 2
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_mid_epoch_state_resumes_with_exactly_the_remaining_batches(workers: int) -> None:
+    def prepared() -> Any:
+        return engine().prepare(DataLoader(ids_dataset(), batch_size=4, shuffle=True, num_workers=workers))
+
+    straight = prepared()
+    expected = [ids(batch) for batch in straight] + [ids(batch) for batch in straight]  # two epochs
+
+    interrupted = prepared()
+    seen = []
+    for index, batch in enumerate(interrupted):
+        seen.append(ids(batch))
+        if index == 3:
+            break
+    state = interrupted.state_dict()
+    resumed = prepared()
+    resumed.load_state_dict(state)
+    rest = [ids(batch) for batch in resumed] + [ids(batch) for batch in resumed]
+    assert seen + rest == expected[: len(seen) + len(rest)] and len(seen + rest) == 20
+
+
+def test_leaving_a_loop_early_keeps_the_position() -> None:
+    data = engine().prepare(DataLoader(ids_dataset(12), batch_size=4, shuffle=True))
+    reference = engine().prepare(DataLoader(ids_dataset(12), batch_size=4, shuffle=True))
+    full = [ids(batch) for batch in reference]
+    first = next(iter(data))
+    rest = [ids(batch) for batch in data]
+    assert [ids(first), *rest] == full and data.epoch == 1
+
+
+def test_state_at_epoch_end_resumes_at_the_next_epoch() -> None:
+    data = engine().prepare(DataLoader(ids_dataset(8), batch_size=4, shuffle=True))
+    first_epoch = [ids(batch) for batch in data]
+    state = data.state_dict()
+    assert state["epoch"] == 1 and state["loader"] is None
+    following = engine().prepare(DataLoader(ids_dataset(8), batch_size=4, shuffle=True))
+    following.load_state_dict(state)
+    second_epoch = [ids(batch) for batch in following]
+    assert sorted(index for batch in second_epoch for index in batch) == list(range(8)) and second_epoch != first_epoch
+
+
+class Stream(IterableDataset[torch.Tensor]):
+    def __iter__(self) -> Any:
+        return iter(torch.arange(10))
+
+
+def test_unsized_loader_state_excludes_the_batch_read_ahead() -> None:
+    data = engine().prepare(DataLoader(Stream(), batch_size=3))
+    iterator = iter(data)
+    assert next(iterator).tolist() == [0, 1, 2]
+    state = data.state_dict()  # the loader already read [3, 4, 5] ahead to know [0, 1, 2] was not the last
+    resumed = engine().prepare(DataLoader(Stream(), batch_size=3))
+    resumed.load_state_dict(state)
+    assert [batch.tolist() for batch in resumed] == [[3, 4, 5], [6, 7, 8], [9]]
+
+
+def test_without_engine_seed_the_global_seed_fixes_the_order() -> None:
+    def order() -> list[list[int]]:
+        torch.manual_seed(123)
+        data = engine(seed=None).prepare(DataLoader(ids_dataset(12), batch_size=4, shuffle=True))
+        return [ids(batch) for batch in data]
+
+    assert order() == order()
