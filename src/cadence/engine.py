@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import math
 import random
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -19,6 +20,7 @@ from torch.utils.data import DataLoader
 from cadence.callback import Callback, Dispatcher
 from cadence.checkpoint.engine_state import load_engine_state, save_engine_state
 from cadence.checkpoint.export import save_weights
+from cadence.checkpoint.files import CheckpointCorrupted, CheckpointError
 from cadence.checkpoint.layout import CheckpointDirectory
 from cadence.data import make_batch_mover, to_stateful
 from cadence.event import Event
@@ -333,8 +335,11 @@ class Engine:
     def load_state(self, path: str | Path | None = None) -> Path:
         """Restore a checkpoint written by ``save_state``; with no path, the newest valid one in
         ``project_dir/checkpoints`` (an incomplete or corrupted newer one is skipped with a warning)."""
-        directory = Path(path) if path is not None else self.checkpoints.latest_valid()
-        manifest = load_engine_state(self, directory)
+        if path is not None:
+            directory = Path(path)
+            manifest = load_engine_state(self, directory)
+        else:
+            directory, manifest = self._load_latest()
         self.checkpoints.advance(int(manifest["checkpoint_number"]))
         self.state.checkpoint_dir = directory
         self._fire(Event.LOAD_STATE)
@@ -354,6 +359,19 @@ class Engine:
         if not self.is_main_process:
             return []
         return save_weights(state_dict, save_directory, max_shard_size, safe_serialization)
+
+    def _load_latest(self) -> tuple[Path, dict[str, Any]]:
+        # Every file is checked before anything is applied, so a damaged checkpoint leaves the engine untouched
+        # and the next older one can be tried.
+        problems = []
+        for _, directory in self.checkpoints.numbered():
+            try:
+                return directory, load_engine_state(self, directory)
+            except CheckpointCorrupted as error:
+                problems.append(str(error))
+                warnings.warn(f"Skipping {directory.name}: {error}", UserWarning, stacklevel=3)
+        detail = f" Checked: {' | '.join(problems)}" if problems else ""
+        raise CheckpointError(f"No valid checkpoint in {self.checkpoints.root}.{detail}")
 
     # --- metrics -------------------------------------------------------------------------------------------
     def log(self, name: str, value: Any) -> None:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from cadence.checkpoint.codec import decode, encode
-from cadence.checkpoint.files import CheckpointError, CheckpointWriter, read_json, read_manifest, read_tensors
+from cadence.checkpoint.files import CheckpointError, CheckpointReader, CheckpointWriter
 from cadence.checkpoint.rng import capture_rng_states, restore_rng_states
 
 if TYPE_CHECKING:
@@ -112,30 +112,32 @@ def _check_model(index: int, model: nn.Module, saved: dict[str, torch.Tensor]) -
 def load_engine_state(engine: Engine, directory: Path) -> dict[str, Any]:
     """Restore the engine from a committed checkpoint; returns its manifest. Nothing changes unless every
     check passes."""
-    manifest = read_manifest(directory)
-    shared = read_json(directory, SHARED_JSON)
-    tensors = read_tensors(directory, SHARED_TENSORS)
-    rank_json, rank_safetensors = _rank_files(engine.rank)
-    if rank_json not in manifest["files"]:
-        raise CheckpointError(
-            f"{directory} has no state for rank {engine.rank} (it was saved with world size "
-            f"{manifest.get('world_size')}); run with the same number of processes."
-        )
-    per_rank = read_json(directory, rank_json)
-    rank_tensors = read_tensors(directory, rank_safetensors)
-
-    _check_count("model", shared["models"], engine.models)
-    _check_count("optimizer", shared["optimizers"], engine.optimizers)
-    _check_count("scheduler", shared["schedulers"], engine.schedulers)
-    _check_count("registered object", shared["registered"], engine.registered)
-    _check_count("dataloader", per_rank["dataloaders"], engine.dataloaders)
-    model_states = []
-    for index, (model, saved) in enumerate(zip(engine.models, shared["models"], strict=True)):
-        user_model = engine.unwrap_model(model)
-        weights = read_tensors(directory, _model_file(index), saved["aliases"])
-        _check_model(index, user_model, weights)
-        grads = read_tensors(directory, _grad_file(index)) if saved["grads"] else {}
-        model_states.append((user_model, weights, grads))
+    with CheckpointReader(directory) as reader:
+        rank_json, rank_safetensors = _rank_files(engine.rank)
+        if not reader.has(rank_json):
+            raise CheckpointError(
+                f"{directory} has no state for rank {engine.rank} (it was saved with world size "
+                f"{reader.manifest.get('world_size')}); run with the same number of processes."
+            )
+        models = [_model_file(index) for index in range(len(engine.models))]
+        reader.prefetch([SHARED_JSON, SHARED_TENSORS, rank_json, rank_safetensors, *filter(reader.has, models)])
+        shared = reader.json(SHARED_JSON)
+        _check_count("model", shared["models"], engine.models)
+        _check_count("optimizer", shared["optimizers"], engine.optimizers)
+        _check_count("scheduler", shared["schedulers"], engine.schedulers)
+        _check_count("registered object", shared["registered"], engine.registered)
+        per_rank = reader.json(rank_json)
+        _check_count("dataloader", per_rank["dataloaders"], engine.dataloaders)
+        model_states = []
+        for index, (model, saved) in enumerate(zip(engine.models, shared["models"], strict=True)):
+            user_model = engine.unwrap_model(model)
+            weights = reader.tensors(_model_file(index), saved["aliases"])
+            _check_model(index, user_model, weights)
+            grads = reader.tensors(_grad_file(index)) if saved["grads"] else {}
+            model_states.append((user_model, weights, grads))
+        tensors = reader.tensors(SHARED_TENSORS)
+        rank_tensors = reader.tensors(rank_safetensors)
+        manifest = reader.manifest
     callback_states = shared["callbacks"]
     for callback in engine.callbacks:
         if callback.state_key not in callback_states and callback.state_dict():

@@ -14,8 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from cadence.checkpoint.files import CheckpointError, deduplicate
@@ -152,9 +151,9 @@ def _resolve(checkpoint: Path) -> _Source:
 
 def _read_file(path: Path) -> dict[str, torch.Tensor]:
     if path.suffix == ".safetensors":
+        # safetensors maps the file; the weights are read once, as they are copied into the model.
         try:
-            with safe_open(str(path), framework="pt", device="cpu") as handle:
-                return {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
+            return dict(load_file(str(path), device="cpu"))
         except Exception as error:  # SafetensorError for a malformed or truncated file
             raise CheckpointError(f"{path} is not a readable safetensors file: {error}") from error
     try:

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import re
 import shutil
-import warnings
 from pathlib import Path
 
-from cadence.checkpoint.files import CheckpointError, is_partial, read_manifest
+from cadence.checkpoint.files import is_partial
 
 _NAME = re.compile(r"^checkpoint_(\d+)$")
 
@@ -37,20 +36,6 @@ class CheckpointDirectory:
     def advance(self, number: int) -> None:
         """Record that checkpoint ``number`` was saved or loaded: the next save gets ``number + 1``."""
         self._next = number + 1
-
-    def latest_valid(self) -> Path:
-        """The newest checkpoint whose manifest and files check out; skipped ones are reported."""
-        problems = []
-        for _, directory in self.numbered():
-            try:
-                read_manifest(directory)
-            except CheckpointError as error:
-                problems.append(str(error))
-                warnings.warn(f"Skipping {directory.name}: {error}", UserWarning, stacklevel=3)
-                continue
-            return directory
-        detail = f" Checked: {' | '.join(problems)}" if problems else ""
-        raise CheckpointError(f"No valid checkpoint in {self.root}.{detail}")
 
     def prune(self, keep: int) -> None:
         """Delete all but the newest ``keep`` checkpoints, and leftovers of interrupted saves."""
