@@ -41,33 +41,67 @@ def make_batch_mover(device: torch.device) -> BatchMover:
 
 
 class ResumableBatchSampler(Sampler[list[int]]):
-    """Batches of dataset indices whose order is fixed by ``(seed, epoch)`` alone.
+    """Batches of dataset indices for one rank, whose order is fixed by ``(seed, epoch)`` alone.
 
-    Nothing about the position is stored here: ``StatefulDataLoader`` counts the batches it took and, on resume,
-    skips that many from a fresh iterator of the same epoch, which is the same sequence. Building whole batches by
-    slicing one list keeps the per-batch cost below torch's own ``RandomSampler`` + ``BatchSampler``.
+    The epoch's permutation is global: each optimizer step takes the next ``batch_size * world_size`` samples of
+    it, and rank ``r`` gets the ``r``-th slice. So a position is a count of *global* samples, which a run with
+    another number of ranks can continue from (``start_sample``): no sample repeated, none skipped. Without
+    ``drop_last`` a short final global batch is padded to an even split by repeating the epoch's first samples
+    (``padding`` says how many; ``engine.gather_for_metrics`` drops them). Building each batch with one list
+    slice keeps the per-batch cost below torch's own ``RandomSampler`` + ``BatchSampler``.
     """
 
-    def __init__(self, num_samples: int, batch_size: int, *, shuffle: bool, drop_last: bool, seed: int) -> None:
+    def __init__(
+        self,
+        num_samples: int,
+        batch_size: int,
+        *,
+        shuffle: bool,
+        drop_last: bool,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1; got {batch_size}.")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"Need 0 <= rank < world_size; got rank={rank}, world_size={world_size}.")
         self.num_samples = num_samples
         self.batch_size = batch_size
         self.shuffle = shuffle
         self.drop_last = drop_last
         self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
         self.epoch = 0
+        self.start_sample = 0
+        """Global samples of the epoch to skip: the prepared dataloader sets it before every pass (0, or the
+        position a checkpoint resumes from)."""
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.batch_size * self.world_size
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
+    def _batches(self, remaining: int) -> int:
+        full, tail = divmod(remaining, self.global_batch_size)
+        return full + (1 if tail and not self.drop_last else 0)
+
     def __len__(self) -> int:
-        if self.drop_last:
-            return self.num_samples // self.batch_size
-        return -(-self.num_samples // self.batch_size)
+        return self._batches(self.num_samples - self.start_sample)
+
+    @property
+    def padding(self) -> int:
+        """Repeated samples in this epoch's last global batch (0 with drop_last or an even split)."""
+        tail = (self.num_samples - self.start_sample) % self.global_batch_size
+        if not tail or self.drop_last:
+            return 0
+        return -tail % self.world_size
 
     def indices(self) -> list[int]:
-        """This epoch's sample order."""
+        """This epoch's global sample order."""
         if not self.shuffle:
             return list(range(self.num_samples))
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
@@ -75,10 +109,17 @@ class ResumableBatchSampler(Sampler[list[int]]):
         return order
 
     def __iter__(self) -> Iterator[list[int]]:
-        indices = self.indices()
-        size = self.batch_size
-        stop = len(self) * size
-        return (indices[start : start + size] for start in range(0, stop, size))
+        order = self.indices()
+        remaining = order[self.start_sample :]
+        size, rank, step = self.batch_size, self.rank, self.global_batch_size
+        full = len(remaining) // step
+        for start in range(0, full * step, step):
+            yield remaining[start + rank * size : start + (rank + 1) * size]
+        tail = remaining[full * step :]
+        if tail and not self.drop_last:
+            share = -(-len(tail) // self.world_size)
+            padded = tail + (order * share)[: share * self.world_size - len(tail)]
+            yield padded[rank * share : (rank + 1) * share]
 
 
 def _draw_seed(generator: torch.Generator | None) -> int:
@@ -95,7 +136,7 @@ def _torch_sampler_shuffle(sampler: Any) -> bool | None:
     return None
 
 
-def _loader_arguments(loader: DataLoader[Any], seed: int | None) -> dict[str, Any]:
+def _loader_arguments(loader: DataLoader[Any], seed: int | None, rank: int, world_size: int) -> dict[str, Any]:
     """The constructor arguments that rebuild ``loader``; torch's own samplers become a ResumableBatchSampler.
 
     The loader always gets a generator of its own (the user's, or one seeded from ``seed``): each new iterator
@@ -134,7 +175,13 @@ def _loader_arguments(loader: DataLoader[Any], seed: int | None) -> dict[str, An
     shuffle = _torch_sampler_shuffle(sampler)
     if shuffle is not None:
         arguments["batch_sampler"] = ResumableBatchSampler(
-            len(cast(Sized, sampler)), loader.batch_size, shuffle=shuffle, drop_last=loader.drop_last, seed=seed
+            len(cast(Sized, sampler)),
+            loader.batch_size,
+            shuffle=shuffle,
+            drop_last=loader.drop_last,
+            seed=seed,
+            rank=rank,
+            world_size=world_size,
         )
         return arguments
     arguments["batch_size"] = loader.batch_size
@@ -143,7 +190,9 @@ def _loader_arguments(loader: DataLoader[Any], seed: int | None) -> dict[str, An
     return arguments
 
 
-def to_stateful(loader: DataLoader[Any], seed: int | None = None) -> StatefulDataLoader[Any]:
+def to_stateful(
+    loader: DataLoader[Any], seed: int | None = None, rank: int = 0, world_size: int = 1
+) -> StatefulDataLoader[Any]:
     """A ``StatefulDataLoader`` over the same data with the same arguments as ``loader``.
 
     Shuffling (``shuffle=True``) follows a ``ResumableBatchSampler`` seeded with ``seed``, else with a seed drawn
@@ -151,7 +200,7 @@ def to_stateful(loader: DataLoader[Any], seed: int | None = None) -> StatefulDat
     """
     if isinstance(loader, StatefulDataLoader):
         return loader
-    arguments = _loader_arguments(loader, seed)
+    arguments = _loader_arguments(loader, seed, rank, world_size)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*set_vital.*")
         return StatefulDataLoader(loader.dataset, **arguments)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from cadence.data import ResumableBatchSampler
 from cadence.event import Event
 
 if TYPE_CHECKING:
@@ -188,6 +189,9 @@ class PreparedDataLoader:
         self._in_epoch = False
         self._batches_done = 0
         self._resume_batches = 0
+        self._resume_samples = 0
+        self._samples_at_start = 0
+        self._start_index = 0
         self._resume_generator_state: torch.Tensor | None = None
         self._generator_at_epoch_start: torch.Tensor | None = None
         self._state_before_read_ahead: Any = None
@@ -205,23 +209,43 @@ class PreparedDataLoader:
     def batch_size(self) -> int | None:
         return self.loader.batch_size  # type: ignore[no-any-return]
 
+    @property
+    def _sampler(self) -> ResumableBatchSampler | None:
+        sampler = self.loader.batch_sampler
+        return sampler if isinstance(sampler, ResumableBatchSampler) else None
+
+    def _samples_done(self) -> int:
+        sampler = self._sampler
+        if sampler is None:
+            return 0
+        done = self._samples_at_start + (self._batches_done - self._start_index) * sampler.global_batch_size
+        return min(done, sampler.num_samples)
+
     def state_dict(self) -> dict[str, Any]:
-        """Where this dataloader stands: completed epochs, batches taken in the current one, the
-        ``StatefulDataLoader``'s own state (sampler position, workers) and its generator."""
+        """Where this dataloader stands: completed epochs, position in the current one and its generator.
+
+        With cadence's ``ResumableBatchSampler`` the position is a count of global samples, which a run with
+        another number of ranks can continue from; with any other sampler it is the ``StatefulDataLoader``'s own
+        state (sampler position, workers), for the same number of ranks.
+        """
         generator = self.loader.generator
+        elastic = self._sampler is not None
         if self._in_epoch:
-            batches_done, loader_state = self._batches_done, self._loader_state()
+            batches_done, samples_done = self._batches_done, self._samples_done()
+            loader_state = None if elastic else self._loader_state()
             generator_state = None if generator is None else generator.get_state()
-        elif self._resume_batches:
+        elif self._resume_batches or self._resume_samples:
             # Paused mid-epoch (left early, or restored and not iterated yet): the position waiting to be used.
-            batches_done, loader_state = self._resume_batches, self.loader.next_iter_state
+            batches_done, samples_done = self._resume_batches, self._resume_samples
+            loader_state = None if elastic else self.loader.next_iter_state
             generator_state = self._resume_generator_state
         else:
-            batches_done, loader_state = 0, None
+            batches_done, samples_done, loader_state = 0, 0, None
             generator_state = None if generator is None else generator.get_state()
         return {
             "epoch": self.epoch,
             "batches_done": batches_done,
+            "samples_done": samples_done,
             "loader": loader_state,
             "generator": generator_state,
             "generator_at_epoch_start": self._generator_at_epoch_start if batches_done else None,
@@ -235,7 +259,11 @@ class PreparedDataLoader:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.epoch = int(state_dict["epoch"])
         self._resume_batches = int(state_dict["batches_done"])
-        self.loader.load_state_dict(state_dict["loader"] if state_dict["loader"] is not None else {})
+        self._resume_samples = int(state_dict.get("samples_done", 0))
+        if self._sampler is None:
+            self.loader.load_state_dict(state_dict["loader"] if state_dict["loader"] is not None else {})
+        else:
+            self.loader.load_state_dict({})  # the sampler's start_sample carries the position
         generator = self.loader.generator
         if generator is not None and state_dict["generator"] is not None:
             # Creating the resumed iterator draws from the generator; restore its state after that draw, so
@@ -256,8 +284,16 @@ class PreparedDataLoader:
         if training is None:
             training = self._engine.is_training()
         self._set_sampler_epoch()
-        start = self._resume_batches
-        self._resume_batches = 0
+        sampler = self._sampler
+        if sampler is not None:
+            # Continue from a count of global samples: valid whatever the number of ranks that saved it.
+            sampler.start_sample = self._resume_samples
+            start = self._resume_samples // sampler.global_batch_size
+        else:
+            start = self._resume_batches
+        self._samples_at_start = self._resume_samples if sampler is not None else 0
+        self._start_index = start
+        self._resume_batches = self._resume_samples = 0
         batches = self._epoch_batches(start)
         if training:
             yield from self._training_batches(batches, start)
@@ -267,10 +303,13 @@ class PreparedDataLoader:
             yield move(batch)
 
     def _num_batches(self) -> int | None:
+        """Batches in a whole epoch, ``None`` without a length."""
         try:
-            return len(self.loader)
+            length = len(self.loader)
         except TypeError:
             return None
+        # A resumable sampler counts only the batches left after its start_sample.
+        return length + self._start_index if self._sampler is not None else length
 
     def _epoch_batches(self, start: int) -> Iterator[tuple[Any, bool]]:
         """One epoch's ``(batch, is_last)`` pairs, tracking the position a checkpoint needs.
@@ -302,7 +341,9 @@ class PreparedDataLoader:
                 # Left mid-epoch (break, stop, exception): keep the position, so the next pass or a checkpoint
                 # taken now continues with the next batch instead of restarting the epoch.
                 self._resume_batches = self._batches_done
-                self.loader.load_state_dict(self._loader_state())
+                self._resume_samples = self._samples_done()
+                if self._sampler is None:
+                    self.loader.load_state_dict(self._loader_state())
                 self._resume_generator_state = None if generator is None else generator.get_state()
             self._in_epoch = False
             self._state_before_read_ahead = None

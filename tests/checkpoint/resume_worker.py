@@ -39,7 +39,8 @@ class LossLog(cadence.Callback):
 
     def on_before_backward(self, engine: cadence.Engine) -> None:
         assert engine.state.loss is not None
-        record = {"epoch": engine.state.epoch, "batch": engine.state.batch_idx, "loss": float(engine.state.loss).hex()}
+        state = engine.state
+        record = {"epoch": state.epoch, "batch": state.batch_idx, "step": state.step, "loss": float(state.loss).hex()}
         self.handle.write(json.dumps(record) + "\n")
         self.handle.flush()
 
