@@ -9,7 +9,7 @@ from typing import Any, cast
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
-from torch.utils.data import DataLoader, RandomSampler, Sampler, SequentialSampler
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sampler, SequentialSampler
 
 with warnings.catch_warnings():
     # torchdata calls the deprecated torch.set_vital when imported and on each construction; it is not ours to fix.
@@ -125,6 +125,30 @@ class ResumableBatchSampler(Sampler[list[int]]):
 def _draw_seed(generator: torch.Generator | None) -> int:
     """A shuffling seed from the user's generator, or from torch's global one (so ``torch.manual_seed`` fixes it)."""
     return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item()) % 2**62
+
+
+def draw_seed(loader: DataLoader[Any]) -> int:
+    """The seed a prepared copy of ``loader`` shuffles with when the engine has none."""
+    generator = loader.generator if loader.generator is not None else getattr(loader.sampler, "generator", None)
+    return _draw_seed(generator)
+
+
+def check_shardable(loader: DataLoader[Any]) -> None:
+    """Refuse a loader whose samples cadence cannot split across ranks (each rank would see all of them)."""
+    if loader._dataset_kind == 1:
+        warnings.warn(
+            "An IterableDataset is not split across ranks by cadence: every rank iterates all of it unless the "
+            "dataset shards itself (by torch.distributed.get_rank()).",
+            UserWarning,
+            stacklevel=4,
+        )
+        return
+    sampler = loader.sampler if loader.batch_size is not None else loader.batch_sampler
+    if _torch_sampler_shuffle(sampler) is None and not isinstance(sampler, DistributedSampler):
+        raise ValueError(
+            f"A {type(sampler).__name__} cannot be split across ranks by cadence: every rank would draw the "
+            "same samples. Use shuffle=True/False (cadence shards it), or pass a DistributedSampler."
+        )
 
 
 def _torch_sampler_shuffle(sampler: Any) -> bool | None:

@@ -8,10 +8,12 @@ import random
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
@@ -22,12 +24,13 @@ from cadence.checkpoint.engine_state import load_engine_state, save_engine_state
 from cadence.checkpoint.export import save_weights
 from cadence.checkpoint.files import CheckpointCorrupted, CheckpointError
 from cadence.checkpoint.layout import CheckpointDirectory
-from cadence.data import make_batch_mover, to_stateful
+from cadence.data import check_shardable, draw_seed, make_batch_mover, to_stateful
 from cadence.event import Event
 from cadence.precision import Precision
 from cadence.state import State
 from cadence.step import TrainingStep
 from cadence.strategies import ReduceOp, Strategy, resolve_strategy
+from cadence.strategies.distributed import DEFAULT_TIMEOUT
 from cadence.wrappers import PreparedDataLoader, PreparedModule, PreparedOptimizer, PreparedScheduler
 
 _PREPARABLE = "torch.nn.Module, torch.optim.Optimizer, torch.utils.data.DataLoader, or an LR scheduler"
@@ -39,13 +42,15 @@ class Engine:
 
     Args:
         accelerator: ``"auto"`` (CUDA, then MPS, then CPU), ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"mps"``.
-        strategy: ``"auto"`` or ``"single"``, or a ``cadence.strategies.Strategy`` instance.
+        strategy: ``"auto"`` (DDP under torchrun with ``WORLD_SIZE > 1``, else one device), ``"single"``,
+            ``"ddp"``, ``"fsdp"``, or a ``cadence.strategies.Strategy`` instance.
         callbacks: features, run in the order given at every event.
         seed: seeds python, numpy and torch, and the prepared dataloaders' shuffling.
         project_dir: where logs and checkpoints go (``project_dir/checkpoints/checkpoint_{n}``).
         progress_bar: ``fit()`` adds a progress bar when no callback shows one; False turns it off.
         checkpoint_total_limit: keep at most this many automatically named checkpoints; older ones are deleted
             only after a new one is committed.
+        timeout: how long a collective waits for the other ranks before failing (DDP, FSDP).
     """
 
     def __init__(
@@ -57,10 +62,11 @@ class Engine:
         project_dir: str | Path = ".",
         progress_bar: bool = True,
         checkpoint_total_limit: int | None = None,
+        timeout: timedelta = DEFAULT_TIMEOUT,
     ) -> None:
         if checkpoint_total_limit is not None and checkpoint_total_limit < 1:
             raise ValueError(f"checkpoint_total_limit must be at least 1 or None; got {checkpoint_total_limit}.")
-        self.strategy = resolve_strategy(strategy, accelerator)
+        self.strategy = resolve_strategy(strategy, accelerator, timeout)
         self.state = State()
         self.seed = seed
         self.project_dir = Path(project_dir)
@@ -72,6 +78,7 @@ class Engine:
         self._schedulers: list[PreparedScheduler] = []
         self._dataloaders: list[PreparedDataLoader] = []
         self._registered: list[Any] = []
+        self._replaced_parameters: dict[int, nn.Parameter] = {}
         self.checkpoint_total_limit = checkpoint_total_limit
         self.checkpoints = CheckpointDirectory(self.project_dir / "checkpoints")
         """The automatically named checkpoints: ``checkpoint_{n}`` under ``project_dir/checkpoints``."""
@@ -189,21 +196,46 @@ class Engine:
         if isinstance(obj, nn.Module):
             return self._prepare_model(obj)
         if isinstance(obj, Optimizer):
+            self._repoint_parameters(obj)
             optimizer = PreparedOptimizer(obj, self)
             self._optimizers.append(optimizer)
             return optimizer
         if isinstance(obj, DataLoader):
-            loader = PreparedDataLoader(to_stateful(obj, self.seed), self, self._move_batch)
-            self._dataloaders.append(loader)
-            return loader
+            return self._prepare_dataloader(obj)
         return self._prepare_scheduler(obj)
+
+    def _prepare_dataloader(self, loader: DataLoader[Any]) -> PreparedDataLoader:
+        if self.world_size > 1:
+            check_shardable(loader)
+        # Every rank must shuffle with the same seed: the order is global and each rank takes its slice.
+        seed = self.seed if self.seed is not None else self.strategy.broadcast_object(draw_seed(loader))
+        stateful = to_stateful(loader, seed, rank=self.rank, world_size=self.world_size)
+        prepared = PreparedDataLoader(stateful, self, self._move_batch)
+        self._dataloaders.append(prepared)
+        return prepared
+
+    def _repoint_parameters(self, optimizer: Optimizer) -> None:
+        """After a strategy replaced a model's parameters (FSDP2), point an optimizer built earlier at them."""
+        if not self._replaced_parameters:
+            return
+        if optimizer.state:
+            raise RuntimeError(
+                f"The optimizer already has state, but strategy {self.strategy.name!r} replaced the model's "
+                "parameters. Prepare the model and a fresh optimizer together: engine.prepare(model, optimizer)."
+            )
+        for group in optimizer.param_groups:
+            group["params"] = [self._replaced_parameters.get(id(p), p) for p in group["params"]]
 
     def _prepare_model(self, model: nn.Module) -> nn.Module:
         if any(model is existing for existing in self._models):
             return model  # already the prepared object (one device, full precision: the model itself)
         if any(model is self.unwrap_model(existing) for existing in self._models):
             raise ValueError("This model was already prepared; use the object the first prepare() returned.")
+        before = dict(model.named_parameters()) if self.strategy.replaces_parameters else {}
         wrapped = self.strategy.setup_module(model)
+        for name, parameter in self.strategy.unwrap_module(wrapped).named_parameters():
+            if name in before and before[name] is not parameter:
+                self._replaced_parameters[id(before[name])] = parameter
         if self._precision.wraps_forward:
             wrapped = PreparedModule(wrapped, self)
         self._models.append(wrapped)
@@ -258,7 +290,7 @@ class Engine:
         """Run one batch's forward and backward inside it: gradient sync is skipped on accumulation micro-steps."""
         if self.state.sync_gradients:
             return nullcontext()
-        return self.strategy.no_backward_sync(model)
+        return self.strategy.no_backward_sync(model.module if isinstance(model, PreparedModule) else model)
 
     def _ready_gradients(self) -> bool:
         if not self.state.sync_gradients:
@@ -297,6 +329,35 @@ class Engine:
         """``tensor`` from every rank, concatenated along the first dimension (scalars are stacked)."""
         gathered = self.strategy.all_gather(tensor)
         return gathered if tensor.dim() == 0 else gathered.flatten(0, 1)
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """``obj`` as rank ``src`` has it, on every rank (any picklable object; sent between processes only)."""
+        return self.strategy.broadcast_object(obj, src)
+
+    def gather_for_metrics(self, data: Any) -> Any:
+        """Gather ``data`` (a tensor, or a collection of tensors with one row per sample) from every rank, in the
+        dataset's order, dropping the samples repeated to even out the last batch across ranks."""
+        gathered = apply_to_collection(data, torch.Tensor, self.gather)
+        padding = self._padding_in_current_batch()
+        if padding:
+            gathered = apply_to_collection(gathered, torch.Tensor, lambda tensor: tensor[: len(tensor) - padding])
+        return gathered
+
+    def _padding_in_current_batch(self) -> int:
+        for loader in self._dataloaders:
+            if loader.in_last_batch:
+                return loader.padding
+        return 0
+
+    def close(self) -> None:
+        """Release the strategy's resources (the process group it created). The engine is unusable after."""
+        self.strategy.teardown()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def reduce(self, tensor: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
         """``tensor`` reduced across ranks with ``op``: ``"mean"``, ``"sum"``, ``"max"`` or ``"min"``."""

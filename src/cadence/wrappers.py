@@ -197,6 +197,8 @@ class PreparedDataLoader:
         self._state_before_read_ahead: Any = None
         self.empty_epoch = False
         """True when the last full pass yielded no batch at all (an empty dataset)."""
+        self.in_last_batch = False
+        """True while the batch just yielded is the epoch's last (set for every pass, training or not)."""
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -208,6 +210,12 @@ class PreparedDataLoader:
     @property
     def batch_size(self) -> int | None:
         return self.loader.batch_size  # type: ignore[no-any-return]
+
+    @property
+    def padding(self) -> int:
+        """Samples repeated in this epoch's last batch to even it out across ranks."""
+        sampler = self._sampler
+        return sampler.padding if sampler is not None else 0
 
     @property
     def _sampler(self) -> ResumableBatchSampler | None:
@@ -332,11 +340,15 @@ class PreparedDataLoader:
             if num_batches is not None:
                 for batch in iterator:
                     self._batches_done += 1
-                    yield batch, self._batches_done == num_batches
+                    self.in_last_batch = self._batches_done == num_batches
+                    yield batch, self.in_last_batch
             else:
-                yield from self._read_ahead(iterator)
+                for batch, is_last in self._read_ahead(iterator):
+                    self.in_last_batch = is_last
+                    yield batch, is_last
             finished = True
         finally:
+            self.in_last_batch = False
             if not finished:
                 # Left mid-epoch (break, stop, exception): keep the position, so the next pass or a checkpoint
                 # taken now continues with the next batch instead of restarting the epoch.

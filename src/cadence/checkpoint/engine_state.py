@@ -39,43 +39,77 @@ def _rank_files(rank: int) -> tuple[str, str]:
 
 
 def save_engine_state(engine: Engine, directory: Path, checkpoint_number: int) -> Path:
-    """Write the engine's complete state as a committed checkpoint at ``directory``."""
-    writer = CheckpointWriter(directory)
+    """Write the engine's complete state as a committed checkpoint at ``directory``.
+
+    With several ranks, the main rank creates the temporary directory and writes what all ranks share (models
+    and optimizers, replicated under DDP); every rank writes its own RNG and dataloader state; after every rank's
+    files are durable, the main rank writes the manifest listing all of them and renames the directory.
+    """
+    strategy = engine.strategy
+    main = engine.is_main_process
+    temporary = strategy.broadcast_object(CheckpointWriter.temporary_name(directory) if main else None)
+    if main:
+        writer = CheckpointWriter(directory, _created(temporary))
+    strategy.barrier()
+    if not main:
+        writer = CheckpointWriter(directory, temporary)
     try:
-        models = []
-        for index, model in enumerate(engine.models):
-            user_model = engine.unwrap_model(model)
-            aliases = writer.write_tensors(_model_file(index), user_model.state_dict())
-            grads = {name: p.grad for name, p in user_model.named_parameters() if p.grad is not None}
-            if grads:
-                writer.write_tensors(_grad_file(index), grads)
-            models.append({"aliases": aliases, "grads": bool(grads)})
-        tensors: dict[str, torch.Tensor] = {}
-        shared = {
-            "checkpoint_number": checkpoint_number,
-            "counters": engine.state.counters(),
-            "models": models,
-            "optimizers": [encode(o.state_dict(), tensors, f"optimizer_{i}") for i, o in enumerate(engine.optimizers)],
-            "schedulers": [encode(s.state_dict(), tensors, f"scheduler_{i}") for i, s in enumerate(engine.schedulers)],
-            "callbacks": {cb.state_key: encode(cb.state_dict(), tensors, cb.state_key) for cb in engine.callbacks},
-            "registered": [encode(o.state_dict(), tensors, f"registered_{i}") for i, o in enumerate(engine.registered)],
-        }
-        writer.write_tensors(SHARED_TENSORS, tensors)
-        writer.write_json(SHARED_JSON, shared)
-        rank_tensors: dict[str, torch.Tensor] = {}
-        per_rank = {
-            "rng": encode(capture_rng_states(), rank_tensors, "rng"),
-            "dataloaders": [
-                encode(d.state_dict(), rank_tensors, f"dataloader_{i}") for i, d in enumerate(engine.dataloaders)
-            ],
-        }
-        rank_json, rank_safetensors = _rank_files(engine.rank)
-        writer.write_tensors(rank_safetensors, rank_tensors)
-        writer.write_json(rank_json, per_rank)
-        return writer.commit(step=engine.state.step, world_size=engine.world_size, checkpoint_number=checkpoint_number)
+        if main:
+            _write_shared(engine, writer, checkpoint_number)
+        _write_rank(engine, writer)
+        files = strategy.all_gather_object(writer.finish())
+        committed = directory
+        if main:
+            others = {name: entry for table in files for name, entry in table.items()}
+            committed = writer.commit(
+                others, step=engine.state.step, world_size=engine.world_size, checkpoint_number=checkpoint_number
+            )
+        strategy.barrier()
+        return committed
     except BaseException:
-        writer.abort()
+        if main:
+            writer.abort()
         raise
+
+
+def _created(directory: Path) -> Path:
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    directory.mkdir()
+    return directory
+
+
+def _write_shared(engine: Engine, writer: CheckpointWriter, checkpoint_number: int) -> None:
+    models = []
+    for index, model in enumerate(engine.models):
+        user_model = engine.unwrap_model(model)
+        aliases = writer.write_tensors(_model_file(index), user_model.state_dict())
+        grads = {name: p.grad for name, p in user_model.named_parameters() if p.grad is not None}
+        if grads:
+            writer.write_tensors(_grad_file(index), grads)
+        models.append({"aliases": aliases, "grads": bool(grads)})
+    tensors: dict[str, torch.Tensor] = {}
+    shared = {
+        "checkpoint_number": checkpoint_number,
+        "counters": engine.state.counters(),
+        "models": models,
+        "optimizers": [encode(o.state_dict(), tensors, f"optimizer_{i}") for i, o in enumerate(engine.optimizers)],
+        "schedulers": [encode(s.state_dict(), tensors, f"scheduler_{i}") for i, s in enumerate(engine.schedulers)],
+        "callbacks": {cb.state_key: encode(cb.state_dict(), tensors, cb.state_key) for cb in engine.callbacks},
+        "registered": [encode(o.state_dict(), tensors, f"registered_{i}") for i, o in enumerate(engine.registered)],
+    }
+    writer.write_tensors(SHARED_TENSORS, tensors)
+    writer.write_json(SHARED_JSON, shared)
+
+
+def _write_rank(engine: Engine, writer: CheckpointWriter) -> None:
+    tensors: dict[str, torch.Tensor] = {}
+    per_rank = {
+        "rng": encode(capture_rng_states(), tensors, "rng"),
+        "dataloaders": [encode(d.state_dict(), tensors, f"dataloader_{i}") for i, d in enumerate(engine.dataloaders)],
+    }
+    rank_json, rank_safetensors = _rank_files(engine.rank)
+    writer.write_tensors(rank_safetensors, tensors)
+    writer.write_json(rank_json, per_rank)
 
 
 def _check_count(kind: str, saved: Sequence[Any], current: Sequence[Any]) -> None:
@@ -114,11 +148,17 @@ def load_engine_state(engine: Engine, directory: Path) -> dict[str, Any]:
     check passes."""
     with CheckpointReader(directory) as reader:
         rank_json, rank_safetensors = _rank_files(engine.rank)
-        if not reader.has(rank_json):
-            raise CheckpointError(
-                f"{directory} has no state for rank {engine.rank} (it was saved with world size "
-                f"{reader.manifest.get('world_size')}); run with the same number of processes."
+        restore_rng = reader.has(rank_json)
+        if not restore_rng:
+            # More ranks than saved it: positions are global sample counts, the same in every rank's file, so
+            # rank 0's serve; its RNG state would make this rank a copy of rank 0, so RNGs stay as seeded.
+            warnings.warn(
+                f"{directory} was saved by {reader.manifest.get('world_size')} rank(s); rank {engine.rank} resumes "
+                "the data from rank 0's position and keeps its own RNG state.",
+                UserWarning,
+                stacklevel=3,
             )
+            rank_json, rank_safetensors = _rank_files(0)
         models = [_model_file(index) for index in range(len(engine.models))]
         reader.prefetch([SHARED_JSON, SHARED_TENSORS, rank_json, rank_safetensors, *filter(reader.has, models)])
         shared = reader.json(SHARED_JSON)
@@ -166,5 +206,6 @@ def load_engine_state(engine: Engine, directory: Path) -> dict[str, Any]:
     engine.state.load_counters(shared["counters"])
     for loader, saved in zip(engine.dataloaders, per_rank["dataloaders"], strict=True):
         loader.load_state_dict(decode(saved, rank_tensors))
-    restore_rng_states(decode(per_rank["rng"], rank_tensors))
+    if restore_rng:
+        restore_rng_states(decode(per_rank["rng"], rank_tensors))
     return manifest

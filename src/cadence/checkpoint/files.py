@@ -168,15 +168,22 @@ class CheckpointWriter:
     manifest's checksums cost little beyond the disk's own write time.
     """
 
-    def __init__(self, final: Path) -> None:
+    def __init__(self, final: Path, directory: Path | None = None) -> None:
+        """``directory``: the temporary directory another rank's writer created, to add this rank's files to."""
         self.final = final
-        self.final.parent.mkdir(parents=True, exist_ok=True)
-        self.directory = final.parent / f".{final.name}{_PARTIAL}{uuid.uuid4().hex[:8]}"
-        self.directory.mkdir()
+        if directory is None:
+            self.final.parent.mkdir(parents=True, exist_ok=True)
+            directory = self.temporary_name(final)
+            directory.mkdir()
+        self.directory = directory
         self.files: dict[str, dict[str, Any]] = {}
         self._pool = ThreadPoolExecutor(max_workers=2)
         self._hashes: dict[str, Future[str]] = {}
         self._syncs: list[Future[None]] = []
+
+    @staticmethod
+    def temporary_name(final: Path) -> Path:
+        return final.parent / f".{final.name}{_PARTIAL}{uuid.uuid4().hex[:8]}"
 
     def _record(self, name: str) -> None:
         path = self.directory / name
@@ -196,15 +203,20 @@ class CheckpointWriter:
         path.write_text(json.dumps(value, indent=1, sort_keys=True))
         self._record(name)
 
-    def commit(self, **manifest: Any) -> Path:
-        """Write the manifest last, fsync, and rename into place; an older directory of the same name is replaced
-        only after the new one is complete."""
+    def finish(self) -> dict[str, dict[str, Any]]:
+        """Wait until this writer's files are durable and hashed; their manifest entries."""
         for future in self._syncs:
             future.result()
         for name, digest in self._hashes.items():
             self.files[name]["sha256"] = digest.result()
         self._pool.shutdown()
-        document = {"format_version": FORMAT_VERSION, **manifest, "files": self.files}
+        return self.files
+
+    def commit(self, files: dict[str, dict[str, Any]] | None = None, **manifest: Any) -> Path:
+        """Write the manifest last (listing this writer's files, and ``files`` written by other ranks), fsync,
+        and rename into place; an older directory of the same name is replaced only after the new one is
+        complete."""
+        document = {"format_version": FORMAT_VERSION, **manifest, "files": {**self.finish(), **(files or {})}}
         (self.directory / MANIFEST).write_text(json.dumps(document, indent=1, sort_keys=True))
         _fsync_path(self.directory / MANIFEST)
         _fsync_path(self.directory)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 
 from cadence.strategies.base import ReduceOp, Strategy
+from cadence.strategies.distributed import DEFAULT_TIMEOUT, torchrun_world_size
 from cadence.strategies.single import SingleDevice
 
 __all__ = ["ReduceOp", "SingleDevice", "Strategy", "resolve_device", "resolve_strategy"]
@@ -36,10 +39,23 @@ def resolve_device(accelerator: str | torch.device) -> torch.device:
     return device
 
 
-def resolve_strategy(strategy: str | Strategy, accelerator: str | torch.device) -> Strategy:
-    """The strategy object for ``Engine(strategy=..., accelerator=...)``."""
+def resolve_strategy(
+    strategy: str | Strategy, accelerator: str | torch.device, timeout: timedelta = DEFAULT_TIMEOUT
+) -> Strategy:
+    """The strategy object for ``Engine(strategy=..., accelerator=...)``: ``"auto"`` is DDP when torchrun's
+    environment says ``WORLD_SIZE > 1``, else one device."""
     if isinstance(strategy, Strategy):
         return strategy
-    if strategy in ("auto", "single"):
+    if strategy == "auto":
+        strategy = "ddp" if torchrun_world_size() > 1 else "single"
+    if strategy == "single":
         return SingleDevice(resolve_device(accelerator))
-    raise ValueError(f"Unknown strategy {strategy!r}. Use 'auto' or 'single', or pass a cadence Strategy instance.")
+    if strategy in ("ddp", "fsdp"):
+        from cadence.strategies.ddp import DDPStrategy
+        from cadence.strategies.fsdp import FSDPStrategy
+
+        device_type = resolve_device(accelerator).type
+        return (DDPStrategy if strategy == "ddp" else FSDPStrategy)(device_type, timeout)
+    raise ValueError(
+        f"Unknown strategy {strategy!r}. Use 'auto', 'single', 'ddp' or 'fsdp', or pass a cadence Strategy instance."
+    )

@@ -17,6 +17,9 @@ class Strategy(ABC):
     """One backend. Siblings implement it; nothing outside ``strategies/`` branches on which one is active."""
 
     name: str
+    replaces_parameters = False
+    """True when ``setup_module`` swaps the module's parameters for new ones (FSDP2), so optimizers built before
+    must be re-pointed at them."""
 
     @property
     @abstractmethod
@@ -66,6 +69,10 @@ class Strategy(ABC):
 
     @abstractmethod
     def broadcast_object(self, obj: Any, src: int = 0) -> Any: ...
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """``obj`` from every rank, in rank order."""
+        return [obj]
 
     @abstractmethod
     def barrier(self) -> None: ...

@@ -64,6 +64,9 @@ class FakeStrategy(Strategy):
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         return obj
 
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj] * self._world_size
+
     def barrier(self) -> None:
         pass
 

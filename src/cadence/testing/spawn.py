@@ -1,0 +1,89 @@
+"""``spawn(world_size, fn, *args)``: run ``fn`` on ``world_size`` CPU processes wired like torchrun's workers
+(``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``), for gloo tests."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], results: Any) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        # Plain pickle bytes: the queue's own pickler would pass tensors as shared memory handles, which die
+        # with this process before the parent reads them.
+        results.put((rank, True, pickle.dumps(fn(*args))))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+        raise SystemExit(1) from None
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 180.0) -> list[Any]:
+    """Run ``fn(*args)`` on every rank and return the results in rank order.
+
+    ``fn`` must be importable (a module-level function). If a rank raises, the others are stopped and a
+    ``RuntimeError`` carries that rank's traceback; a job still running after ``timeout`` seconds is stopped too.
+    """
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    port = _free_port()
+    processes = [
+        context.Process(target=_worker, args=(rank, world_size, port, fn, args, results), daemon=True)
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    outcomes: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outcomes) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(
+                    f"spawn: ranks {sorted(set(range(world_size)) - set(outcomes))} still running "
+                    f"after {timeout:.0f} s."
+                )
+            try:
+                rank, ok, value = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
+                if dead and results.empty():
+                    raise RuntimeError(f"spawn: a rank died without reporting (exit codes {dead}).") from None
+                continue
+            if not ok:
+                raise RuntimeError(f"spawn: rank {rank} failed:\n{value}")
+            outcomes[rank] = pickle.loads(value)  # results of our own child processes, not files from disk
+    finally:
+        for process in processes:
+            process.join(timeout=10 if len(outcomes) == world_size else 0.1)
+            if process.is_alive():
+                process.kill()
+                process.join()
+    return [outcomes[rank] for rank in range(world_size)]

@@ -1,0 +1,101 @@
+"""DDP on 2 CPU ranks with gloo: gradients equal a single process's, accumulation with no_sync equals syncing
+every micro-step, checkpoints move between world sizes in the global sample order, gather_for_metrics drops
+padding, collectives are real."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+import cadence
+from cadence.data import ResumableBatchSampler
+from cadence.testing.spawn import spawn
+from tests.distributed import workers
+
+pytestmark = pytest.mark.slow
+
+
+def test_collectives_are_real() -> None:
+    results = spawn(2, workers.collectives)
+    assert [r["gather"] for r in results] == [[0, 0, 1, 1]] * 2
+    assert [(r["mean"], r["sum"], r["max"]) for r in results] == [(0.5, 1.0, 1.0)] * 2
+    assert [r["broadcast"] for r in results] == [{"from": 0}] * 2
+    assert [r["main"] for r in results] == [True, False]
+
+
+def test_ddp_gradients_equal_a_single_process_at_every_step() -> None:
+    steps, per_rank = 4, 4
+    results = spawn(2, workers.ddp_gradients, steps, per_rank)
+    # Ground truth: one process on the same global batches (the sampler's order, 2 x 4 samples a step).
+    sampler = ResumableBatchSampler(workers.SAMPLES, per_rank * 2, shuffle=True, drop_last=False, seed=0)
+    net = workers.model()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    data = workers.dataset()
+    for step, indices in zip(range(steps), sampler, strict=False):
+        inputs, targets, ids = data[indices]
+        assert results[0]["ids"][step] == ids.tolist()  # the ranks together saw exactly this global batch
+        nn.functional.mse_loss(net(inputs), targets).backward()
+        for rank in range(2):
+            for ours, expected in zip(results[rank]["gradients"][step], net.parameters(), strict=True):
+                torch.testing.assert_close(ours, expected.grad, rtol=1e-6, atol=1e-7)
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def test_accumulation_with_no_sync_equals_syncing_every_micro_step() -> None:
+    with_no_sync = spawn(2, workers.accumulate, True)
+    always_sync = spawn(2, workers.accumulate, False)
+    for rank in range(2):
+        for a, b in zip(with_no_sync[rank], always_sync[rank], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    for a, b in zip(with_no_sync[0], with_no_sync[1], strict=True):
+        assert torch.equal(a, b)  # replicas stay identical
+
+
+@pytest.mark.parametrize(("saved_with", "resumed_with"), [(2, 2), (2, 1), (1, 2)])
+def test_checkpoint_resumes_the_global_sample_order_across_world_sizes(
+    tmp_path: Path, saved_with: int, resumed_with: int
+) -> None:
+    directory = str(tmp_path / "checkpoint")
+    global_batch = 8
+    saved = run(saved_with, workers.train_and_save, directory, 3, global_batch // saved_with)
+    resumed = run(resumed_with, workers.resume, directory, global_batch // resumed_with)
+    assert resumed[0]["after"] == saved[0]["after"], "the resumed run saw another sample order"
+    assert len(saved[0]["after"]) == 2 * workers.SAMPLES - 3 * global_batch  # no sample repeated or skipped
+    for rank in range(resumed_with):
+        for a, b in zip(resumed[rank]["weights"], saved[0]["weights"], strict=True):
+            assert torch.equal(a, b)
+
+
+def run(world_size: int, fn: Any, *args: Any) -> list[Any]:
+    if world_size == 1:
+        return [fn(*args, "single")]
+    return spawn(world_size, fn, *args)
+
+
+def test_gather_for_metrics_drops_the_padding_of_an_uneven_last_batch() -> None:
+    results = spawn(2, workers.evaluate_uneven, 11, 3)  # 11 samples: global batches of 6, then 5 (+1 padding)
+    assert results[0] == results[1] == list(range(11))
+
+
+def test_auto_is_ddp_under_torchrun_and_single_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert cadence.Engine(accelerator="cpu").strategy.name == "single"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for name in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(RuntimeError, match="needs a torchrun environment.*cadence launch --nproc-per-node"):
+        cadence.Engine(accelerator="cpu")
+
+
+def test_a_sampler_cadence_cannot_shard_is_refused() -> None:
+    from cadence.data import check_shardable
+
+    sampler = torch.utils.data.WeightedRandomSampler([1.0] * 4, 4)
+    with pytest.raises(ValueError, match="cannot be split across ranks"):
+        check_shardable(DataLoader(workers.dataset(4), batch_size=2, sampler=sampler))

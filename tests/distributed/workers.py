@@ -1,0 +1,157 @@
+"""Functions each rank runs under ``cadence.testing.spawn`` (module level, so spawned processes import them)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import cadence
+from cadence.callbacks import GradientAccumulation
+from cadence.strategies.ddp import DDPStrategy
+
+SAMPLES = 32
+
+
+def dataset(samples: int = SAMPLES) -> TensorDataset:
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.arange(samples)
+    return TensorDataset(
+        torch.randn(samples, 4, generator=generator), torch.randn(samples, 2, generator=generator), ids
+    )
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+class GradientRecorder(cadence.Callback):
+    def __init__(self) -> None:
+        self.gradients: list[list[torch.Tensor]] = []
+
+    def on_before_optimizer_step(self, engine: cadence.Engine) -> None:
+        self.gradients.append([p.grad.detach().clone() for p in engine.unwrap_model(engine.models[0]).parameters()])
+
+
+def ddp_gradients(steps: int, batch_size: int) -> dict[str, Any]:
+    recorder = GradientRecorder()
+    engine = cadence.Engine(accelerator="cpu", strategy="ddp", seed=0, callbacks=[recorder], progress_bar=False)
+    net, optimizer, data = engine.prepare(
+        model(), torch.optim.SGD(model().parameters(), lr=0.1), DataLoader(dataset(), batch_size, shuffle=True)
+    )
+    optimizer = engine.prepare(torch.optim.SGD(net.parameters(), lr=0.1))
+    ids = []
+    for inputs, targets, sample_ids in data:
+        with engine.accumulate(net):
+            engine.backward(nn.functional.mse_loss(net(inputs), targets))
+            optimizer.step()
+            optimizer.zero_grad()
+        ids.append(engine.gather(sample_ids).tolist())
+        if engine.state.step == steps:
+            break
+    return {"gradients": recorder.gradients, "ids": ids, "rank": engine.rank, "world_size": engine.world_size}
+
+
+class AlwaysSync(DDPStrategy):
+    """DDP that all-reduces on every micro-step: the reference for accumulation with no_sync."""
+
+    def no_backward_sync(self, module: nn.Module) -> Any:
+        from contextlib import nullcontext
+
+        return nullcontext()
+
+
+def accumulate(no_sync: bool) -> list[torch.Tensor]:
+    strategy = "ddp" if no_sync else AlwaysSync("cpu")
+    engine = cadence.Engine(
+        accelerator="cpu", strategy=strategy, seed=0, callbacks=[GradientAccumulation(4)], progress_bar=False
+    )
+    net = model()
+    net, optimizer, data = engine.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1), DataLoader(dataset(), 2))
+    for inputs, targets, _ in data:
+        with engine.accumulate(net):
+            engine.backward(nn.functional.mse_loss(net(inputs), targets))
+            optimizer.step()
+            optimizer.zero_grad()
+    return [p.detach().clone() for p in engine.unwrap_model(net).parameters()]
+
+
+def train_and_save(directory: str, save_after: int, batch_size: int, strategy: str = "auto") -> dict[str, Any]:
+    """Train, saving after ``save_after`` optimizer steps; return the global sample ids seen after the save and
+    the weights at the save."""
+    engine = cadence.Engine(accelerator="cpu", strategy=strategy, seed=5, progress_bar=False)
+    net = model()
+    net, optimizer, data = engine.prepare(
+        net, torch.optim.AdamW(net.parameters(), lr=0.01), DataLoader(dataset(), batch_size, shuffle=True)
+    )
+    after: list[int] = []
+    weights: list[torch.Tensor] = []
+    for epoch in range(2):
+        for inputs, targets, ids in data:
+            with engine.accumulate(net):
+                engine.backward(nn.functional.mse_loss(net(inputs), targets))
+                optimizer.step()
+                optimizer.zero_grad()
+            if weights:
+                after.extend(engine.gather(ids).tolist())
+            if engine.state.step == save_after and not weights:
+                engine.save_state(directory)
+                weights = [p.detach().clone() for p in engine.unwrap_model(net).parameters()]
+    return {"after": after, "weights": weights}
+
+
+def resume(directory: str, batch_size: int, strategy: str = "auto") -> dict[str, Any]:
+    """Load the checkpoint and train on; return the global sample ids seen and the weights right after loading."""
+    engine = cadence.Engine(accelerator="cpu", strategy=strategy, seed=5, progress_bar=False)
+    net = model()
+    net, optimizer, data = engine.prepare(
+        net, torch.optim.AdamW(net.parameters(), lr=0.01), DataLoader(dataset(), batch_size, shuffle=True)
+    )
+    engine.load_state(directory)
+    weights = [p.detach().clone() for p in engine.unwrap_model(net).parameters()]
+    seen: list[int] = []
+    while data.epoch < 2:
+        for inputs, targets, ids in data:
+            with engine.accumulate(net):
+                engine.backward(nn.functional.mse_loss(net(inputs), targets))
+                optimizer.step()
+                optimizer.zero_grad()
+            seen.extend(engine.gather(ids).tolist())
+    return {"after": seen, "weights": weights}
+
+
+def evaluate_uneven(samples: int, batch_size: int) -> list[int]:
+    engine = cadence.Engine(accelerator="cpu", strategy="ddp", progress_bar=False)
+    net, data = engine.prepare(model(), DataLoader(dataset(samples), batch_size))
+    net.eval()
+    gathered: list[int] = []
+    with torch.no_grad():
+        for inputs, _, ids in data:
+            outputs = engine.gather_for_metrics(net(inputs))
+            ids = engine.gather_for_metrics(ids)
+            assert len(outputs) == len(ids)
+            gathered.extend(ids.tolist())
+    return gathered
+
+
+def collectives() -> dict[str, Any]:
+    engine = cadence.Engine(accelerator="cpu", strategy="ddp", progress_bar=False, timeout=timedelta(seconds=60))
+    rank = torch.tensor(float(engine.rank))
+    return {
+        "gather": engine.gather(torch.tensor([engine.rank, engine.rank])).tolist(),
+        "mean": engine.reduce(rank).item(),
+        "sum": engine.reduce(rank, op="sum").item(),
+        "max": engine.reduce(rank, op="max").item(),
+        "broadcast": engine.broadcast_object({"from": engine.rank}),
+        "main": engine.is_main_process,
+        "device": str(engine.device),
+    }
+
+
+def path(directory: str) -> Path:
+    return Path(directory)
