@@ -89,7 +89,7 @@ def test_auto_is_ddp_under_torchrun_and_single_otherwise(monkeypatch: pytest.Mon
     monkeypatch.setenv("WORLD_SIZE", "2")
     for name in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
-    with pytest.raises(RuntimeError, match="needs a torchrun environment.*cadence launch --nproc-per-node"):
+    with pytest.raises(RuntimeError, match=r"needs a torchrun environment.*cadence launch --nproc-per-node"):
         cadence.Engine(accelerator="cpu")
 
 

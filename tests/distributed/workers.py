@@ -91,7 +91,7 @@ def train_and_save(directory: str, save_after: int, batch_size: int, strategy: s
     )
     after: list[int] = []
     weights: list[torch.Tensor] = []
-    for epoch in range(2):
+    for _ in range(2):
         for inputs, targets, ids in data:
             with engine.accumulate(net):
                 engine.backward(nn.functional.mse_loss(net(inputs), targets))
