@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import cadence
-from cadence.callbacks import GradientAccumulation
+from cadence.callbacks import GradientAccumulation, GradientClipping
 from cadence.strategies.ddp import DDPStrategy
 
 SAMPLES = 32
@@ -101,8 +101,15 @@ def train_and_save(directory: str, save_after: int, batch_size: int, strategy: s
                 after.extend(engine.gather(ids).tolist())
             if engine.state.step == save_after and not weights:
                 engine.save_state(directory)
-                weights = [p.detach().clone() for p in engine.unwrap_model(net).parameters()]
+                weights = full_weights(engine, net)
     return {"after": after, "weights": weights}
+
+
+def full_weights(engine: cadence.Engine, net: nn.Module) -> list[torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    parameters = engine.unwrap_model(net).parameters()
+    return [(p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for p in parameters]
 
 
 def resume(directory: str, batch_size: int, strategy: str = "auto") -> dict[str, Any]:
@@ -113,7 +120,7 @@ def resume(directory: str, batch_size: int, strategy: str = "auto") -> dict[str,
         net, torch.optim.AdamW(net.parameters(), lr=0.01), DataLoader(dataset(), batch_size, shuffle=True)
     )
     engine.load_state(directory)
-    weights = [p.detach().clone() for p in engine.unwrap_model(net).parameters()]
+    weights = full_weights(engine, net)
     seen: list[int] = []
     while data.epoch < 2:
         for inputs, targets, ids in data:
@@ -155,3 +162,28 @@ def collectives() -> dict[str, Any]:
 
 def path(directory: str) -> Path:
     return Path(directory)
+
+
+def fsdp_losses(steps: int, per_rank: int) -> dict[str, Any]:
+    """FSDP2-sharded training; the loss averaged over ranks at each step, and the full weights at the end."""
+    from torch.distributed.tensor import DTensor
+
+    engine = cadence.Engine(
+        accelerator="cpu", strategy="fsdp", seed=0, callbacks=[GradientClipping(max_norm=0.5)], progress_bar=False
+    )
+    net = model()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=0.01)
+    net, optimizer, data = engine.prepare(net, optimizer, DataLoader(dataset(), per_rank, shuffle=True))
+    losses = []
+    for inputs, targets, _ in data:
+        with engine.accumulate(net):
+            loss = nn.functional.mse_loss(net(inputs), targets)
+            engine.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(engine.reduce(loss.detach()).item())
+        if engine.state.step == steps:
+            break
+    weights = [p.full_tensor() if isinstance(p, DTensor) else p for p in net.parameters()]
+    sharded = all(isinstance(p, DTensor) for p in net.parameters())
+    return {"losses": losses, "weights": [w.detach().clone() for w in weights], "sharded": sharded}

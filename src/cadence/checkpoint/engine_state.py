@@ -21,6 +21,7 @@ from cadence.checkpoint.rng import capture_rng_states, restore_rng_states
 
 if TYPE_CHECKING:
     from cadence.engine import Engine
+    from cadence.wrappers import PreparedOptimizer
 
 SHARED_JSON = "state.json"
 SHARED_TENSORS = "state.safetensors"
@@ -54,8 +55,11 @@ def save_engine_state(engine: Engine, directory: Path, checkpoint_number: int) -
     if not main:
         writer = CheckpointWriter(directory, temporary)
     try:
+        # Every rank gathers (a collective under FSDP); the main rank writes.
+        models = [_model_state(engine, model) for model in engine.models]
+        optimizers = [_optimizer_state(engine, optimizer) for optimizer in engine.optimizers]
         if main:
-            _write_shared(engine, writer, checkpoint_number)
+            _write_shared(engine, writer, checkpoint_number, models, optimizers)
         _write_rank(engine, writer)
         files = strategy.all_gather_object(writer.finish())
         committed = directory
@@ -78,12 +82,38 @@ def _created(directory: Path) -> Path:
     return directory
 
 
-def _write_shared(engine: Engine, writer: CheckpointWriter, checkpoint_number: int) -> None:
-    models = []
-    for index, model in enumerate(engine.models):
+def _owner(engine: Engine, optimizer: PreparedOptimizer) -> nn.Module | None:
+    """The prepared model whose parameters this optimizer updates (``None`` when they span several)."""
+    wanted = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for model in engine.models:
         user_model = engine.unwrap_model(model)
-        aliases = writer.write_tensors(_model_file(index), user_model.state_dict())
-        grads = {name: p.grad for name, p in user_model.named_parameters() if p.grad is not None}
+        if wanted <= {id(p) for p in user_model.parameters()}:
+            return user_model
+    return None
+
+
+def _model_state(engine: Engine, model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    user_model = engine.unwrap_model(model)
+    return engine.strategy.model_state_dict(user_model), engine.strategy.gradients(user_model)
+
+
+def _optimizer_state(engine: Engine, optimizer: PreparedOptimizer) -> dict[str, Any]:
+    owner = _owner(engine, optimizer)
+    if owner is None:
+        return {"keyed_by": "index", "state": optimizer.state_dict()}
+    return {"keyed_by": "name", "state": engine.strategy.optimizer_state_dict(owner, optimizer.optimizer)}
+
+
+def _write_shared(
+    engine: Engine,
+    writer: CheckpointWriter,
+    checkpoint_number: int,
+    model_states: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]],
+    optimizer_states: list[dict[str, Any]],
+) -> None:
+    models = []
+    for index, (weights, grads) in enumerate(model_states):
+        aliases = writer.write_tensors(_model_file(index), weights)
         if grads:
             writer.write_tensors(_grad_file(index), grads)
         models.append({"aliases": aliases, "grads": bool(grads)})
@@ -92,7 +122,7 @@ def _write_shared(engine: Engine, writer: CheckpointWriter, checkpoint_number: i
         "checkpoint_number": checkpoint_number,
         "counters": engine.state.counters(),
         "models": models,
-        "optimizers": [encode(o.state_dict(), tensors, f"optimizer_{i}") for i, o in enumerate(engine.optimizers)],
+        "optimizers": [encode(state, tensors, f"optimizer_{i}") for i, state in enumerate(optimizer_states)],
         "schedulers": [encode(s.state_dict(), tensors, f"scheduler_{i}") for i, s in enumerate(engine.schedulers)],
         "callbacks": {cb.state_key: encode(cb.state_dict(), tensors, cb.state_key) for cb in engine.callbacks},
         "registered": [encode(o.state_dict(), tensors, f"registered_{i}") for i, o in enumerate(engine.registered)],
@@ -190,11 +220,21 @@ def load_engine_state(engine: Engine, directory: Path) -> dict[str, Any]:
 
     # Every check passed: apply.
     for user_model, weights, grads in model_states:
-        user_model.load_state_dict(weights)
+        engine.strategy.load_model_state_dict(user_model, weights)
         for name, parameter in user_model.named_parameters():
             parameter.grad = grads[name].to(parameter.device) if name in grads else None
     for optimizer, saved in zip(engine.optimizers, shared["optimizers"], strict=True):
-        optimizer.load_state_dict(decode(saved, tensors))
+        entry = decode(saved, tensors)
+        owner = _owner(engine, optimizer)
+        if entry["keyed_by"] == "name" and owner is not None:
+            engine.strategy.load_optimizer_state_dict(owner, optimizer.optimizer, entry["state"])
+        elif entry["keyed_by"] == "index":
+            optimizer.load_state_dict(entry["state"])
+        else:
+            raise CheckpointError(
+                "The checkpoint keys this optimizer's state by parameter name, but its parameters now span several "
+                "models; prepare the optimizers as the run that saved it did."
+            )
     for scheduler, saved in zip(engine.schedulers, shared["schedulers"], strict=True):
         scheduler.load_state_dict(decode(saved, tensors))
         scheduler.resync()

@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 ReduceOp = Literal["mean", "sum", "max", "min"]
 
@@ -76,6 +77,27 @@ class Strategy(ABC):
 
     @abstractmethod
     def barrier(self) -> None: ...
+
+    # --- checkpoints: every rank calls these (they may be collectives); the main rank writes what they return.
+    def model_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """The user module's full state dict."""
+        return module.state_dict()
+
+    def load_model_state_dict(self, module: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+        module.load_state_dict(state_dict)
+
+    def optimizer_state_dict(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The optimizer's full state, keyed by parameter name (so any sharding of the same model can load it)."""
+        return get_optimizer_state_dict(module, optimizer)
+
+    def load_optimizer_state_dict(
+        self, module: nn.Module, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
+    ) -> None:
+        set_optimizer_state_dict(module, optimizer, state_dict)
+
+    def gradients(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """Gradients accumulated so far (a checkpoint taken mid-accumulation-window carries them)."""
+        return {name: p.grad for name, p in module.named_parameters() if p.grad is not None}
 
     def teardown(self) -> None:  # noqa: B027 - optional: most strategies hold nothing to release
         """Release what the strategy set up (process groups)."""

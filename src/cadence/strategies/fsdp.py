@@ -4,10 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
@@ -20,6 +27,8 @@ class FSDPStrategy(DistributedStrategy):
 
     ``fully_shard`` replaces the module's parameters with sharded ones, so optimizers must be built on them:
     ``engine.prepare(model, optimizer)`` re-points an optimizer made earlier (``replaces_parameters``).
+    Checkpoints gather full model and optimizer state dicts (every rank takes part, the main rank writes them), so
+    any number of ranks, or one process, can load them.
     """
 
     name = "fsdp"
@@ -43,6 +52,31 @@ class FSDPStrategy(DistributedStrategy):
         # With DTensor gradients the norm is computed over every shard (a collective), then made whole.
         norm = torch.nn.utils.clip_grad_norm_(list(parameters), max_norm, norm_type=norm_type)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+    def model_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        return cast(dict[str, torch.Tensor], get_model_state_dict(module, options=_FULL))
+
+    def load_model_state_dict(self, module: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+        set_model_state_dict(module, cast(dict[str, Any], state_dict), options=_FULL)
+
+    def optimizer_state_dict(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return get_optimizer_state_dict(module, optimizer, options=_FULL)
+
+    def load_optimizer_state_dict(
+        self, module: nn.Module, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
+    ) -> None:
+        set_optimizer_state_dict(module, optimizer, state_dict, options=_FULL)
+
+    def gradients(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        if any(p.grad is not None for p in module.parameters()):
+            raise RuntimeError(
+                "An FSDP checkpoint is taken between optimizer steps, but gradients are accumulated (mid-window). "
+                "Save at a step boundary: Checkpoint(every_n_steps=...) does."
+            )
+        return {}
+
+
+_FULL = StateDictOptions(full_state_dict=True)
 
 
 @contextmanager

@@ -1,0 +1,54 @@
+"""FSDP2 on 2 CPU ranks: parameters really sharded, losses and weights equal a single process within float
+tolerance (the sharded all-reduce and clipping norm sum in another order than one process does)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from cadence.data import ResumableBatchSampler
+from cadence.testing.spawn import spawn
+from tests.distributed import workers
+
+pytestmark = pytest.mark.slow
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def test_fsdp_losses_and_weights_match_a_single_process() -> None:
+    steps, per_rank = 6, 4
+    results = spawn(2, workers.fsdp_losses, steps, per_rank)
+    assert all(result["sharded"] for result in results)
+
+    net = workers.model()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=0.01)
+    sampler = ResumableBatchSampler(workers.SAMPLES, per_rank * 2, shuffle=True, drop_last=False, seed=0)
+    data = workers.dataset()
+    expected = []
+    for _, indices in zip(range(steps), sampler, strict=False):
+        inputs, targets, _ = data[indices]
+        loss = nn.functional.mse_loss(net(inputs), targets)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+        expected.append(loss.item())
+    for result in results:
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(expected), **TOLERANCE)
+        for ours, theirs in zip(result["weights"], net.parameters(), strict=True):
+            torch.testing.assert_close(ours, theirs.detach(), **TOLERANCE)
+
+
+@pytest.mark.parametrize(("resumed_with", "strategy"), [(2, "fsdp"), (1, "single"), (2, "ddp")])
+def test_fsdp_checkpoint_loads_on_any_world_size_and_strategy(tmp_path: Path, resumed_with: int, strategy: str) -> None:
+    directory = str(tmp_path / "checkpoint")
+    saved = spawn(2, workers.train_and_save, directory, 3, 4, "fsdp")
+    if resumed_with == 1:
+        resumed = [workers.resume(directory, 8, strategy)]
+    else:
+        resumed = spawn(resumed_with, workers.resume, directory, 8 // resumed_with, strategy)
+    assert resumed[0]["after"] == saved[0]["after"]
+    for a, b in zip(resumed[0]["weights"], saved[0]["weights"], strict=True):
+        assert torch.equal(a, b)

@@ -1,0 +1,61 @@
+"""The ``cadence`` command: env, launch (through torchrun) and checkpoint verify/inspect."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cadence.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+CADENCE = [sys.executable, "-m", "cadence.cli"]
+
+
+def test_env_reports_versions_devices_and_backends(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert "torch " in out and "torchdata " in out and "distributed         gloo" in out
+
+
+def test_usage_and_unknown_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 2
+    assert main(["--help"]) == 0 and "cadence launch" in capsys.readouterr().out
+    assert main(["teleport"]) == 2 and "unknown command 'teleport'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_launch_runs_the_distributed_example_on_two_ranks(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [*CADENCE, "launch", "--nproc-per-node", "2", str(ROOT / "examples" / "distributed.py"),
+         "--epochs", "1", "--project-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "2 process(es), strategy ddp" in result.stdout
+    assert "32 optimizer steps, each on 128 samples" in result.stdout and "on all 1001 eval samples" in result.stdout
+    assert result.stdout.count("accuracy") == 1  # printed by the main process only
+
+    checkpoint = tmp_path / "checkpoints" / "checkpoint_0"
+    assert main(["checkpoint", "verify", str(checkpoint)]) == 0
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    assert {"rank_0.json", "rank_1.json", "model_0.safetensors"} <= set(manifest["files"])
+    assert manifest["world_size"] == 2
+    (checkpoint / "rank_1.json").write_text("{}")
+    assert main(["checkpoint", "verify", str(checkpoint)]) == 1
+
+
+@pytest.mark.slow
+def test_a_rank_that_raises_fails_the_job_instead_of_hanging() -> None:
+    started = time.monotonic()
+    result = subprocess.run(
+        [*CADENCE, "launch", "--nproc-per-node", "2", str(ROOT / "tests" / "failing_rank.py")],
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "rank 1 failed on purpose" in result.stdout + result.stderr
+    assert time.monotonic() - started < 120
