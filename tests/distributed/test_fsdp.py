@@ -3,6 +3,7 @@ tolerance (the sharded all-reduce and clipping norm sum in another order than on
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,12 @@ def test_fsdp_losses_and_weights_match_a_single_process() -> None:
 def test_fsdp_checkpoint_loads_on_any_world_size_and_strategy(tmp_path: Path, resumed_with: int, strategy: str) -> None:
     directory = str(tmp_path / "checkpoint")
     saved = spawn(2, workers.train_and_save, directory, 3, 4, "fsdp")
+    files = json.loads((tmp_path / "checkpoint" / "manifest.json").read_text())["files"]
+    for kind in ("model_0", "optimizer_0"):  # every rank wrote its own shard of model and optimizer state
+        assert {name.split("/")[-1] for name in files if name.startswith(f"{kind}.shards/")} == {
+            "shard-00001-model-00001-of-00001.safetensors",
+            "shard-00002-model-00001-of-00001.safetensors",
+        }
     if resumed_with == 1:
         resumed = [workers.resume(directory, 8, strategy)]
     else:

@@ -18,6 +18,14 @@ from torch import nn
 from cadence.checkpoint.codec import decode, encode
 from cadence.checkpoint.files import CheckpointError, CheckpointReader, CheckpointWriter
 from cadence.checkpoint.rng import capture_rng_states, restore_rng_states
+from cadence.checkpoint.sharded import (
+    load_model_shards,
+    load_optimizer_shards,
+    model_shapes,
+    save_model_shards,
+    save_optimizer_shards,
+    saved_shapes,
+)
 
 if TYPE_CHECKING:
     from cadence.engine import Engine
@@ -55,9 +63,16 @@ def save_engine_state(engine: Engine, directory: Path, checkpoint_number: int) -
     if not main:
         writer = CheckpointWriter(directory, temporary)
     try:
-        # Every rank gathers (a collective under FSDP); the main rank writes.
-        models = [_model_state(engine, model) for model in engine.models]
-        optimizers = [_optimizer_state(engine, optimizer) for optimizer in engine.optimizers]
+        if strategy.shards_checkpoints:
+            # Every rank writes its shards of model and optimizer state itself.
+            models: list[Any] = [
+                _save_model_shards(engine, model, writer, index) for index, model in enumerate(engine.models)
+            ]
+            optimizers = [_save_optimizer_shards(engine, o, writer, index) for index, o in enumerate(engine.optimizers)]
+        else:
+            # Every rank takes part in gathering full state dicts; the main rank writes them.
+            models = [_model_state(engine, model) for model in engine.models]
+            optimizers = [_optimizer_state(engine, optimizer) for optimizer in engine.optimizers]
         if main:
             _write_shared(engine, writer, checkpoint_number, models, optimizers)
         _write_rank(engine, writer)
@@ -104,19 +119,49 @@ def _optimizer_state(engine: Engine, optimizer: PreparedOptimizer) -> dict[str, 
     return {"keyed_by": "name", "state": engine.strategy.optimizer_state_dict(owner, optimizer.optimizer)}
 
 
+def _save_model_shards(engine: Engine, model: nn.Module, writer: CheckpointWriter, index: int) -> str:
+    user_model = engine.unwrap_model(model)
+    engine.strategy.gradients(user_model)  # refuses a save mid-accumulation-window
+    save_model_shards(user_model, writer.directory / _shard_directory("model", index))
+    return "sharded"
+
+
+def _save_optimizer_shards(engine: Engine, optimizer: PreparedOptimizer, writer: CheckpointWriter, index: int) -> Any:
+    owner = _owner(engine, optimizer)
+    if owner is None:
+        raise CheckpointError(
+            "A sharded checkpoint saves each optimizer with the model it updates, but this optimizer's parameters "
+            "span several models: give each model its own optimizer."
+        )
+    rest = save_optimizer_shards(owner, optimizer.optimizer, writer.directory / _shard_directory("optimizer", index))
+    return {"keyed_by": "shards", "state": rest}
+
+
+def _shard_directory(kind: str, index: int) -> str:
+    return f"{kind}_{index}.shards"
+
+
 def _write_shared(
     engine: Engine,
     writer: CheckpointWriter,
     checkpoint_number: int,
-    model_states: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]],
+    model_states: list[Any],
     optimizer_states: list[dict[str, Any]],
 ) -> None:
-    models = []
-    for index, (weights, grads) in enumerate(model_states):
+    models: list[dict[str, Any]] = []
+    for index, model_state in enumerate(model_states):
+        if model_state == "sharded":
+            writer.record_tree(_shard_directory("model", index))
+            models.append({"format": "sharded", "aliases": {}, "grads": False})
+            continue
+        weights, grads = model_state
         aliases = writer.write_tensors(_model_file(index), weights)
         if grads:
             writer.write_tensors(_grad_file(index), grads)
-        models.append({"aliases": aliases, "grads": bool(grads)})
+        models.append({"format": "safetensors", "aliases": aliases, "grads": bool(grads)})
+    for index, optimizer_state in enumerate(optimizer_states):
+        if optimizer_state["keyed_by"] == "shards":
+            writer.record_tree(_shard_directory("optimizer", index))
     tensors: dict[str, torch.Tensor] = {}
     shared = {
         "checkpoint_number": checkpoint_number,
@@ -151,13 +196,17 @@ def _check_count(kind: str, saved: Sequence[Any], current: Sequence[Any]) -> Non
 
 
 def _check_model(index: int, model: nn.Module, saved: dict[str, torch.Tensor]) -> None:
-    expected = model.state_dict()
+    expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    _check_shapes(index, expected, {name: tuple(tensor.shape) for name, tensor in saved.items()})
+
+
+def _check_shapes(index: int, expected: dict[str, tuple[int, ...]], saved: dict[str, tuple[int, ...]]) -> None:
     missing = sorted(set(expected) - set(saved))
     unexpected = sorted(set(saved) - set(expected))
     mismatched = [
-        f"{name}: checkpoint {tuple(saved[name].shape)} vs model {tuple(tensor.shape)}"
-        for name, tensor in expected.items()
-        if name in saved and tuple(saved[name].shape) != tuple(tensor.shape)
+        f"{name}: checkpoint {saved[name]} vs model {shape}"
+        for name, shape in expected.items()
+        if name in saved and saved[name] != shape
     ]
     if missing or unexpected or mismatched:
         details = []
@@ -198,13 +247,22 @@ def load_engine_state(engine: Engine, directory: Path) -> dict[str, Any]:
         _check_count("registered object", shared["registered"], engine.registered)
         per_rank = reader.json(rank_json)
         _check_count("dataloader", per_rank["dataloaders"], engine.dataloaders)
-        model_states = []
+        model_states: list[tuple[nn.Module, Any, dict[str, torch.Tensor]]] = []
         for index, (model, saved) in enumerate(zip(engine.models, shared["models"], strict=True)):
             user_model = engine.unwrap_model(model)
+            if saved.get("format") == "sharded":
+                shards = _shard_directory("model", index)
+                reader.verify_tree(shards)
+                _check_shapes(index, model_shapes(user_model), saved_shapes(directory / shards))
+                model_states.append((user_model, directory / shards, {}))
+                continue
             weights = reader.tensors(_model_file(index), saved["aliases"])
             _check_model(index, user_model, weights)
             grads = reader.tensors(_grad_file(index)) if saved["grads"] else {}
             model_states.append((user_model, weights, grads))
+        for index, saved in enumerate(shared["optimizers"]):
+            if saved["keyed_by"] == "shards":
+                reader.verify_tree(_shard_directory("optimizer", index))
         tensors = reader.tensors(SHARED_TENSORS)
         rank_tensors = reader.tensors(rank_safetensors)
         manifest = reader.manifest
@@ -220,13 +278,19 @@ def load_engine_state(engine: Engine, directory: Path) -> dict[str, Any]:
 
     # Every check passed: apply.
     for user_model, weights, grads in model_states:
-        engine.strategy.load_model_state_dict(user_model, weights)
+        if isinstance(weights, Path):
+            load_model_shards(user_model, weights)
+        else:
+            engine.strategy.load_model_state_dict(user_model, weights)
         for name, parameter in user_model.named_parameters():
             parameter.grad = grads[name].to(parameter.device) if name in grads else None
-    for optimizer, saved in zip(engine.optimizers, shared["optimizers"], strict=True):
+    for index, (optimizer, saved) in enumerate(zip(engine.optimizers, shared["optimizers"], strict=True)):
         entry = decode(saved, tensors)
         owner = _owner(engine, optimizer)
-        if entry["keyed_by"] == "name" and owner is not None:
+        if entry["keyed_by"] == "shards" and owner is not None:
+            shard_path = directory / _shard_directory("optimizer", index)
+            load_optimizer_shards(owner, optimizer.optimizer, shard_path, entry["state"])
+        elif entry["keyed_by"] == "name" and owner is not None:
             engine.strategy.load_optimizer_state_dict(owner, optimizer.optimizer, entry["state"])
         elif entry["keyed_by"] == "index":
             optimizer.load_state_dict(entry["state"])

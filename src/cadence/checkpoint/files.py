@@ -198,6 +198,12 @@ class CheckpointWriter:
         self._record(name)
         return aliases
 
+    def record_tree(self, subdirectory: str) -> None:
+        """Add every file under ``subdirectory`` (written there by another library, DCP) to the manifest."""
+        for path in sorted((self.directory / subdirectory).rglob("*")):
+            if path.is_file():
+                self._record(str(path.relative_to(self.directory)))
+
     def write_json(self, name: str, value: Any) -> None:
         path = self.directory / name
         path.write_text(json.dumps(value, indent=1, sort_keys=True))
@@ -260,7 +266,7 @@ def read_manifest(directory: Path) -> dict[str, Any]:
         )
     for name, expected in manifest["files"].items():
         file = directory / name
-        if Path(name).is_absolute() or len(Path(name).parts) != 1:
+        if Path(name).is_absolute() or ".." in Path(name).parts:
             raise CheckpointCorrupted(f"{path} lists a file outside the checkpoint ({name!r}); refusing it.")
         if not file.is_file():
             raise CheckpointCorrupted(f"{directory} is missing {name}, which its manifest lists.")
@@ -317,6 +323,15 @@ class CheckpointReader:
     def _read(self, name: str) -> FileBuffer:
         pending = self._pending.pop(name, None)
         return pending.result() if pending is not None else self._read_now(name)
+
+    def verify_tree(self, subdirectory: str) -> None:
+        """Check every manifest file under ``subdirectory`` (read by another library afterwards)."""
+        names = [name for name in self.manifest["files"] if name.startswith(f"{subdirectory}/")]
+        if not names:
+            raise CheckpointCorrupted(f"{self.directory} lists no files under {subdirectory}/.")
+        self.prefetch(names)
+        for name in names:
+            self._read(name)
 
     def json(self, name: str) -> Any:
         try:

@@ -18,6 +18,9 @@ class Strategy(ABC):
     """One backend. Siblings implement it; nothing outside ``strategies/`` branches on which one is active."""
 
     name: str
+    shards_checkpoints = False
+    """True when every rank writes its own part of the model and optimizer state (DCP) instead of the main rank
+    writing full state dicts."""
     replaces_parameters = False
     """True when ``setup_module`` swaps the module's parameters for new ones (FSDP2), so optimizers built before
     must be re-pointed at them."""

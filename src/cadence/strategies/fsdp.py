@@ -27,12 +27,14 @@ class FSDPStrategy(DistributedStrategy):
 
     ``fully_shard`` replaces the module's parameters with sharded ones, so optimizers must be built on them:
     ``engine.prepare(model, optimizer)`` re-points an optimizer made earlier (``replaces_parameters``).
-    Checkpoints gather full model and optimizer state dicts (every rank takes part, the main rank writes them), so
-    any number of ranks, or one process, can load them.
+    Checkpoints are sharded: every rank writes its part through DCP (``cadence.checkpoint.sharded``), and any
+    number of ranks, or one process, reads them back resharded. A full-state checkpoint (from one process or DDP)
+    loads through ``load_model_state_dict`` / ``load_optimizer_state_dict``.
     """
 
     name = "fsdp"
     replaces_parameters = True
+    shards_checkpoints = True
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         mesh = init_device_mesh(self.device.type, (self.world_size,))
