@@ -99,3 +99,19 @@ def test_a_sampler_cadence_cannot_shard_is_refused() -> None:
     sampler = torch.utils.data.WeightedRandomSampler([1.0] * 4, 4)
     with pytest.raises(ValueError, match="cannot be split across ranks"):
         check_shardable(DataLoader(workers.dataset(4), batch_size=2, sampler=sampler))
+
+
+def test_item_count_accumulation_sums_items_across_ranks() -> None:
+    # 16 sequences, 2 per rank per micro-batch, 2 ranks, windows of 2: each step covers 8 sequences.
+    results = spawn(2, workers.item_count_accumulation, 2)
+    net = workers.token_model()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    tokens, mask = workers.token_data().tensors
+    for start in range(0, 16, 8):
+        window = slice(start, start + 8)  # the sampler's order: unshuffled, consecutive global batches
+        (workers.summed_token_loss(net, tokens[window], mask[window]) / mask[window].sum()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for rank in range(2):
+        for ours, expected in zip(results[rank], net.parameters(), strict=True):
+            torch.testing.assert_close(ours, expected.detach(), rtol=0, atol=1e-12)

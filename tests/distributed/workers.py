@@ -187,3 +187,35 @@ def fsdp_losses(steps: int, per_rank: int) -> dict[str, Any]:
     weights = [p.full_tensor() if isinstance(p, DTensor) else p for p in net.parameters()]
     sharded = all(isinstance(p, DTensor) for p in net.parameters())
     return {"losses": losses, "weights": [w.detach().clone() for w in weights], "sharded": sharded}
+
+
+def token_data(sequences: int = 16) -> TensorDataset:
+    """Padded variable-length sequences with their masks (float64, for an exact comparison)."""
+    generator = torch.Generator().manual_seed(11)
+    tokens = torch.randn(sequences, 6, 3, generator=generator, dtype=torch.float64)
+    lengths = torch.randint(1, 7, (sequences,), generator=generator)
+    mask = (torch.arange(6)[None, :] < lengths[:, None]).to(torch.float64)
+    return TensorDataset(tokens, mask)
+
+
+def token_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Linear(3, 1).to(torch.float64)
+
+
+def summed_token_loss(net: nn.Module, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (((net(tokens).squeeze(-1) - 1.0) ** 2) * mask).sum()
+
+
+def item_count_accumulation(per_rank: int) -> list[torch.Tensor]:
+    engine = cadence.Engine(accelerator="cpu", strategy="ddp", callbacks=[GradientAccumulation(2)], progress_bar=False)
+    net = token_model()
+    net, optimizer, data = engine.prepare(
+        net, torch.optim.SGD(net.parameters(), lr=0.1), DataLoader(token_data(), per_rank)
+    )
+    for tokens, mask in data:
+        with engine.accumulate(net):
+            engine.backward(summed_token_loss(net, tokens, mask), num_items=mask.sum())
+            optimizer.step()
+            optimizer.zero_grad()
+    return [p.detach().clone() for p in engine.unwrap_model(net).parameters()]
