@@ -152,6 +152,7 @@ class Engine:
                 "Keep a single MixedPrecision callback."
             )
         self._precision = precision
+        self.strategy.configure_precision(precision)
 
     def add_callback(self, callback: Callback) -> None:
         """Attach a callback after the engine was built; it runs after the existing ones."""

@@ -59,3 +59,10 @@ def test_fsdp_checkpoint_loads_on_any_world_size_and_strategy(tmp_path: Path, re
     assert resumed[0]["after"] == saved[0]["after"]
     for a, b in zip(resumed[0]["weights"], saved[0]["weights"], strict=True):
         assert torch.equal(a, b)
+
+
+def test_bf16_maps_to_fsdp_mixed_precision_policy() -> None:
+    results = spawn(2, workers.fsdp_bf16_policy)
+    for result in results:
+        assert (result["param_dtype"], result["reduce_dtype"]) == ("torch.bfloat16", "torch.float32")
+        assert result["input_dtype"] == "torch.bfloat16" and result["loss_finite"]

@@ -219,3 +219,23 @@ def item_count_accumulation(per_rank: int) -> list[torch.Tensor]:
             optimizer.step()
             optimizer.zero_grad()
     return [p.detach().clone() for p in engine.unwrap_model(net).parameters()]
+
+
+def fsdp_bf16_policy() -> dict[str, Any]:
+    from cadence.callbacks import MixedPrecision
+
+    engine = cadence.Engine(accelerator="cpu", strategy="fsdp", callbacks=[MixedPrecision("bf16")], progress_bar=False)
+    policy = engine.strategy.mixed_precision  # type: ignore[attr-defined]
+    net = model()
+    net, optimizer = engine.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    seen: list[torch.dtype] = []
+    engine.unwrap_model(net)[0].register_forward_hook(lambda module, args, output: seen.append(args[0].dtype))
+    loss = nn.functional.mse_loss(net(torch.ones(4, 4)), torch.zeros(4, 2))
+    engine.backward(loss)
+    optimizer.step()
+    return {
+        "param_dtype": str(policy.param_dtype),
+        "reduce_dtype": str(policy.reduce_dtype),
+        "input_dtype": str(seen[0]),
+        "loss_finite": bool(torch.isfinite(loss)),
+    }

@@ -41,6 +41,10 @@ class Strategy(ABC):
     def world_size(self) -> int:
         return 1
 
+    def configure_precision(self, precision: Any) -> None:  # noqa: B027 - most strategies need no cue
+        """Called when a precision plugin is installed, before any model is prepared; a strategy with its own
+        mixed precision (FSDP2's ``MixedPrecisionPolicy``) takes its cue here."""
+
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Place the module on the device and wrap it for this backend."""
         return module.to(self.device)
