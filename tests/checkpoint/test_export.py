@@ -367,8 +367,8 @@ def _two_layers() -> nn.Module:
         (lambda: nn.Sequential(nn.Linear(4, 8)), r"unexpected keys \['1\.bias', '1\.weight'\]"),
         (
             lambda: nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 5)),
-            r"shape mismatches \['1\.bias: checkpoint \(3,\) vs model \(5,\)', "
-            r"'1\.weight: checkpoint \(3, 8\) vs model \(5, 8\)'\]",
+            r"shape mismatches \['1\.weight: checkpoint \(3, 8\) vs model \(5, 8\)', "
+            r"'1\.bias: checkpoint \(3,\) vs model \(5,\)'\]",
         ),
     ],
     ids=["missing-keys", "unexpected-keys", "shape-mismatch"],

@@ -17,6 +17,7 @@ from torch import nn
 
 from cadence.checkpoint.codec import decode, encode
 from cadence.checkpoint.files import CheckpointError, CheckpointReader, CheckpointWriter
+from cadence.checkpoint.matching import mismatch
 from cadence.checkpoint.rng import capture_rng_states, restore_rng_states
 from cadence.checkpoint.sharded import (
     load_model_shards,
@@ -201,23 +202,10 @@ def _check_model(index: int, model: nn.Module, saved: dict[str, torch.Tensor]) -
 
 
 def _check_shapes(index: int, expected: dict[str, tuple[int, ...]], saved: dict[str, tuple[int, ...]]) -> None:
-    missing = sorted(set(expected) - set(saved))
-    unexpected = sorted(set(saved) - set(expected))
-    mismatched = [
-        f"{name}: checkpoint {saved[name]} vs model {shape}"
-        for name, shape in expected.items()
-        if name in saved and saved[name] != shape
-    ]
-    if missing or unexpected or mismatched:
-        details = []
-        if missing:
-            details.append(f"missing keys {missing[:10]}{' ...' if len(missing) > 10 else ''}")
-        if unexpected:
-            details.append(f"unexpected keys {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}")
-        if mismatched:
-            details.append(f"shape mismatches {mismatched[:10]}")
+    problem = mismatch(expected, saved)
+    if problem:
         raise CheckpointError(
-            f"Model {index} does not match the checkpoint ({'; '.join(details)}). It was saved from a different "
+            f"Model {index} does not match the checkpoint ({problem}). It was saved from a different "
             "architecture: build the same model as the run that saved it."
         )
 

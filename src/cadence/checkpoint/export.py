@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from cadence.checkpoint.files import CheckpointError, deduplicate
+from cadence.checkpoint.matching import mismatch
 
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -224,22 +225,10 @@ def _check_keys(model: nn.Module, targets: Mapping[str, torch.Tensor], loaded: M
     for name, tensor in targets.items():
         memory[(tensor.data_ptr(), tensor.dtype, tuple(tensor.shape))].append(name)
     tied_present = {name for names in memory.values() if any(n in loaded for n in names) for name in names}
-    missing = sorted(set(targets) - set(loaded) - tied_present)
-    unexpected = sorted(set(loaded) - set(targets))
-    mismatched = [
-        f"{name}: checkpoint {tuple(loaded[name].shape)} vs model {tuple(targets[name].shape)}"
-        for name in loaded
-        if name in targets and tuple(loaded[name].shape) != tuple(targets[name].shape)
-    ]
-    if missing or unexpected or mismatched:
-        details = []
-        if missing:
-            details.append(f"missing keys {missing[:10]}")
-        if unexpected:
-            details.append(f"unexpected keys {unexpected[:10]}")
-        if mismatched:
-            details.append(f"shape mismatches {mismatched[:10]}")
+    expected = {name: tuple(tensor.shape) for name, tensor in targets.items()}
+    problem = mismatch(expected, {name: tuple(tensor.shape) for name, tensor in loaded.items()}, tied_present)
+    if problem:
         raise CheckpointError(
-            f"The checkpoint does not fit {type(model).__name__} ({'; '.join(details)}); nothing was loaded. "
+            f"The checkpoint does not fit {type(model).__name__} ({problem}); nothing was loaded. "
             "Build the model the weights were saved from."
         )
