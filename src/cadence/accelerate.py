@@ -10,8 +10,8 @@ This adapter composes the engine with built-in callbacks, which the engine core 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
-from contextlib import AbstractContextManager
+from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -175,8 +175,13 @@ class Accelerator:
             _refuse(f"backward(**{kwargs})", "engine.backward(loss, num_items=...) takes only an item count")
         self.engine.backward(loss)
 
-    def accumulate(self, *models: nn.Module) -> AbstractContextManager[Any]:
-        return self.engine.accumulate(models[0]) if models else self.engine.accumulate(nn.Module())
+    @contextmanager
+    def accumulate(self, *models: nn.Module) -> Iterator[None]:
+        """Skip gradient sync on accumulation micro-steps for each model given (all prepared ones if none)."""
+        with ExitStack() as stack:
+            for model in models or self.engine.models:
+                stack.enter_context(self.engine.accumulate(model))
+            yield
 
     def autocast(self) -> AbstractContextManager[Any]:
         return self.engine.autocast()
