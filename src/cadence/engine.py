@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import math
 import random
 import warnings
@@ -26,6 +25,7 @@ from cadence.checkpoint.files import CheckpointCorrupted, CheckpointError
 from cadence.checkpoint.layout import CheckpointDirectory
 from cadence.data import check_shardable, draw_seed, make_batch_mover, to_stateful
 from cadence.event import Event
+from cadence.loop import run_fit
 from cadence.precision import Precision
 from cadence.state import State
 from cadence.step import TrainingStep
@@ -460,125 +460,10 @@ class Engine:
         valid checkpoint in ``project_dir/checkpoints`` (or starts fresh when there is none); a path resumes
         from that checkpoint. Returns the final ``State``.
         """
-        _check_limits(max_epochs, max_steps)
-        model, optimizer, scheduler = self._prepare_step(step)
-        train_loader = self.prepare(train_dataloader)
-        train_loader.drives_training = True
-        val_loader = None
-        if val_dataloader is not None:
-            val_loader = self.prepare(val_dataloader)
-            val_loader.drives_training = False
-        self._add_default_progress_bar()
-        if resume is not None:
-            self._resume(resume)
-        state = self.state
-        state.max_epochs, state.max_steps = max_epochs, max_steps
-        state.should_stop = max_steps is not None and state.step >= max_steps
-        self._fire(Event.FIT_START)
-        try:
-            while not state.should_stop and (max_epochs is None or train_loader.epoch < max_epochs):
-                model.train()
-                epochs_before = train_loader.epoch
-                batches = 0
-                for batch in train_loader:
-                    batches += 1
-                    with self.accumulate(model):
-                        loss, num_items = self._unpack_training_output(step.training_step(batch))
-                        self.backward(loss, num_items=num_items)
-                        optimizer.step()
-                        if scheduler is not None:
-                            scheduler.step()
-                        optimizer.zero_grad()
-                    if max_steps is not None and state.step >= max_steps:
-                        state.stop()
-                if train_loader.empty_epoch:
-                    raise RuntimeError(
-                        "The training dataloader yielded no batch: check that its dataset is not empty and that "
-                        "drop_last does not drop every sample."
-                    )
-                if val_loader is not None and batches and (train_loader.epoch > epochs_before or state.should_stop):
-                    self._validate(step, model, val_loader)
-        except BaseException as error:
-            state.exception = error
-            self._fire(Event.EXCEPTION)
-            raise
-        finally:
-            self._fire(Event.FIT_END)
-            state.exception = None
-        return state
-
-    def _resume(self, resume: str | Path) -> None:
-        if resume != "latest":
-            self.load_state(resume)
-        elif self.checkpoints.numbered():
-            self.load_state()
-        else:
-            self.print(f"resume='latest': no checkpoint in {self.checkpoints.root} yet, starting from scratch.")
-
-    def _prepare_step(self, step: TrainingStep) -> tuple[nn.Module, PreparedOptimizer, Any]:
-        if not isinstance(step, TrainingStep):
-            raise TypeError(
-                f"fit() takes a cadence.TrainingStep; got {type(step).__name__}. Subclass TrainingStep, set "
-                "self.model and self.optimizer in __init__, and define training_step(batch)."
-            )
-        for name in ("model", "optimizer"):
-            if getattr(step, name, None) is None:
-                raise ValueError(f"{type(step).__name__} has no `{name}`: set `self.{name} = ...` in its __init__.")
-        objects = [step.model, step.optimizer] + ([step.scheduler] if step.scheduler is not None else [])
-        prepared = self.prepare(*objects)
-        step.model, step.optimizer = prepared[0], prepared[1]
-        if step.scheduler is not None:
-            step.scheduler = prepared[2]
-        return step.model, step.optimizer, step.scheduler  # type: ignore[return-value]
-
-    def _unpack_training_output(self, output: Any) -> tuple[torch.Tensor, Any]:
-        if isinstance(output, torch.Tensor):
-            return output, None
-        if isinstance(output, Mapping):
-            if "loss" not in output:
-                raise ValueError(
-                    f"training_step returned a dict without 'loss' (keys: {sorted(output)}). "
-                    "Return {'loss': loss, ...}."
-                )
-            extras = {
-                key: value.detach() if isinstance(value, torch.Tensor) else value
-                for key, value in output.items()
-                if key not in ("loss", "num_items")
-            }
-            if extras:
-                self.log_dict(extras)
-            return output["loss"], output.get("num_items")
-        raise TypeError(
-            f"training_step must return the loss tensor or a dict with 'loss'; it returned "
-            f"{'None' if output is None else type(output).__name__}. Did you forget `return loss`?"
-        )
-
-    def _validate(self, step: TrainingStep, model: nn.Module, loader: PreparedDataLoader) -> None:
-        self._fire(Event.VALIDATION_START)
-        model.eval()
-        sums: dict[str, torch.Tensor] = {}
-        batches = 0
-        with torch.no_grad():
-            for batch in loader:
-                output = step.validation_step(batch)
-                metrics = output if isinstance(output, Mapping) else {"loss": output}
-                for name, value in metrics.items():
-                    value = torch.as_tensor(value, device=self.device).detach().to(torch.float64)
-                    sums[name] = sums[name] + value if name in sums else value
-                batches += 1
-        if batches:
-            self.log_dict({f"val/{name}": self.reduce(total / batches).item() for name, total in sums.items()})
-        model.train()
-        self._fire(Event.VALIDATION_END)
-
-    def _add_default_progress_bar(self) -> None:
-        if not self.progress_bar or any(getattr(cb, "shows_progress", False) for cb in self.callbacks):
-            return
-        # The engine core knows no concrete callback: the default progress bar is whatever the installed
-        # distribution registers under this entry-point group (cadence.callbacks.RichProgressBar).
-        for entry_point in importlib.metadata.entry_points(group="cadence.progress_bar"):
-            self.add_callback(entry_point.load()())
-            return
+        return run_fit(
+            self, step, train_dataloader, max_epochs=max_epochs, max_steps=max_steps,
+            val_dataloader=val_dataloader, resume=resume,
+        )  # fmt: skip
 
 
 def seed_everything(seed: int) -> None:
@@ -616,11 +501,3 @@ def _check_loss(loss: Any) -> None:
             "torch.no_grad(), detached (.item()/.detach()), or from a model whose parameters are all frozen: "
             "compute it from the prepared model's output with grad enabled."
         )
-
-
-def _check_limits(max_epochs: int | None, max_steps: int | None) -> None:
-    if max_epochs is None and max_steps is None:
-        raise ValueError("fit() needs a limit: pass max_epochs=..., max_steps=..., or both.")
-    for name, value in (("max_epochs", max_epochs), ("max_steps", max_steps)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-            raise ValueError(f"{name} must be a positive integer or None; got {value!r}.")
