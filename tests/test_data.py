@@ -115,3 +115,26 @@ def test_without_engine_seed_the_global_seed_fixes_the_order() -> None:
         return [ids(batch) for batch in data]
 
     assert order() == order()
+
+
+@pytest.mark.parametrize("stop_after", [2, 4])  # mid-epoch, and at the epoch's end
+def test_the_loader_generator_continues_as_in_an_uninterrupted_run(stop_after: int) -> None:
+    def prepared() -> Any:
+        return engine().prepare(DataLoader(ids_dataset(16), batch_size=4, shuffle=True))
+
+    straight = prepared()
+    for _ in range(3):
+        list(straight)
+    interrupted = prepared()
+    for index, _ in enumerate(interrupted):
+        if index + 1 == stop_after:
+            break
+    if stop_after == 4:
+        assert interrupted.state_dict()["batches_done"] == 4  # the pass has not ended yet: finish it
+        list(interrupted)
+    resumed = prepared()
+    resumed.load_state_dict(interrupted.state_dict())
+    while resumed.epoch < 3:
+        list(resumed)
+    # Each pass draws its workers' base seed from the loader's generator: the streams must agree.
+    assert torch.equal(resumed.loader.generator.get_state(), straight.loader.generator.get_state())

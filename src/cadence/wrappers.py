@@ -273,12 +273,16 @@ class PreparedDataLoader:
         else:
             self.loader.load_state_dict({})  # the sampler's start_sample carries the position
         generator = self.loader.generator
-        if generator is not None and state_dict["generator"] is not None:
-            # Creating the resumed iterator draws from the generator; restore its state after that draw, so
-            # later epochs draw exactly what the uninterrupted run drew.
+        if generator is None or state_dict["generator"] is None:
+            return
+        if state_dict["generator_at_epoch_start"] is None:
+            # Between epochs: the next pass draws its workers' seed from the generator as it was saved.
+            generator.set_state(state_dict["generator"])
+        else:
+            # Mid-epoch: reopening the epoch's iterator redraws what the interrupted one drew at its start; after
+            # that draw the generator is put back where it was, so later epochs draw what the uninterrupted run drew.
+            generator.set_state(state_dict["generator_at_epoch_start"])
             self._resume_generator_state = state_dict["generator"]
-            if state_dict["generator_at_epoch_start"] is not None:
-                generator.set_state(state_dict["generator_at_epoch_start"])
 
     def _set_sampler_epoch(self) -> None:
         for sampler in (self.loader.batch_sampler, self.loader.sampler):
