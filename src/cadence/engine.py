@@ -384,11 +384,12 @@ class Engine:
         With no path it goes to ``project_dir/checkpoints/checkpoint_{n}``. The directory appears only once it
         is complete (written aside, fsynced, renamed); an existing one at ``path`` is replaced only then.
         """
-        number = self.checkpoints.next_number()
+        # The main rank names the checkpoint and alone deletes old ones: every rank must agree on one directory.
+        number = self.strategy.broadcast_object(self.checkpoints.next_number())
         directory = Path(path) if path is not None else self.checkpoints.path(number)
         committed = save_engine_state(self, directory, number)
         self.checkpoints.advance(number)
-        if path is None and self.checkpoint_total_limit is not None:
+        if path is None and self.checkpoint_total_limit is not None and self.is_main_process:
             self.checkpoints.prune(keep=self.checkpoint_total_limit)
         self.state.checkpoint_dir = committed
         self._fire(Event.SAVE_STATE)
