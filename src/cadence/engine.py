@@ -418,7 +418,8 @@ class Engine:
         """Export the unwrapped model's weights on the main process: ``model.safetensors`` or shards with
         ``model.safetensors.index.json``; ``safe_serialization=False`` writes ``pytorch_model.bin``. Tied
         weights are written once. Returns the files written (empty on other ranks)."""
-        state_dict = self.unwrap_model(model).state_dict()
+        # Every rank takes part (FSDP gathers the full weights from their shards); the main rank writes.
+        state_dict = self.strategy.model_state_dict(self.unwrap_model(model))
         if not self.is_main_process:
             return []
         return save_weights(state_dict, save_directory, max_shard_size, safe_serialization)

@@ -66,3 +66,16 @@ def test_bf16_maps_to_fsdp_mixed_precision_policy() -> None:
     for result in results:
         assert (result["param_dtype"], result["reduce_dtype"]) == ("torch.bfloat16", "torch.float32")
         assert result["input_dtype"] == "torch.bfloat16" and result["loss_finite"]
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_save_model_writes_the_full_weights_once(tmp_path: Path, strategy: str) -> None:
+    from safetensors.torch import load_file
+
+    weights = spawn(2, workers.export_model, str(tmp_path), strategy)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
+    exported = load_file(tmp_path / "model.safetensors")
+    names = list(workers.model().state_dict())
+    assert sorted(exported) == sorted(names)
+    for name, full in zip(names, weights[0], strict=True):
+        assert torch.equal(exported[name], full)

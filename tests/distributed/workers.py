@@ -239,3 +239,18 @@ def fsdp_bf16_policy() -> dict[str, Any]:
         "input_dtype": str(seen[0]),
         "loss_finite": bool(torch.isfinite(loss)),
     }
+
+
+def export_model(directory: str, strategy: str) -> list[torch.Tensor]:
+    """Train two steps, export with save_model, and return the full weights."""
+    engine = cadence.Engine(accelerator="cpu", strategy=strategy, seed=0, progress_bar=False)
+    net = model()
+    net, optimizer, data = engine.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1), DataLoader(dataset(), 4))
+    for inputs, targets, _ in data:
+        engine.backward(nn.functional.mse_loss(net(inputs), targets))
+        optimizer.step()
+        optimizer.zero_grad()
+        if engine.state.step == 2:
+            break
+    engine.save_model(net, directory)
+    return full_weights(engine, net)
