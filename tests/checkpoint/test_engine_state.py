@@ -299,3 +299,19 @@ def test_fit_resume_from_a_finished_run_trains_nothing_more(tmp_path: Path) -> N
     before = parameters(step.model)
     state = again.fit(step, loader(shuffle=True), max_steps=4, resume=path)
     assert state.step == 4 and not all(torch.equal(a, b) for a, b in zip(before, parameters(step.model), strict=True))
+
+
+def test_large_tensor_files_are_split_into_parts_and_read_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from cadence.checkpoint import files
+
+    # 100 bytes a part: [0.weight (128 B)], [0.bias (32 B) + 2.weight (64 B)], [2.bias (8 B)]
+    monkeypatch.setattr(files, "PART_BYTES", 100)
+    eng, step = trained(tmp_path)
+    path = eng.save_state()
+    parts = sorted(p.name for p in path.iterdir() if p.name.startswith("model_0.part"))
+    assert len(parts) == 3 and not (path / "model_0.safetensors").exists()
+    fresh = engine(tmp_path)
+    fresh_step = RegressionStep(seed=4, scheduler=True)
+    fresh.prepare(fresh_step.model, fresh_step.optimizer, fresh_step.scheduler, loader(shuffle=True))
+    fresh.load_state(path)
+    assert_bitwise_equal(parameters(fresh_step.model), parameters(step.model))

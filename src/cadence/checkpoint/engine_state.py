@@ -227,7 +227,7 @@ def load_engine_state(engine: Engine, directory: Path) -> dict[str, Any]:
             )
             rank_json, rank_safetensors = _rank_files(0)
         models = [_model_file(index) for index in range(len(engine.models))]
-        reader.prefetch([SHARED_JSON, SHARED_TENSORS, rank_json, rank_safetensors, *filter(reader.has, models)])
+        reader.prefetch([SHARED_JSON, SHARED_TENSORS, rank_json, rank_safetensors, *models])
         shared = reader.json(SHARED_JSON)
         _check_count("model", shared["models"], engine.models)
         _check_count("optimizer", shared["optimizers"], engine.optimizers)

@@ -24,6 +24,9 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 _PARTIAL = ".partial-"
 _CHUNK = 16 * 1024 * 1024
+PART_BYTES = 256 * 1024 * 1024
+"""Safetensors files of a checkpoint are split into parts of about this size: reading verifies every file's
+sha256, which runs on one core per file, so parts let a load hash on every core."""
 _VIEW_AT_LEAST = 1024 * 1024
 """Tensors of at least this many bytes are read as views into the file's buffer rather than copied."""
 
@@ -192,10 +195,23 @@ class CheckpointWriter:
         self._hashes[name] = self._pool.submit(sha256_of, path)
 
     def write_tensors(self, name: str, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
-        """Save ``tensors`` as a safetensors file; returns the aliases of tensors that shared memory."""
+        """Save ``tensors`` as the safetensors file ``name``, or, past ``PART_BYTES``, as parts
+        ``<stem>.partNNN.safetensors`` (so a load can hash them on every core); returns the aliases of tensors
+        that shared memory."""
         unique, aliases = deduplicate(tensors)
-        save_file({key: value.cpu() for key, value in unique.items()}, str(self.directory / name))
-        self._record(name)
+        groups: list[dict[str, torch.Tensor]] = [{}]
+        size = 0
+        for key, value in unique.items():
+            nbytes = value.numel() * value.element_size()
+            if groups[-1] and size + nbytes > PART_BYTES:
+                groups.append({})
+                size = 0
+            groups[-1][key] = value.cpu()
+            size += nbytes
+        names = [name] if len(groups) == 1 else [_part_name(name, index) for index in range(len(groups))]
+        for part, group in zip(names, groups, strict=True):
+            save_file(group, str(self.directory / part))
+            self._record(part)
         return aliases
 
     def record_tree(self, subdirectory: str) -> None:
@@ -305,8 +321,9 @@ class CheckpointReader:
     def prefetch(self, names: list[str]) -> None:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=max(1, min(len(names), os.cpu_count() or 1)))
+        files = [part for name in names for part in (self.parts(name) if name.endswith(".safetensors") else [name])]
         # Largest first: the longest read starts at once and the small ones fill in beside it.
-        for name in sorted(names, key=lambda n: -int(self.manifest["files"].get(n, {}).get("size", 0))):
+        for name in sorted(files, key=lambda n: -int(self.manifest["files"].get(n, {}).get("size", 0))):
             if name not in self._pending:
                 self._pending[name] = self._pool.submit(self._read_now, name)
 
@@ -339,12 +356,29 @@ class CheckpointReader:
         except (UnicodeDecodeError, json.JSONDecodeError) as error:
             raise CheckpointCorrupted(f"{self.directory / name} is not valid JSON: {error}") from error
 
+    def parts(self, name: str) -> list[str]:
+        """The files that hold ``name``: itself, or the parts ``write_tensors`` split it into."""
+        if name in self.manifest["files"]:
+            return [name]
+        prefix = f"{name.removesuffix('.safetensors')}.part"
+        return sorted(file for file in self.manifest["files"] if file.startswith(prefix))
+
     def tensors(self, name: str, aliases: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
         """The file's tensors (CPU views into the bytes read), with aliased names restored."""
-        tensors = tensors_from_safetensors(self._read(name), self.directory / name)
+        parts = self.parts(name)
+        if not parts:
+            raise CheckpointCorrupted(f"{self.directory} has no {name} in its manifest.")
+        tensors: dict[str, torch.Tensor] = {}
+        for part in parts:
+            tensors.update(tensors_from_safetensors(self._read(part), self.directory / part))
         for alias, stored in (aliases or {}).items():
             tensors[alias] = tensors[stored]
         return tensors
+
+
+def _part_name(name: str, index: int) -> str:
+    stem = name.removesuffix(".safetensors")
+    return f"{stem}.part{index:03d}.safetensors"
 
 
 def is_partial(directory: Path) -> bool:
