@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from cadence.checkpoint.files import CheckpointError, deduplicate
+from cadence.checkpoint.files import CheckpointError, deduplicate, split_by_size
 from cadence.checkpoint.matching import mismatch
 
 SAFE_WEIGHTS = "model.safetensors"
@@ -37,19 +37,6 @@ def parse_size(size: int | str) -> int:
     if parsed < 1:  # also "0.5B": a fraction of a byte rounds to a limit of 0
         raise ValueError(f"max_shard_size must be a positive byte count or like '1GB', '500MB', '2GiB'; got {size!r}.")
     return parsed
-
-
-def _shards(tensors: Mapping[str, torch.Tensor], limit: int) -> list[dict[str, torch.Tensor]]:
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    current = 0
-    for name, tensor in tensors.items():
-        size = tensor.numel() * tensor.element_size()
-        if shards[-1] and current + size > limit:
-            shards.append({})
-            current = 0
-        shards[-1][name] = tensor
-        current += size
-    return shards
 
 
 def _write_atomically(path: Path, write: Any) -> None:
@@ -73,7 +60,7 @@ def save_weights(
     directory.mkdir(parents=True, exist_ok=True)
     unique, _ = deduplicate(dict(state_dict))
     unique = {name: tensor.detach().cpu() for name, tensor in unique.items()}
-    shards = _shards(unique, parse_size(max_shard_size))
+    shards = split_by_size(unique, parse_size(max_shard_size))
     weights, index_name = (SAFE_WEIGHTS, SAFE_INDEX) if safe_serialization else (PICKLE_WEIGHTS, PICKLE_INDEX)
     stem, suffix = weights.rsplit(".", 1)
     written = []

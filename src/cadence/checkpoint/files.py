@@ -164,6 +164,20 @@ def deduplicate(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tenso
     return unique, aliases
 
 
+def split_by_size(tensors: dict[str, torch.Tensor], limit: int) -> list[dict[str, torch.Tensor]]:
+    """Consecutive groups of ``tensors`` of at most ``limit`` bytes each (a larger tensor gets a group alone)."""
+    groups: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if groups[-1] and size + nbytes > limit:
+            groups.append({})
+            size = 0
+        groups[-1][name] = tensor
+        size += nbytes
+    return groups
+
+
 class CheckpointWriter:
     """Writes the files of one checkpoint into a temporary sibling directory; ``commit`` makes it appear whole.
 
@@ -199,15 +213,7 @@ class CheckpointWriter:
         ``<stem>.partNNN.safetensors`` (so a load can hash them on every core); returns the aliases of tensors
         that shared memory."""
         unique, aliases = deduplicate(tensors)
-        groups: list[dict[str, torch.Tensor]] = [{}]
-        size = 0
-        for key, value in unique.items():
-            nbytes = value.numel() * value.element_size()
-            if groups[-1] and size + nbytes > PART_BYTES:
-                groups.append({})
-                size = 0
-            groups[-1][key] = value.cpu()
-            size += nbytes
+        groups = split_by_size({key: value.cpu() for key, value in unique.items()}, PART_BYTES)
         names = [name] if len(groups) == 1 else [_part_name(name, index) for index in range(len(groups))]
         for part, group in zip(names, groups, strict=True):
             save_file(group, str(self.directory / part))
