@@ -138,3 +138,18 @@ def test_the_loader_generator_continues_as_in_an_uninterrupted_run(stop_after: i
         list(resumed)
     # Each pass draws its workers' base seed from the loader's generator: the streams must agree.
     assert torch.equal(resumed.loader.generator.get_state(), straight.loader.generator.get_state())
+
+
+def test_a_pass_that_never_starts_keeps_the_restored_position() -> None:
+    eng = engine()
+    data = eng.prepare(DataLoader(ids_dataset(16), batch_size=4, shuffle=True))
+    for index, _ in enumerate(data):
+        if index == 1:
+            break
+    saved = data.state_dict()
+    fresh_engine = engine()
+    resumed = fresh_engine.prepare(DataLoader(ids_dataset(16), batch_size=4, shuffle=True))
+    resumed.load_state_dict(saved)
+    fresh_engine.state.stop()  # e.g. fit(resume=..., max_steps=...) with the limit already reached
+    assert list(resumed) == []
+    assert resumed.state_dict()["batches_done"] == saved["batches_done"] == 2

@@ -305,7 +305,6 @@ class PreparedDataLoader:
             start = self._resume_batches
         self._samples_at_start = self._resume_samples if sampler is not None else 0
         self._start_index = start
-        self._resume_batches = self._resume_samples = 0
         batches = self._epoch_batches(start)
         if training:
             yield from self._training_batches(batches, start)
@@ -329,6 +328,8 @@ class PreparedDataLoader:
         Without a length, the end is only known by reading one batch ahead; the loader's state is then taken
         before each read-ahead, so a checkpoint resumes at the batch after the one being trained on.
         """
+        # The pending position is consumed only now that the pass really starts (a stopped run keeps it).
+        self._resume_batches = self._resume_samples = 0
         generator = self.loader.generator
         if generator is not None and not start:
             self._generator_at_epoch_start = generator.get_state()
