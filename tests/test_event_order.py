@@ -49,8 +49,8 @@ def test_state_counters_at_each_event() -> None:
 def test_hand_written_loop_fires_the_same_batch_events() -> None:
     recorder = RecordingCallback()
     engine = cadence.Engine(accelerator="cpu", callbacks=[recorder], progress_bar=False)
-    model, optimizer, data = engine.prepare(make_model(), make_optimizer(make_model()), loader(samples=16))
-    optimizer = engine.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
+    model = make_model()
+    model, optimizer, data = engine.prepare(model, make_optimizer(model), loader(samples=16))
     for inputs, targets in data:
         with engine.accumulate(model):
             engine.backward(nn.functional.mse_loss(model(inputs), targets))

@@ -32,8 +32,8 @@ def test_bad_bounds(kwargs: dict[str, Any], message: str) -> None:
 
 
 def prepared_with_gradients(fake: FakeEngine, scale: float = 100.0) -> tuple[nn.Module, Any]:
-    model, optimizer = fake.prepare(make_model(), make_optimizer(make_model()))
-    optimizer = fake.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
+    model = make_model()
+    model, optimizer = fake.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     fake.backward(model(torch.ones(3, 4)).pow(2).sum() * scale)
     return model, optimizer
 

@@ -86,7 +86,8 @@ def test_save_and_load_fire_their_events(tmp_path: Path) -> None:
 
 def test_gradients_accumulated_mid_window_are_saved(tmp_path: Path) -> None:
     eng = engine(tmp_path, callbacks=[GradientAccumulation(4)])
-    model, optimizer, data = eng.prepare(make_model(), make_optimizer(make_model()), loader())
+    model = make_model()
+    model, optimizer, data = eng.prepare(model, make_optimizer(model), loader())
     for inputs, targets in data:
         with eng.accumulate(model):
             eng.backward(nn.functional.mse_loss(model(inputs), targets))

@@ -30,6 +30,20 @@ def model() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
 
 
+def train_step(
+    engine: cadence.Engine,
+    net: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+) -> None:
+    """One batch of the imperative loop every worker here runs."""
+    with engine.accumulate(net):
+        engine.backward(nn.functional.mse_loss(net(inputs), targets))
+        optimizer.step()
+        optimizer.zero_grad()
+
+
 class GradientRecorder(cadence.Callback):
     def __init__(self) -> None:
         self.gradients: list[list[torch.Tensor]] = []
@@ -41,16 +55,13 @@ class GradientRecorder(cadence.Callback):
 def ddp_gradients(steps: int, batch_size: int) -> dict[str, Any]:
     recorder = GradientRecorder()
     engine = cadence.Engine(accelerator="cpu", strategy="ddp", seed=0, callbacks=[recorder], progress_bar=False)
+    net = model()
     net, optimizer, data = engine.prepare(
-        model(), torch.optim.SGD(model().parameters(), lr=0.1), DataLoader(dataset(), batch_size, shuffle=True)
+        net, torch.optim.SGD(net.parameters(), lr=0.1), DataLoader(dataset(), batch_size, shuffle=True)
     )
-    optimizer = engine.prepare(torch.optim.SGD(net.parameters(), lr=0.1))
     ids = []
     for inputs, targets, sample_ids in data:
-        with engine.accumulate(net):
-            engine.backward(nn.functional.mse_loss(net(inputs), targets))
-            optimizer.step()
-            optimizer.zero_grad()
+        train_step(engine, net, optimizer, inputs, targets)
         ids.append(engine.gather(sample_ids).tolist())
         if engine.state.step == steps:
             break
@@ -74,10 +85,7 @@ def accumulate(no_sync: bool) -> list[torch.Tensor]:
     net = model()
     net, optimizer, data = engine.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1), DataLoader(dataset(), 2))
     for inputs, targets, _ in data:
-        with engine.accumulate(net):
-            engine.backward(nn.functional.mse_loss(net(inputs), targets))
-            optimizer.step()
-            optimizer.zero_grad()
+        train_step(engine, net, optimizer, inputs, targets)
     return [p.detach().clone() for p in engine.unwrap_model(net).parameters()]
 
 
@@ -93,10 +101,7 @@ def train_and_save(directory: str, save_after: int, batch_size: int, strategy: s
     weights: list[torch.Tensor] = []
     for _ in range(2):
         for inputs, targets, ids in data:
-            with engine.accumulate(net):
-                engine.backward(nn.functional.mse_loss(net(inputs), targets))
-                optimizer.step()
-                optimizer.zero_grad()
+            train_step(engine, net, optimizer, inputs, targets)
             if weights:
                 after.extend(engine.gather(ids).tolist())
             if engine.state.step == save_after and not weights:
@@ -124,10 +129,7 @@ def resume(directory: str, batch_size: int, strategy: str = "auto") -> dict[str,
     seen: list[int] = []
     while data.epoch < 2:
         for inputs, targets, ids in data:
-            with engine.accumulate(net):
-                engine.backward(nn.functional.mse_loss(net(inputs), targets))
-                optimizer.step()
-                optimizer.zero_grad()
+            train_step(engine, net, optimizer, inputs, targets)
             seen.extend(engine.gather(ids).tolist())
     return {"after": seen, "weights": weights}
 
