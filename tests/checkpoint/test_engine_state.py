@@ -244,6 +244,33 @@ def test_different_prepared_objects_are_refused(tmp_path: Path, saved: Path) -> 
         eng.load_state(saved)
 
 
+def test_an_optimizer_with_other_groups_is_refused_before_anything_changes(tmp_path: Path, saved: Path) -> None:
+    eng = engine(tmp_path / "run")
+    model = make_model(seed=5)
+    optimizer = torch.optim.AdamW([{"params": model[0].parameters()}, {"params": model[2].parameters()}])
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2)
+    eng.prepare(model, optimizer, scheduler, loader(shuffle=True))
+    before = parameters(model)
+    with pytest.raises(CheckpointError, match=r"Optimizer 0 does not match .* 1 parameter group\(s\), this one 2"):
+        eng.load_state(saved)
+    assert_bitwise_equal(parameters(model), before)
+    assert not optimizer.state
+
+
+def test_a_save_before_the_first_step_does_not_change_the_run(tmp_path: Path) -> None:
+    def final_parameters(save_first: bool) -> list[torch.Tensor]:
+        eng = engine(tmp_path / str(save_first))
+        step = RegressionStep()
+        eng.prepare(step.model, step.optimizer)
+        if save_first:
+            eng.save_state()
+            eng.load_state()
+        eng.fit(step, loader(shuffle=True), max_steps=3)
+        return parameters(step.model)
+
+    assert_bitwise_equal(final_parameters(save_first=True), final_parameters(save_first=False))
+
+
 def test_latest_skips_a_damaged_newer_checkpoint(tmp_path: Path) -> None:
     eng, _ = trained(tmp_path)
     good = eng.save_state()

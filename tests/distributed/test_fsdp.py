@@ -61,6 +61,16 @@ def test_fsdp_checkpoint_loads_on_any_world_size_and_strategy(tmp_path: Path, re
         assert torch.equal(a, b)
 
 
+def test_a_save_before_the_first_step_does_not_change_the_run(tmp_path: Path) -> None:
+    # Before the first step the optimizer has no state; torch's state-dict functions would create it with a
+    # zero-gradient step, leaving Adam's counter one ahead.
+    saved = spawn(2, workers.fsdp_train_after_save, str(tmp_path / "checkpoint"), True)
+    plain = spawn(2, workers.fsdp_train_after_save, str(tmp_path / "unused"), False)
+    assert saved[0]["steps"] == plain[0]["steps"] == [2.0] * len(plain[0]["steps"])
+    for a, b in zip(saved[0]["weights"], plain[0]["weights"], strict=True):
+        assert torch.equal(a, b)
+
+
 def test_bf16_maps_to_fsdp_mixed_precision_policy() -> None:
     results = spawn(2, workers.fsdp_bf16_policy)
     for result in results:

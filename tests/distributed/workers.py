@@ -256,3 +256,20 @@ def export_model(directory: str, strategy: str) -> list[torch.Tensor]:
             break
     engine.save_model(net, directory)
     return full_weights(engine, net)
+
+
+def fsdp_train_after_save(directory: str, save_first: bool) -> dict[str, Any]:
+    """FSDP training for 2 steps, optionally saving and reloading a checkpoint before the first step (nothing in the
+    optimizer yet): returns the full weights and Adam's step counters."""
+    engine = cadence.Engine(accelerator="cpu", strategy="fsdp", seed=5, progress_bar=False)
+    net = model()
+    net, optimizer, data = engine.prepare(
+        net, torch.optim.AdamW(net.parameters(), lr=0.01), DataLoader(dataset(), 4, shuffle=True)
+    )
+    if save_first:
+        engine.save_state(directory)
+        engine.load_state(directory)
+    for _, (inputs, targets, _ids) in zip(range(2), data, strict=False):
+        train_step(engine, net, optimizer, inputs, targets)
+    counters = [float(state["step"]) for state in optimizer.optimizer.state.values()]
+    return {"weights": full_weights(engine, net), "steps": counters}

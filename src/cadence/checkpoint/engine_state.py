@@ -27,6 +27,7 @@ from cadence.checkpoint.sharded import (
     save_optimizer_shards,
     saved_shapes,
 )
+from cadence.strategies.optimizer_state import indexed_optimizer_state
 
 if TYPE_CHECKING:
     from cadence.engine import Engine
@@ -134,6 +135,9 @@ def _save_optimizer_shards(engine: Engine, optimizer: PreparedOptimizer, writer:
             "A sharded checkpoint saves each optimizer with the model it updates, but this optimizer's parameters "
             "span several models: give each model its own optimizer."
         )
+    if not optimizer.optimizer.state:
+        # Before the first step there is nothing to shard (and DCP's functions would first take a step to create it).
+        return _optimizer_state(engine, optimizer)
     rest = save_optimizer_shards(owner, optimizer.optimizer, writer.directory / _shard_directory("optimizer", index))
     return {"keyed_by": "shards", "state": rest}
 
@@ -210,6 +214,22 @@ def _check_shapes(index: int, expected: dict[str, tuple[int, ...]], saved: dict[
         )
 
 
+def _check_optimizer(engine: Engine, index: int, optimizer: PreparedOptimizer, entry: dict[str, Any]) -> None:
+    owner = _owner(engine, optimizer)
+    if entry["keyed_by"] == "index":
+        return
+    if owner is None:
+        raise CheckpointError(
+            f"The checkpoint keys optimizer {index}'s state by parameter name, but its parameters now span several "
+            "models; prepare the optimizers as the run that saved it did."
+        )
+    if entry["keyed_by"] == "name":
+        try:
+            indexed_optimizer_state(owner, optimizer.optimizer, entry["state"])
+        except ValueError as error:
+            raise CheckpointError(f"Optimizer {index} does not match the checkpoint: {error}") from error
+
+
 def load_engine_state(engine: Engine, directory: Path) -> dict[str, Any]:
     """Restore the engine from a committed checkpoint; returns its manifest. Nothing changes unless every
     check passes."""
@@ -254,6 +274,9 @@ def load_engine_state(engine: Engine, directory: Path) -> dict[str, Any]:
         tensors = reader.tensors(SHARED_TENSORS)
         rank_tensors = reader.tensors(rank_safetensors)
         manifest = reader.manifest
+    optimizer_entries = [decode(saved, tensors) for saved in shared["optimizers"]]
+    for index, (optimizer, entry) in enumerate(zip(engine.optimizers, optimizer_entries, strict=True)):
+        _check_optimizer(engine, index, optimizer, entry)
     callback_states = shared["callbacks"]
     for callback in engine.callbacks:
         if callback.state_key not in callback_states and callback.state_dict():
@@ -272,21 +295,15 @@ def load_engine_state(engine: Engine, directory: Path) -> dict[str, Any]:
             engine.strategy.load_model_state_dict(user_model, weights)
         for name, parameter in user_model.named_parameters():
             parameter.grad = grads[name].to(parameter.device) if name in grads else None
-    for index, (optimizer, saved) in enumerate(zip(engine.optimizers, shared["optimizers"], strict=True)):
-        entry = decode(saved, tensors)
+    for index, (optimizer, entry) in enumerate(zip(engine.optimizers, optimizer_entries, strict=True)):
         owner = _owner(engine, optimizer)
         if entry["keyed_by"] == "shards" and owner is not None:
             shard_path = directory / _shard_directory("optimizer", index)
             load_optimizer_shards(owner, optimizer.optimizer, shard_path, entry["state"])
         elif entry["keyed_by"] == "name" and owner is not None:
             engine.strategy.load_optimizer_state_dict(owner, optimizer.optimizer, entry["state"])
-        elif entry["keyed_by"] == "index":
-            optimizer.load_state_dict(entry["state"])
         else:
-            raise CheckpointError(
-                "The checkpoint keys this optimizer's state by parameter name, but its parameters now span several "
-                "models; prepare the optimizers as the run that saved it did."
-            )
+            optimizer.load_state_dict(entry["state"])
     for scheduler, saved in zip(engine.schedulers, shared["schedulers"], strict=True):
         scheduler.load_state_dict(decode(saved, tensors))
         scheduler.resync()

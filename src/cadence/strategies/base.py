@@ -9,7 +9,8 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+from cadence.strategies.optimizer_state import indexed_optimizer_state, named_optimizer_state
 
 ReduceOp = Literal["mean", "sum", "max", "min"]
 
@@ -95,12 +96,12 @@ class Strategy(ABC):
 
     def optimizer_state_dict(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The optimizer's full state, keyed by parameter name (so any sharding of the same model can load it)."""
-        return get_optimizer_state_dict(module, optimizer)
+        return named_optimizer_state(module, optimizer)
 
     def load_optimizer_state_dict(
         self, module: nn.Module, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
     ) -> None:
-        set_optimizer_state_dict(module, optimizer, state_dict)
+        optimizer.load_state_dict(indexed_optimizer_state(module, optimizer, state_dict))
 
     def gradients(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """Gradients accumulated so far (a checkpoint taken mid-accumulation-window carries them)."""

@@ -70,11 +70,17 @@ class FSDPStrategy(DistributedStrategy):
         set_model_state_dict(module, cast(dict[str, Any], state_dict), options=_FULL)
 
     def optimizer_state_dict(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        if not optimizer.state:
+            # No tensors to gather; torch's function would first create them with a zero-gradient step.
+            return super().optimizer_state_dict(module, optimizer)
         return get_optimizer_state_dict(module, optimizer, options=_FULL)
 
     def load_optimizer_state_dict(
         self, module: nn.Module, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
     ) -> None:
+        if not state_dict.get("state"):
+            super().load_optimizer_state_dict(module, optimizer, state_dict)
+            return
         set_optimizer_state_dict(module, optimizer, state_dict, options=_FULL)
 
     def gradients(self, module: nn.Module) -> dict[str, torch.Tensor]:
