@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import pickle
 import random
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -327,6 +329,37 @@ def test_fit_resume_from_a_finished_run_trains_nothing_more(tmp_path: Path) -> N
     before = parameters(step.model)
     state = again.fit(step, loader(shuffle=True), max_steps=4, resume=path)
     assert state.step == 4 and not all(torch.equal(a, b) for a, b in zip(before, parameters(step.model), strict=True))
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="lists the process's mappings from Linux's /proc")
+def test_a_loaded_checkpoint_leaves_none_of_its_files_mapped(tmp_path: Path) -> None:
+    # Weights are hashed through a mapping of the file; what the run keeps (optimizer state) must have memory of
+    # its own, or a checkpoint deleted later (checkpoint_total_limit) would hold its disk space until the run ends.
+    def prepared(project: Path, seed: int) -> tuple[cadence.Engine, nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        model = nn.Linear(512, 512)  # 1 MiB of weights: large enough to be read as views, not copies
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+        eng = engine(project)
+        eng.prepare(model, optimizer)
+        return eng, model, optimizer
+
+    eng, model, optimizer = prepared(tmp_path, seed=0)
+    model(torch.randn(2, 512)).square().sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    path = eng.save_state()
+
+    fresh, fresh_model, fresh_optimizer = prepared(tmp_path / "other", seed=1)
+    fresh.load_state(path)
+    gc.collect()
+    mapped = [line for line in Path("/proc/self/maps").read_text().splitlines() if str(path) in line]
+    assert not mapped
+    assert_bitwise_equal(parameters(fresh_model), parameters(model))
+    saved_state, loaded_state = optimizer.state[model.weight], fresh_optimizer.state[fresh_model.weight]
+    assert torch.equal(loaded_state["exp_avg_sq"], saved_state["exp_avg_sq"])
+    shutil.rmtree(path)
+    fresh_model(torch.randn(2, 512)).square().sum().backward()
+    fresh_optimizer.step()  # the state is the optimizer's own: the files being gone changes nothing
 
 
 def test_large_tensor_files_are_split_into_parts_and_read_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -247,7 +247,9 @@ def load_engine_state(engine: Engine, directory: Path) -> dict[str, Any]:
             )
             rank_json, rank_safetensors = _rank_files(0)
         models = [_model_file(index) for index in range(len(engine.models))]
-        reader.prefetch([SHARED_JSON, SHARED_TENSORS, rank_json, rank_safetensors, *models])
+        # Weights are copied into the parameters (load_state_dict copies), so they are read through a mapping;
+        # optimizer state and gradients are kept as loaded, so they get memory of their own.
+        reader.prefetch([SHARED_JSON, SHARED_TENSORS, rank_json, rank_safetensors, *models], mapped=models)
         shared = reader.json(SHARED_JSON)
         _check_count("model", shared["models"], engine.models)
         _check_count("optimizer", shared["optimizers"], engine.optimizers)

@@ -7,26 +7,34 @@ A directory without a valid manifest, or whose files differ from it, is never lo
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import json
 import math
+import mmap
 import os
 import shutil
+import sys
 import uuid
+from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 _PARTIAL = ".partial-"
-_CHUNK = 16 * 1024 * 1024
+_CHUNK = 4 * 1024 * 1024
+"""Bytes read and hashed at a time: small enough to be hashed while the CPU cache still holds them."""
+_WRITEBACK_BYTES = 8 * 1024 * 1024
+_START_WRITEBACK = sys.platform.startswith("linux")
+"""Where ``POSIX_FADV_DONTNEED`` starts writeback of dirty pages: without it, a checkpoint smaller than the kernel's
+dirty threshold reaches the disk only when fsync asks, so the disk idles while the files are written."""
 PART_BYTES = 256 * 1024 * 1024
-"""Safetensors files of a checkpoint are split into parts of about this size: reading verifies every file's
-sha256, which runs on one core per file, so parts let a load hash on every core."""
+"""Safetensors files of a checkpoint are split into parts of about this size: a file's sha256 is computed on one
+core, so parts let a save and a load hash on every core."""
 _VIEW_AT_LEAST = 1024 * 1024
 """Tensors of at least this many bytes are read as views into the file's buffer rather than copied."""
 
@@ -57,51 +65,75 @@ def sha256_of(path: Path) -> str:
 
 
 class FileBuffer:
-    """A file's bytes in a ``uint8`` tensor, so tensors can be views into it without another copy.
+    """A file's bytes as a ``uint8`` tensor (``data``) and a memoryview of the same memory (``view``), so
+    tensors can be views into it without another copy. Each holds a reference to the memory's owner, so the
+    memory lives as long as any view of it does."""
 
-    The tensor is allocated uninitialised (``bytearray`` would first zero every page, which costs as much as
-    reading them) and filled by ``readinto`` through a memoryview of its memory; the memoryview holds a
-    reference to the tensor, so neither outlives the other.
-    """
+    def __init__(self, data: torch.Tensor, view: memoryview, mapping: mmap.mmap | None = None) -> None:
+        self.data = data
+        self.view = view
+        self.mapping = mapping
 
-    def __init__(self, size: int) -> None:
-        self.data = torch.empty(size, dtype=torch.uint8)
-        if size:
-            memory = (ctypes.c_char * size).from_address(self.data.data_ptr())
-            memory._owner = self.data  # type: ignore[attr-defined]  # the view keeps the tensor's memory alive
-            self.view = memoryview(memory).cast("B")
-        else:
-            self.view = memoryview(b"")
+    @classmethod
+    def allocate(cls, size: int) -> FileBuffer:
+        """Fresh memory of the process's own, allocated uninitialised (``bytearray`` would first zero every
+        page, which costs as much as filling them)."""
+        data = torch.empty(size, dtype=torch.uint8)
+        if not size:
+            return cls(data, memoryview(b""))
+        memory = (ctypes.c_char * size).from_address(data.data_ptr())
+        memory._owner = data  # type: ignore[attr-defined]  # the view keeps the tensor's memory alive
+        return cls(data, memoryview(memory).cast("B"))
+
+    @classmethod
+    def map(cls, path: Path, size: int) -> FileBuffer:
+        """The file's pages, mapped copy-on-write: reading them costs no fresh memory and no copy, and writes
+        through a view would stay private to this process. Checkpoint files are never rewritten in place (a save
+        writes a new directory and renames it), so the mapping stays valid until its last view is gone; a
+        deleted file's pages live on until then."""
+        if not size:
+            return cls.allocate(0)
+        with path.open("rb") as handle:
+            try:
+                mapping = mmap.mmap(handle.fileno(), size, access=mmap.ACCESS_COPY)
+            except ValueError as error:  # the file is shorter than its manifest says
+                raise CheckpointCorrupted(f"{path} cannot be mapped as {size} bytes ({error}).") from error
+        return cls(torch.frombuffer(mapping, dtype=torch.uint8), memoryview(mapping), mapping)
 
     def __len__(self) -> int:
         return len(self.view)
 
 
-def _fill(path: Path, buffer: FileBuffer, digest: Any | None) -> None:
-    """Read ``path`` into ``buffer``; with ``digest``, hash each chunk while a thread reads the next (both
-    release the GIL), so verifying costs about the slower of the two, not their sum."""
-    size = len(buffer)
-    with path.open("rb", buffering=0) as handle, ThreadPoolExecutor(max_workers=1) as reader:
-
-        def read(start: int) -> int:
-            return handle.readinto(buffer.view[start : start + _CHUNK]) or 0
-
+def _read_hashed(path: Path, size: int) -> tuple[FileBuffer, str]:
+    """Read ``path`` into fresh memory, hashing each chunk right after it arrives (while the CPU cache still
+    holds it)."""
+    buffer = FileBuffer.allocate(size)
+    digest = hashlib.sha256()
+    with path.open("rb", buffering=0) as handle:
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)  # a larger read-ahead
         start = 0
-        pending = reader.submit(read, 0) if size else None
-        while pending is not None:
-            count = pending.result()
+        while start < size:
+            count = handle.readinto(buffer.view[start : start + _CHUNK]) or 0
             if count == 0:
                 raise CheckpointCorrupted(f"{path} ended after {start} of its {size} bytes.")
-            pending = reader.submit(read, start + count) if start + count < size else None
-            if digest is not None:
-                digest.update(buffer.view[start : start + count])
+            digest.update(buffer.view[start : start + count])
             start += count
+    return buffer, digest.hexdigest()
 
 
-def _read_hashed(path: Path, size: int) -> tuple[FileBuffer, str]:
-    buffer = FileBuffer(size)
+def _map_hashed(path: Path, size: int) -> tuple[FileBuffer, str]:
+    """Map ``path`` and hash it through the mapping (see ``FileBuffer.map``)."""
+    buffer = FileBuffer.map(path, size)
     digest = hashlib.sha256()
-    _fill(path, buffer, digest)
+    advise = buffer.mapping is not None and hasattr(mmap, "MADV_SEQUENTIAL")
+    if advise:
+        buffer.mapping.madvise(mmap.MADV_SEQUENTIAL)  # type: ignore[union-attr]  # read ahead aggressively
+    for start in range(0, size, _CHUNK):
+        digest.update(buffer.view[start : start + _CHUNK])
+    if advise:
+        # SEQUENTIAL also makes the pages first to go under memory pressure; they are read again when copied out.
+        buffer.mapping.madvise(mmap.MADV_NORMAL)  # type: ignore[union-attr]
     return buffer, digest.hexdigest()
 
 
@@ -148,6 +180,92 @@ def tensors_from_safetensors(buffer: FileBuffer, origin: Path) -> dict[str, torc
         raise CheckpointCorrupted(f"{origin} is not a readable safetensors file: {error}") from error
 
 
+_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+
+
+def _memory_of(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy; the view keeps the tensor alive."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if not nbytes:
+        return memoryview(b"")
+    memory = (ctypes.c_char * nbytes).from_address(tensor.data_ptr())
+    memory._owner = tensor  # type: ignore[attr-defined]
+    return memoryview(memory).cast("B")
+
+
+def _check_storable(tensors: dict[str, torch.Tensor]) -> None:
+    for name, tensor in tensors.items():
+        if tensor.dtype not in _NAMES:
+            raise TypeError(f"{name} is a {tensor.dtype} tensor, which safetensors cannot store.")
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> str:
+    """Write ``tensors`` (contiguous, on the CPU) as a safetensors file, fsync it, and return its sha256.
+
+    Each chunk is hashed right after it is written, while the CPU cache still holds it, instead of reading the
+    whole file back afterwards. Tensors are laid out as safetensors' own writer does (widest dtype first, then by
+    name), so every tensor is aligned for its dtype; bytes are written in memory order, the little-endian order the
+    format specifies on every platform torch supports.
+    """
+    _check_storable(tensors)
+    order = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name in order:
+        tensor = tensors[name]
+        nbytes = tensor.numel() * tensor.element_size()
+        header[name] = {
+            "dtype": _NAMES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+    digest = hashlib.sha256()
+    with path.open("wb", buffering=0) as handle:
+        flushed = position = 0
+
+        def write(data: memoryview) -> None:
+            nonlocal flushed, position
+            while data:
+                written = handle.write(data) or 0
+                digest.update(data[:written])
+                data = data[written:]
+                position += written
+            if _START_WRITEBACK and position - flushed >= _WRITEBACK_BYTES:
+                # Linux starts writing these dirty pages to the disk now (it drops only pages already clean), so
+                # the disk works while the rest is written and hashed, and the fsync below waits for little.
+                os.posix_fadvise(handle.fileno(), flushed, position - flushed, os.POSIX_FADV_DONTNEED)
+                flushed = position
+
+        write(memoryview(len(encoded).to_bytes(8, "little") + encoded))
+        for name in order:
+            memory = _memory_of(tensors[name])
+            for start in range(0, len(memory), _CHUNK):
+                write(memory[start : start + _CHUNK])
+        os.fsync(handle.fileno())
+    return digest.hexdigest()
+
+
+def _write_group(tensors: dict[str, torch.Tensor], path: Path) -> str:
+    return write_safetensors(path, tensors)
+
+
+def _write_bytes(path: Path, data: bytes) -> str:
+    with path.open("wb", buffering=0) as handle:
+        view = memoryview(data)
+        while view:
+            view = view[handle.write(view) or 0 :]
+        os.fsync(handle.fileno())
+    return hashlib.sha256(data).hexdigest()
+
+
+def _sync_and_hash(path: Path) -> str:
+    _fsync_path(path)
+    return sha256_of(path)
+
+
 def deduplicate(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Tensors that are the same memory (tied weights) are stored once; returns the unique tensors (contiguous)
     and ``{alias: stored_name}`` for the others."""
@@ -181,8 +299,9 @@ def split_by_size(tensors: dict[str, torch.Tensor], limit: int) -> list[dict[str
 class CheckpointWriter:
     """Writes the files of one checkpoint into a temporary sibling directory; ``commit`` makes it appear whole.
 
-    Each file is fsynced and hashed by background threads while the next one is written, so durability and the
-    manifest's checksums cost little beyond the disk's own write time.
+    Files are written, hashed and fsynced by background threads, several at once, so durability and the
+    manifest's checksums cost little beyond the disk's own write time. The tensors handed to ``write_tensors`` must
+    stay unchanged until ``finish`` returns.
     """
 
     def __init__(self, final: Path, directory: Path | None = None) -> None:
@@ -194,49 +313,45 @@ class CheckpointWriter:
             directory.mkdir()
         self.directory = directory
         self.files: dict[str, dict[str, Any]] = {}
-        self._pool = ThreadPoolExecutor(max_workers=2)
+        # One thread per core writes and hashes; one more lets a file's fsync wait without idling a core.
+        self._pool = ThreadPoolExecutor(max_workers=(os.cpu_count() or 1) + 1)
         self._hashes: dict[str, Future[str]] = {}
-        self._syncs: list[Future[None]] = []
 
     @staticmethod
     def temporary_name(final: Path) -> Path:
         return final.parent / f".{final.name}{_PARTIAL}{uuid.uuid4().hex[:8]}"
 
-    def _record(self, name: str) -> None:
-        path = self.directory / name
-        self.files[name] = {"size": path.stat().st_size}
-        self._syncs.append(self._pool.submit(_fsync_path, path))
-        self._hashes[name] = self._pool.submit(sha256_of, path)
+    def _submit(self, name: str, write: Callable[[Path], str]) -> None:
+        """Run ``write(path)`` (which makes the file durable and returns its sha256) in the background."""
+        self._hashes[name] = self._pool.submit(write, self.directory / name)
 
     def write_tensors(self, name: str, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
         """Save ``tensors`` as the safetensors file ``name``, or, past ``PART_BYTES``, as parts
-        ``<stem>.partNNN.safetensors`` (so a load can hash them on every core); returns the aliases of tensors
-        that shared memory."""
+        ``<stem>.partNNN.safetensors`` (so they are written, and later read, on every core); returns the aliases of
+        tensors that shared memory."""
         unique, aliases = deduplicate(tensors)
+        _check_storable(unique)  # here, so the error comes before any file is written
         groups = split_by_size({key: value.cpu() for key, value in unique.items()}, PART_BYTES)
         names = [name] if len(groups) == 1 else [_part_name(name, index) for index in range(len(groups))]
         for part, group in zip(names, groups, strict=True):
-            save_file(group, str(self.directory / part))
-            self._record(part)
+            self._submit(part, functools.partial(_write_group, group))
         return aliases
 
     def record_tree(self, subdirectory: str) -> None:
         """Add every file under ``subdirectory`` (written there by another library, DCP) to the manifest."""
         for path in sorted((self.directory / subdirectory).rglob("*")):
             if path.is_file():
-                self._record(str(path.relative_to(self.directory)))
+                self._submit(str(path.relative_to(self.directory)), _sync_and_hash)
 
     def write_json(self, name: str, value: Any) -> None:
-        path = self.directory / name
-        path.write_text(json.dumps(value, indent=1, sort_keys=True))
-        self._record(name)
+        data = json.dumps(value, indent=1, sort_keys=True).encode()
+        self._submit(name, functools.partial(_write_bytes, data=data))
 
     def finish(self) -> dict[str, dict[str, Any]]:
-        """Wait until this writer's files are durable and hashed; their manifest entries."""
-        for future in self._syncs:
-            future.result()
+        """Wait until this writer's files are written, durable and hashed; their manifest entries."""
         for name, digest in self._hashes.items():
-            self.files[name]["sha256"] = digest.result()
+            sha256 = digest.result()  # the file is complete only now
+            self.files[name] = {"size": (self.directory / name).stat().st_size, "sha256": sha256}
         self._pool.shutdown()
         return self.files
 
@@ -324,21 +439,31 @@ class CheckpointReader:
     def has(self, name: str) -> bool:
         return name in self.manifest["files"]
 
-    def prefetch(self, names: list[str]) -> None:
+    def prefetch(self, names: list[str], mapped: Collection[str] = ()) -> None:
+        """Start reading ``names`` in the background, largest first.
+
+        Files in ``mapped`` are hashed through a copy-on-write mapping of the page cache rather than read into
+        fresh memory: right for tensors that are only copied out (model weights, into the parameters), since it
+        saves a copy and the first touch of as many fresh pages. Tensors that are kept (optimizer state,
+        gradients) come from the other files, in memory of their own, so they never pin a checkpoint file.
+        """
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=max(1, min(len(names), os.cpu_count() or 1)))
-        files = [part for name in names for part in (self.parts(name) if name.endswith(".safetensors") else [name])]
-        # Largest first: the longest read starts at once and the small ones fill in beside it.
+        mapped_files = {part for name in mapped for part in self._files_of(name)}
+        files = [part for name in names for part in self._files_of(name)]
         for name in sorted(files, key=lambda n: -int(self.manifest["files"].get(n, {}).get("size", 0))):
             if name not in self._pending:
-                self._pending[name] = self._pool.submit(self._read_now, name)
+                self._pending[name] = self._pool.submit(self._read_now, name, name in mapped_files)
 
-    def _read_now(self, name: str) -> FileBuffer:
+    def _files_of(self, name: str) -> list[str]:
+        return self.parts(name) if name.endswith(".safetensors") else [name]
+
+    def _read_now(self, name: str, mapped: bool = False) -> FileBuffer:
         expected = self.manifest["files"].get(name)
         if expected is None:
             raise CheckpointCorrupted(f"{self.directory} has no {name} in its manifest.")
         path = self.directory / name
-        buffer, digest = _read_hashed(path, expected["size"])
+        buffer, digest = (_map_hashed if mapped else _read_hashed)(path, expected["size"])
         if digest != expected["sha256"]:
             raise CheckpointCorrupted(f"{path} does not match its sha256 in the manifest: the file is corrupted.")
         return buffer
@@ -352,7 +477,7 @@ class CheckpointReader:
         names = [name for name in self.manifest["files"] if name.startswith(f"{subdirectory}/")]
         if not names:
             raise CheckpointCorrupted(f"{self.directory} lists no files under {subdirectory}/.")
-        self.prefetch(names)
+        self.prefetch(names, mapped=names)
         for name in names:
             self._read(name)
 
@@ -370,7 +495,8 @@ class CheckpointReader:
         return sorted(file for file in self.manifest["files"] if file.startswith(prefix))
 
     def tensors(self, name: str, aliases: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
-        """The file's tensors (CPU views into the bytes read), with aliased names restored."""
+        """The file's tensors (CPU views into the bytes read, or into the mapping of a ``mapped`` file), with
+        aliased names restored."""
         parts = self.parts(name)
         if not parts:
             raise CheckpointCorrupted(f"{self.directory} has no {name} in its manifest.")

@@ -1,0 +1,84 @@
+"""The checkpoint's file layer: the streaming safetensors writer, the writer's manifest entries, mapped reads."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from cadence.checkpoint.files import CheckpointReader, CheckpointWriter, write_safetensors
+
+
+def mixed_tensors() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return {
+        "weight": torch.randn(33, 7),
+        "mask": torch.tensor([True, False, True]),
+        "scale": torch.tensor(2.5, dtype=torch.float64),
+        "half": torch.randn(5, dtype=torch.float16),
+        "brain": torch.randn(3, 3, dtype=torch.bfloat16),
+        "counts": torch.arange(-3, 4, dtype=torch.int8),
+        "steps": torch.arange(3, dtype=torch.int64),
+        "nothing": torch.zeros(0, 4),
+    }
+
+
+def test_written_file_is_safetensors_that_safetensors_reads(tmp_path: Path) -> None:
+    path = tmp_path / "mixed.safetensors"
+    tensors = mixed_tensors()
+    digest = write_safetensors(path, tensors, {"format": "pt"})
+    assert digest == hashlib.sha256(path.read_bytes()).hexdigest()
+    loaded = load_file(path)
+    assert loaded.keys() == tensors.keys()
+    for name, tensor in tensors.items():
+        assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor)
+    with safe_open(path, "pt") as handle:
+        assert handle.metadata() == {"format": "pt"}
+    header_size = int.from_bytes(path.read_bytes()[:8], "little")
+    header = json.loads(path.read_bytes()[8 : 8 + header_size])
+    assert (8 + header_size) % 8 == 0
+    for name, tensor in tensors.items():
+        assert header[name]["data_offsets"][0] % tensor.element_size() == 0  # every tensor aligned for its dtype
+
+
+def test_writer_records_sizes_and_hashes_of_what_it_wrote(tmp_path: Path) -> None:
+    writer = CheckpointWriter(tmp_path / "checkpoint")
+    tensors = mixed_tensors()
+    writer.write_tensors("tensors.safetensors", tensors)
+    writer.write_json("meta.json", {"step": 3})
+    path = writer.commit(step=3)
+    manifest = json.loads((path / "manifest.json").read_text())
+    for name in ("tensors.safetensors", "meta.json"):
+        data = (path / name).read_bytes()
+        assert manifest["files"][name] == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    with CheckpointReader(path) as reader:
+        reader.prefetch(["tensors.safetensors", "meta.json"], mapped=["tensors.safetensors"])
+        assert reader.json("meta.json") == {"step": 3}
+        for name, tensor in reader.tensors("tensors.safetensors").items():
+            assert torch.equal(tensor, tensors[name])
+
+
+def test_a_tensor_safetensors_cannot_store_fails_the_save_and_leaves_nothing(tmp_path: Path) -> None:
+    writer = CheckpointWriter(tmp_path / "checkpoint")
+    writer.write_tensors("first.safetensors", {"weight": torch.ones(3)})
+    with pytest.raises(TypeError, match=r"z is a torch\.complex64 tensor, which safetensors cannot store"):
+        writer.write_tensors("second.safetensors", {"z": torch.zeros(2, dtype=torch.complex64)})
+    writer.abort()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_mapped_file_that_changed_since_the_save_is_refused(tmp_path: Path) -> None:
+    writer = CheckpointWriter(tmp_path / "checkpoint")
+    writer.write_tensors("tensors.safetensors", {"weight": torch.ones(1024, 1024)})  # 4 MiB: read as views
+    path = writer.commit(step=0)
+    data = bytearray((path / "tensors.safetensors").read_bytes())
+    data[-1] ^= 1
+    (path / "tensors.safetensors").write_bytes(bytes(data))
+    with CheckpointReader(path) as reader, pytest.raises(RuntimeError, match="does not match its sha256"):
+        reader.prefetch(["tensors.safetensors"], mapped=["tensors.safetensors"])
+        reader.tensors("tensors.safetensors")
