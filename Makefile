@@ -25,8 +25,10 @@ test: lint
 	$(PYTHON) -m pytest -q
 
 bench: $(INSTALLED)
+	$(PYTHON) -m pip install --quiet --constraint constraints.txt --editable ".[dev,bench]"
 	$(PYTHON) benchmarks/overhead.py
 	$(PYTHON) benchmarks/overhead.py --instructions
+	$(PYTHON) benchmarks/checkpoint.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

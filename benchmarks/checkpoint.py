@@ -25,7 +25,7 @@ right after its load, so the disk holds at most one (~1.2 GB) at a time.
 ``ratio`` is the time an operation took over the time its reference would take for the same bytes (the
 reference's MB/s over the operation's): 1.00 runs at the reference's speed, 2.00 at half of it.
 
-    python benchmarks/checkpoint.py [--params 100_000_000] [--repeats 2] [--dir PATH]
+    python benchmarks/checkpoint.py [--params 100_000_000] [--repeats 5] [--dir PATH]
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import math
 import os
 import platform
 import shutil
+import statistics
 import tempfile
 import time
 import warnings
@@ -249,15 +250,15 @@ class Bench:
 
     def table(self, order: list[str]) -> str:
         lines = [
-            "| operation | MB | seconds (best) | MB/s | ratio | ratio to |",
-            "|---|---:|---:|---:|---:|---|",
+            "| operation | MB | seconds (best) | median | MB/s | ratio | ratio to |",
+            "|---|---:|---:|---:|---:|---:|---|",
         ]
         for name in order:
             result = self.results.get(name)
             if result is None:
                 continue
             if result.error is not None or not result.seconds:
-                lines.append(f"| {name} | | failed: {result.error or 'not run'} | | | |")
+                lines.append(f"| {name} | | failed: {result.error or 'not run'} | | | | |")
                 continue
             best = self.best(name)
             assert best is not None
@@ -266,7 +267,8 @@ class Bench:
             reference = self.best(result.reference) if result.reference else None
             if reference is not None:
                 ratio, against = f"{reference[1] / rate:.2f}", str(result.reference)
-            lines.append(f"| {name} | {result.nbytes / MB:,.0f} | {seconds:.2f} | {rate:,.0f} | {ratio} | {against} |")
+            cells = [name, f"{result.nbytes / MB:,.0f}", f"{seconds:.2f}", f"{statistics.median(result.seconds):.2f}"]
+            lines.append(f"| {' | '.join(cells)} | {rate:,.0f} | {ratio} | {against} |")
         return "\n".join(lines)
 
 
@@ -465,14 +467,14 @@ def run(root: Path, params: int, repeats: int) -> None:
     print()
     print(
         "ratio: seconds over the seconds its reference ('ratio to') would take for the same bytes; "
-        "best of each row's rounds."
+        "best of each row's rounds (MB/s and ratio from the best; median: the middle round)."
     )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--params", type=int, default=100_000_000, help="model parameters (default 100M)")
-    parser.add_argument("--repeats", type=int, default=2, help="rounds; the best of each is reported (default 2)")
+    parser.add_argument("--repeats", type=int, default=5, help="rounds; the best of each is reported (default 5)")
     parser.add_argument(
         "--dir",
         type=Path,

@@ -28,6 +28,26 @@ def test_usage_and_unknown_commands(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["teleport"]) == 2 and "unknown command 'teleport'" in capsys.readouterr().err
 
 
+def test_checkpoint_verify_checks_the_sha256_that_a_load_skips(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+
+    import cadence
+
+    engine = cadence.Engine(accelerator="cpu", progress_bar=False, project_dir=tmp_path)
+    engine.prepare(torch.nn.Linear(3, 2))
+    checkpoint = engine.save_state()
+    assert main(["checkpoint", "verify", str(checkpoint)]) == 0
+    assert "files match the manifest (size, sha256, crc32)" in capsys.readouterr().out
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    manifest["files"]["model_0.safetensors"]["sha256"] = "0" * 64  # the crc32 still matches
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+    engine.load_state(checkpoint)
+    assert main(["checkpoint", "verify", str(checkpoint)]) == 1
+    assert "model_0.safetensors does not match its sha256" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_launch_runs_the_distributed_example_on_two_ranks(tmp_path: Path) -> None:
     result = subprocess.run(

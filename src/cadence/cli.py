@@ -64,13 +64,12 @@ def _checkpoint(action: str, directory: Path) -> int:
     from cadence.checkpoint.files import CheckpointError, CheckpointReader
 
     try:
-        reader = CheckpointReader(directory)
-        if action == "verify":
-            for name in reader.manifest["files"]:
-                reader._read_now(name)
-            print(f"{directory}: {len(reader.manifest['files'])} files match the manifest")
-        else:
-            print(json.dumps(reader.manifest, indent=2, sort_keys=True))
+        with CheckpointReader(directory, every_checksum=True) as reader:
+            if action == "verify":
+                reader.verify()
+                print(f"{directory}: {len(reader.manifest['files'])} files match the manifest (size, sha256, crc32)")
+            else:
+                print(json.dumps(reader.manifest, indent=2, sort_keys=True))
     except CheckpointError as error:
         print(f"{directory}: {error}", file=sys.stderr)
         return 1

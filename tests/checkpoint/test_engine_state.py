@@ -18,7 +18,7 @@ from torch import nn
 import cadence
 from cadence import CheckpointError, Event
 from cadence.callbacks import GradientAccumulation, MixedPrecision
-from cadence.checkpoint.files import sha256_of
+from cadence.checkpoint.files import checksums_of
 from cadence.testing import RecordingCallback
 from tests.helpers import RegressionStep, assert_bitwise_equal, loader, make_model, make_optimizer, parameters
 
@@ -206,7 +206,7 @@ def test_corrupted_byte_is_refused(tmp_path: Path, saved: Path) -> None:
     data = bytearray(weights.read_bytes())
     data[-3] ^= 0xFF
     weights.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match="does not match its sha256"):
+    with pytest.raises(CheckpointError, match="does not match its crc32"):
         restore_into_fresh(tmp_path, saved)
 
 
@@ -220,7 +220,7 @@ def test_planted_pickle_is_refused_not_executed(tmp_path: Path, saved: Path) -> 
     planted = saved / "state.safetensors"
     planted.write_bytes(pickle.dumps({"x": Payload()}))
     manifest = json.loads((saved / "manifest.json").read_text())
-    manifest["files"]["state.safetensors"] = {"size": planted.stat().st_size, "sha256": sha256_of(planted)}
+    manifest["files"]["state.safetensors"] = {"size": planted.stat().st_size, **checksums_of(planted)}
     (saved / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match="not a readable safetensors file"):
         restore_into_fresh(tmp_path, saved)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import zlib
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from cadence.checkpoint.files import CheckpointReader, CheckpointWriter, write_safetensors
+
+
+def expected_checksums(data: bytes) -> dict[str, str]:
+    return {"sha256": hashlib.sha256(data).hexdigest(), "crc32": f"{zlib.crc32(data):08x}"}
 
 
 def mixed_tensors() -> dict[str, torch.Tensor]:
@@ -31,8 +36,8 @@ def mixed_tensors() -> dict[str, torch.Tensor]:
 def test_written_file_is_safetensors_that_safetensors_reads(tmp_path: Path) -> None:
     path = tmp_path / "mixed.safetensors"
     tensors = mixed_tensors()
-    digest = write_safetensors(path, tensors, {"format": "pt"})
-    assert digest == hashlib.sha256(path.read_bytes()).hexdigest()
+    checksums = write_safetensors(path, tensors, {"format": "pt"})
+    assert checksums == expected_checksums(path.read_bytes())
     loaded = load_file(path)
     assert loaded.keys() == tensors.keys()
     for name, tensor in tensors.items():
@@ -55,7 +60,7 @@ def test_writer_records_sizes_and_hashes_of_what_it_wrote(tmp_path: Path) -> Non
     manifest = json.loads((path / "manifest.json").read_text())
     for name in ("tensors.safetensors", "meta.json"):
         data = (path / name).read_bytes()
-        assert manifest["files"][name] == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        assert manifest["files"][name] == {"size": len(data), **expected_checksums(data)}
     with CheckpointReader(path) as reader:
         reader.prefetch(["tensors.safetensors", "meta.json"], mapped=["tensors.safetensors"])
         assert reader.json("meta.json") == {"step": 3}
@@ -79,6 +84,37 @@ def test_a_mapped_file_that_changed_since_the_save_is_refused(tmp_path: Path) ->
     data = bytearray((path / "tensors.safetensors").read_bytes())
     data[-1] ^= 1
     (path / "tensors.safetensors").write_bytes(bytes(data))
-    with CheckpointReader(path) as reader, pytest.raises(RuntimeError, match="does not match its sha256"):
+    with CheckpointReader(path) as reader, pytest.raises(RuntimeError, match="does not match its crc32"):
         reader.prefetch(["tensors.safetensors"], mapped=["tensors.safetensors"])
+        reader.tensors("tensors.safetensors")
+
+
+def committed(tmp_path: Path) -> Path:
+    writer = CheckpointWriter(tmp_path / "checkpoint")
+    writer.write_tensors("tensors.safetensors", mixed_tensors())
+    return writer.commit(step=0)
+
+
+def edit_manifest(path: Path, name: str, **entry: object) -> None:
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["files"][name].update(entry)
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_load_checks_the_crc32_and_verify_checks_the_sha256_too(tmp_path: Path) -> None:
+    path = committed(tmp_path)
+    edit_manifest(path, "tensors.safetensors", sha256="0" * 64)
+    with CheckpointReader(path) as reader:
+        assert torch.equal(reader.tensors("tensors.safetensors")["weight"], mixed_tensors()["weight"])
+    with CheckpointReader(path, every_checksum=True) as reader, pytest.raises(RuntimeError, match="its sha256"):
+        reader.verify()
+
+
+def test_a_manifest_with_only_a_sha256_is_checked_against_it(tmp_path: Path) -> None:
+    path = committed(tmp_path)
+    manifest = json.loads((path / "manifest.json").read_text())
+    del manifest["files"]["tensors.safetensors"]["crc32"]
+    manifest["files"]["tensors.safetensors"]["sha256"] = "0" * 64
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with CheckpointReader(path) as reader, pytest.raises(RuntimeError, match="does not match its sha256"):
         reader.tensors("tensors.safetensors")

@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
-from cadence.checkpoint.files import CheckpointError, deduplicate, split_by_size
+from cadence.checkpoint.files import CheckpointError, deduplicate, split_by_size, write_safetensors
 from cadence.checkpoint.matching import mismatch
 
 SAFE_WEIGHTS = "model.safetensors"
@@ -68,7 +68,9 @@ def save_weights(
     for number, shard in enumerate(shards, start=1):
         name = weights if len(shards) == 1 else f"{stem}-{number:05d}-of-{len(shards):05d}.{suffix}"
         if safe_serialization:
-            _write_atomically(directory / name, lambda path, shard=shard: save_file(shard, str(path), {"format": "pt"}))
+            _write_atomically(
+                directory / name, lambda path, shard=shard: write_safetensors(path, shard, {"format": "pt"}, ())
+            )
         else:
             _write_atomically(directory / name, lambda path, shard=shard: torch.save(shard, path))
         written.append(directory / name)
