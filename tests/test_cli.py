@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -14,6 +15,13 @@ from cadence.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 CADENCE = [sys.executable, "-m", "cadence.cli"]
+
+
+def free_master_port() -> list[str]:
+    """torchrun's default port (29500) may be taken on a shared machine; tests ask the kernel for a free one."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return ["--master-port", str(probe.getsockname()[1])]
 
 
 def test_env_reports_versions_devices_and_backends(capsys: pytest.CaptureFixture[str]) -> None:
@@ -51,7 +59,7 @@ def test_checkpoint_verify_checks_the_sha256_that_a_load_skips(
 @pytest.mark.slow
 def test_launch_runs_the_distributed_example_on_two_ranks(tmp_path: Path) -> None:
     result = subprocess.run(
-        [*CADENCE, "launch", "--nproc-per-node", "2", str(ROOT / "examples" / "distributed.py"),
+        [*CADENCE, "launch", "--nproc-per-node", "2", *free_master_port(), str(ROOT / "examples" / "distributed.py"),
          "--epochs", "1", "--project-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=300, cwd=tmp_path,
     )  # fmt: skip
@@ -73,7 +81,7 @@ def test_launch_runs_the_distributed_example_on_two_ranks(tmp_path: Path) -> Non
 def test_a_rank_that_raises_fails_the_job_instead_of_hanging() -> None:
     started = time.monotonic()
     result = subprocess.run(
-        [*CADENCE, "launch", "--nproc-per-node", "2", str(ROOT / "tests" / "failing_rank.py")],
+        [*CADENCE, "launch", "--nproc-per-node", "2", *free_master_port(), str(ROOT / "tests" / "failing_rank.py")],
         capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert result.returncode != 0

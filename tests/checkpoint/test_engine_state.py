@@ -259,6 +259,42 @@ def test_an_optimizer_with_other_groups_is_refused_before_anything_changes(tmp_p
     assert not optimizer.state
 
 
+def test_an_optimizer_spanning_two_models_round_trips_and_a_different_one_is_refused(tmp_path: Path) -> None:
+    def prepared(project: Path, seed: int, groups: int) -> tuple[cadence.Engine, list[nn.Module], Any]:
+        first, second = make_model(seed), make_model(seed + 1)
+        parameters_ = [*first.parameters(), *second.parameters()]
+        param_groups = (
+            [{"params": parameters_}] if groups == 1 else [{"params": parameters_[:2]}, {"params": parameters_[2:]}]
+        )
+        optimizer = torch.optim.AdamW(param_groups, lr=0.01)
+        eng = engine(project)
+        eng.prepare(first, second, optimizer)
+        return eng, [first, second], optimizer
+
+    eng, models, optimizer = prepared(tmp_path, seed=0, groups=1)
+    sum(model(torch.randn(3, 4)).square().sum() for model in models).backward()
+    optimizer.step()
+    path = eng.save_state()
+
+    fresh, fresh_models, fresh_optimizer = prepared(tmp_path / "fresh", seed=7, groups=1)
+    fresh.load_state(path)
+    for saved, loaded in zip(models, fresh_models, strict=True):
+        assert_bitwise_equal(parameters(loaded), parameters(saved))
+    assert torch.equal(
+        fresh_optimizer.state_dict()["state"][5]["exp_avg"], optimizer.state_dict()["state"][5]["exp_avg"]
+    )
+
+    other, other_models, other_optimizer = prepared(tmp_path / "other", seed=7, groups=2)
+    before = [parameters(model) for model in other_models]
+    with pytest.raises(
+        CheckpointError, match=r"Optimizer 0 does not match .* hold \[2, 6\] parameters, the saved ones \[8\]"
+    ):
+        other.load_state(path)
+    for model, parameters_before in zip(other_models, before, strict=True):
+        assert_bitwise_equal(parameters(model), parameters_before)
+    assert not other_optimizer.state
+
+
 def test_a_save_before_the_first_step_does_not_change_the_run(tmp_path: Path) -> None:
     def final_parameters(save_first: bool) -> list[torch.Tensor]:
         eng = engine(tmp_path / str(save_first))

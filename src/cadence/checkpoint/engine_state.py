@@ -217,6 +217,13 @@ def _check_shapes(index: int, expected: dict[str, tuple[int, ...]], saved: dict[
 def _check_optimizer(engine: Engine, index: int, optimizer: PreparedOptimizer, entry: dict[str, Any]) -> None:
     owner = _owner(engine, optimizer)
     if entry["keyed_by"] == "index":
+        saved = [len(group["params"]) for group in entry["state"]["param_groups"]]
+        current = [len(group["params"]) for group in optimizer.param_groups]
+        if saved != current:
+            raise CheckpointError(
+                f"Optimizer {index} does not match the checkpoint: its parameter groups hold {current} parameters, "
+                f"the saved ones {saved}. Build the optimizer as the run that saved it did."
+            )
         return
     if owner is None:
         raise CheckpointError(

@@ -31,8 +31,12 @@ import torch
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 _PARTIAL = ".partial-"
-_CHUNK = 4 * 1024 * 1024
-"""Bytes read and hashed at a time: small enough to be hashed while the CPU cache still holds them."""
+_WRITE_CHUNK = 4 * 1024 * 1024
+"""Bytes written and hashed at a time: small enough to be hashed while the CPU cache still holds them (16 MiB
+chunks made a 1.2 GB save 40% slower where this was measured)."""
+_READ_CHUNK = 8 * 1024 * 1024
+"""Bytes read and hashed at a time: 4 MiB reads kept the disk less busy, 32 MiB ones the cache (8 and 16 MiB
+loaded fastest where this was measured)."""
 _WRITEBACK_BYTES = 8 * 1024 * 1024
 _START_WRITEBACK = sys.platform.startswith("linux")
 """Where ``POSIX_FADV_DONTNEED`` starts writeback of dirty pages: without it, a checkpoint smaller than the kernel's
@@ -90,7 +94,7 @@ class Checksums:
 def checksums_of(path: Path) -> dict[str, str]:
     checksums = Checksums()
     with path.open("rb") as handle:
-        while chunk := handle.read(_CHUNK):
+        while chunk := handle.read(_READ_CHUNK):
             checksums.update(chunk)
     return checksums.entries()
 
@@ -144,7 +148,7 @@ def _read_hashed(path: Path, size: int, digest: Checksums) -> FileBuffer:
             os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)  # a larger read-ahead
         start = 0
         while start < size:
-            count = handle.readinto(buffer.view[start : start + _CHUNK]) or 0
+            count = handle.readinto(buffer.view[start : start + _READ_CHUNK]) or 0
             if count == 0:
                 raise CheckpointCorrupted(f"{path} ended after {start} of its {size} bytes.")
             digest.update(buffer.view[start : start + count])
@@ -158,8 +162,8 @@ def _map_hashed(path: Path, size: int, digest: Checksums) -> FileBuffer:
     advise = buffer.mapping is not None and hasattr(mmap, "MADV_SEQUENTIAL")
     if advise:
         buffer.mapping.madvise(mmap.MADV_SEQUENTIAL)  # type: ignore[union-attr]  # read ahead aggressively
-    for start in range(0, size, _CHUNK):
-        digest.update(buffer.view[start : start + _CHUNK])
+    for start in range(0, size, _READ_CHUNK):
+        digest.update(buffer.view[start : start + _READ_CHUNK])
     if advise:
         # SEQUENTIAL also makes the pages first to go under memory pressure; they are read again when copied out.
         buffer.mapping.madvise(mmap.MADV_NORMAL)  # type: ignore[union-attr]
@@ -277,8 +281,8 @@ def write_safetensors(
         write(memoryview(len(encoded).to_bytes(8, "little") + encoded))
         for name in order:
             memory = _memory_of(tensors[name])
-            for start in range(0, len(memory), _CHUNK):
-                write(memory[start : start + _CHUNK])
+            for start in range(0, len(memory), _WRITE_CHUNK):
+                write(memory[start : start + _WRITE_CHUNK])
         os.fsync(handle.fileno())
     return digest.entries()
 
