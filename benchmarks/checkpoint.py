@@ -19,13 +19,17 @@ A ~100M-parameter fp32 model (a stack of square ``nn.Linear`` layers) with AdamW
 Every save is timed until its bytes are durable: cadence fsyncs its files itself; the baselines' files (and
 directories) are fsynced inside their timing. Every load is cold: the page cache of the files it reads is dropped
 (``posix_fadvise(POSIX_FADV_DONTNEED)`` after ``fsync``) before it. The operations run round after round
-(``--repeats``), so machine noise hits them alike, and the best round is reported. Each checkpoint is deleted
-right after its load, so the disk holds at most one (~1.2 GB) at a time.
+(``--repeats``), so machine noise hits them alike, each round in a rotated order (what runs just before an
+operation, such as gigabytes deleted on a disk mounted with ``discard``, moved its time by up to 30% here); the
+best round and the median are reported. Each checkpoint is deleted right after its load, so the disk holds at
+most one (~1.2 GB) at a time.
 
 ``ratio`` is the time an operation took over the time its reference would take for the same bytes (the
 reference's MB/s over the operation's): 1.00 runs at the reference's speed, 2.00 at half of it.
 
-    python benchmarks/checkpoint.py [--params 100_000_000] [--repeats 5] [--dir PATH]
+    python benchmarks/checkpoint.py [--params 100_000_000] [--repeats 5] [--dir PATH] [--loads]
+
+``--loads`` times only the three full loads, taking turns round after round, from checkpoints saved once.
 """
 
 from __future__ import annotations
@@ -319,9 +323,8 @@ def run(root: Path, params: int, repeats: int) -> None:
     read_buffer = memoryview(bytearray(max(BLOCKS)))
     model_file = "model.safetensors"
 
-    for round_index in range(repeats):
-        start = time.perf_counter()
-        # 1. The disk's bound.
+    def disk_bound() -> None:
+        # The disk's bound.
         raw = root / "raw"
         for block_size in BLOCKS:
             block, into = random_bytes[:block_size], read_buffer[:block_size]
@@ -340,7 +343,8 @@ def run(root: Path, params: int, repeats: int) -> None:
                 bench.time(read_row, None, lambda raw=raw: size_of(raw), lambda raw=raw, into=into: raw_read(raw, into))
                 remove(raw)
 
-        # 2. cadence save_state / load_state.
+    def cadence_state() -> None:
+        # cadence save_state / load_state.
         state = root / "cadence_state"
         settle()
         bench.time(
@@ -358,7 +362,8 @@ def run(root: Path, params: int, repeats: int) -> None:
         )
         remove(state)
 
-        # 3. cadence save_model / load_checkpoint_in_model against safetensors' load_file.
+    def cadence_model() -> None:
+        # cadence save_model / load_checkpoint_in_model against safetensors' load_file.
         export = root / "cadence_model"
         settle()
         bench.time(
@@ -391,7 +396,8 @@ def run(root: Path, params: int, repeats: int) -> None:
         )
         remove(export)
 
-        # 4a. Accelerate.
+    def accelerate_state() -> None:
+        # Accelerate.
         if accelerator is not None:
             saved = root / "accelerate_state"
             settle()
@@ -413,7 +419,8 @@ def run(root: Path, params: int, repeats: int) -> None:
                 )
                 remove(saved)
 
-        # 4b. Plain torch.save / torch.load(mmap=True).
+    def torch_state() -> None:
+        # Plain torch.save / torch.load(mmap=True).
         pickled = root / "torch_state.pt"
         settle()
 
@@ -442,6 +449,15 @@ def run(root: Path, params: int, repeats: int) -> None:
             torch_load_touch,
         )
         remove(pickled)
+
+    # Each round runs the sections in a rotated order, so every library's save and load meet every position
+    # (what ran just before: deletions the disk is still discarding, memory just freed) equally often.
+    sections = [disk_bound, cadence_state, cadence_model, accelerate_state, torch_state]
+    for round_index in range(repeats):
+        start = time.perf_counter()
+        shift = round_index % len(sections)
+        for section in sections[shift:] + sections[:shift]:
+            section()
         print(f"round {round_index + 1}/{repeats}: {time.perf_counter() - start:.0f} s")
 
     del prepared_optimizer
@@ -471,6 +487,51 @@ def run(root: Path, params: int, repeats: int) -> None:
     )
 
 
+def run_loads(root: Path, params: int, repeats: int) -> None:
+    """Loads only: each library's checkpoint is saved once, then the cold loads take turns, round after round, so
+    that no load follows its own library's save (which leaves the machine in its own state: dirty pages written
+    back, memory freed) and each pair of loads meets the same conditions."""
+    torch.manual_seed(0)
+    model = make_model(params)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step_once(model, optimizer)
+    engine = cadence.Engine(accelerator="cpu", progress_bar=False, project_dir=root)
+    engine.prepare(model, optimizer)
+    from accelerate import Accelerator  # a dev dependency; this mode is about the comparison
+
+    logging.getLogger("accelerate").setLevel(logging.ERROR)
+    accelerator = Accelerator(cpu=True)
+    accelerator.prepare(model, optimizer)
+    ours, theirs, pickled = root / "cadence_state", root / "accelerate_state", root / "torch_state.pt"
+    engine.save_state(ours)
+    accelerator.save_state(str(theirs))
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, pickled)
+
+    def torch_load_touch() -> int:
+        loaded = torch.load(pickled, mmap=True, weights_only=True)
+        return len([tensor.clone() for tensor in tensors_in(loaded)])
+
+    loads: list[tuple[str, Path, Callable[[], Any]]] = [
+        ("cadence load_state", ours, lambda: engine.load_state(ours)),
+        ("accelerate load_state", theirs, lambda: accelerator.load_state(str(theirs))),
+        ("torch.load mmap + clone every tensor", pickled, torch_load_touch),
+    ]
+    seconds: dict[str, list[float]] = {name: [] for name, _, _ in loads}
+    for _ in range(repeats):
+        for name, path, load in loads:
+            drop_cache(path)
+            start = time.perf_counter()
+            load()
+            seconds[name].append(time.perf_counter() - start)
+    print(f"cold loads of {size_of(ours) / MB:,.0f} MB, {repeats} rounds, taking turns:")
+    print("| load | best | quartile 1 | median | quartile 3 |\n|---|---:|---:|---:|---:|")
+    for name, times in seconds.items():
+        quartiles = statistics.quantiles(times, n=4) if len(times) > 1 else times * 3
+        print(f"| {name} | {min(times):.2f} | {quartiles[0]:.2f} | {quartiles[1]:.2f} | {quartiles[2]:.2f} |")
+    faster = sum(a <= b for a, b in zip(seconds["cadence load_state"], seconds["accelerate load_state"], strict=True))
+    print(f"cadence was at least as fast as Accelerate in {faster} of {repeats} rounds.")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--params", type=int, default=100_000_000, help="model parameters (default 100M)")
@@ -482,6 +543,9 @@ def main() -> None:
         help="where the checkpoints are written (a temporary directory inside it, deleted at the end); "
         "default .bench-tmp in the repository",
     )
+    parser.add_argument(
+        "--loads", action="store_true", help="only the cold loads of cadence, Accelerate and torch, taking turns"
+    )
     args = parser.parse_args()
     if args.params < LAYERS or args.repeats < 1:
         parser.error("--params must be at least 6 and --repeats at least 1")
@@ -489,7 +553,7 @@ def main() -> None:
     args.dir.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="checkpoint-", dir=args.dir))
     try:
-        run(root, args.params, args.repeats)
+        (run_loads if args.loads else run)(root, args.params, args.repeats)
     finally:
         shutil.rmtree(root, ignore_errors=True)
         if created:

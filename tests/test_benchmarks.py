@@ -22,3 +22,15 @@ def test_checkpoint_benchmark_measures_every_row(tmp_path: Path) -> None:
     assert "accelerate load_state, cold" in names  # accelerate is a dev dependency: the comparison runs here
     assert len(rows) == 15 and not [row for row in rows if "failed" in row]
     assert list(tmp_path.iterdir()) == []  # the benchmark removes what it wrote
+
+
+def test_checkpoint_benchmark_loads_mode_compares_the_three_loads(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "checkpoint.py"), "--params", "60000", "--repeats", "2",
+         "--dir", str(tmp_path), "--loads"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    for name in ("cadence load_state", "accelerate load_state", "torch.load mmap + clone every tensor"):
+        assert f"| {name} | " in result.stdout
+    assert "as fast as Accelerate in" in result.stdout and list(tmp_path.iterdir()) == []
