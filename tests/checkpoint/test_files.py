@@ -118,3 +118,18 @@ def test_a_manifest_with_only_a_sha256_is_checked_against_it(tmp_path: Path) -> 
     (path / "manifest.json").write_text(json.dumps(manifest))
     with CheckpointReader(path) as reader, pytest.raises(RuntimeError, match="does not match its sha256"):
         reader.tensors("tensors.safetensors")
+
+
+def test_a_file_system_that_cannot_map_files_is_read_instead(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import mmap
+
+    path = committed(tmp_path)
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise OSError(19, "No such device")  # what mmap raises where the file system does not support it
+
+    monkeypatch.setattr(mmap, "mmap", refuse)
+    with CheckpointReader(path) as reader:
+        reader.prefetch(["tensors.safetensors"], mapped=["tensors.safetensors"])
+        loaded = reader.tensors("tensors.safetensors")
+    assert torch.equal(loaded["weight"], mixed_tensors()["weight"])

@@ -512,7 +512,14 @@ class CheckpointReader:
         if not algorithms:
             raise CheckpointCorrupted(f"{self.directory / MANIFEST} records no checksum for {name}.")
         digest = Checksums(algorithms)
-        buffer = (_map_hashed if mapped else _read_hashed)(path, expected["size"], digest)
+        try:
+            buffer = (_map_hashed if mapped else _read_hashed)(path, expected["size"], digest)
+        except OSError:
+            if not mapped:
+                raise
+            # A file system that cannot map files (some network and FUSE mounts): read it instead.
+            digest = Checksums(algorithms)
+            buffer = _read_hashed(path, expected["size"], digest)
         for algorithm, value in digest.entries().items():
             if value != expected[algorithm]:
                 raise CheckpointCorrupted(
