@@ -2,7 +2,7 @@
 ``manifest.json`` (format version, step, world size, every file's size, sha256 and crc32) is written last.
 
 A directory without a valid manifest, or whose files differ from it, is never loaded. A load checks every byte
-against the crc32: it catches what damages files by accident (truncation, torn writes, bit rot) at a quarter of
+against the crc32: it catches what damages files by accident (truncation, torn writes, bit rot) at about a third of
 sha256's cost, which on a machine with few cores decides how fast a large checkpoint loads. Neither checksum
 defends against someone who can write the directory, since they can rewrite the manifest too; the sha256 is
 there for outside tools and for ``cadence checkpoint verify``, which checks both.
@@ -35,8 +35,8 @@ _WRITE_CHUNK = 4 * 1024 * 1024
 """Bytes written and hashed at a time: small enough to be hashed while the CPU cache still holds them (16 MiB
 chunks made a 1.2 GB save 40% slower where this was measured)."""
 _READ_CHUNK = 8 * 1024 * 1024
-"""Bytes read and hashed at a time: 4 MiB reads kept the disk less busy, 32 MiB ones the cache (8 and 16 MiB
-loaded fastest where this was measured)."""
+"""Bytes read and checksummed at a time: where this was measured, 8 and 16 MiB loaded fastest, 4 and 32 MiB about
+10% slower."""
 _WRITEBACK_BYTES = 8 * 1024 * 1024
 _START_WRITEBACK = sys.platform.startswith("linux")
 """Where ``POSIX_FADV_DONTNEED`` starts writeback of dirty pages: without it, a checkpoint smaller than the kernel's
