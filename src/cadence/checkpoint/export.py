@@ -17,7 +17,13 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from cadence.checkpoint.files import CheckpointError, deduplicate, split_by_size, write_safetensors
+from cadence.checkpoint.files import (
+    CheckpointError,
+    _fsync_path,
+    deduplicate,
+    split_by_size,
+    write_safetensors,
+)
 from cadence.checkpoint.matching import mismatch
 
 SAFE_WEIGHTS = "model.safetensors"
@@ -81,6 +87,7 @@ def save_weights(
         _write_atomically(directory / index_name, lambda path: path.write_text(json.dumps(index, indent=2)))
         written.append(directory / index_name)
     _remove_stale(directory, written, safe_serialization)
+    _fsync_path(directory)  # the renames above are durable only once the directory is
     return written
 
 
