@@ -49,7 +49,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import safetensors
 import torch
@@ -276,16 +276,30 @@ class Bench:
         return "\n".join(lines)
 
 
+def torch_load_touch(pickled: Path) -> int:
+    """``torch.load(mmap=True)`` with every tensor cloned, so every byte is read."""
+    loaded = torch.load(pickled, mmap=True, weights_only=True)
+    return len([tensor.clone() for tensor in tensors_in(loaded)])
+
+
 # --- the run -------------------------------------------------------------------------------------------------
-def run(root: Path, params: int, repeats: int) -> None:
+class Setup(NamedTuple):
+    """One model with stepped AdamW state, prepared by cadence and, when installed, by Accelerate."""
+
+    model: nn.Sequential
+    optimizer: torch.optim.Optimizer
+    engine: cadence.Engine
+    prepared_model: nn.Module
+    accelerator: Any
+
+
+def set_up(root: Path, params: int) -> Setup:
     torch.manual_seed(0)
     model = make_model(params)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     step_once(model, optimizer)
     engine = cadence.Engine(accelerator="cpu", progress_bar=False, project_dir=root)
-    prepared_model, prepared_optimizer = engine.prepare(model, optimizer)
-    n_params = sum(parameter.numel() for parameter in model.parameters())
-
+    prepared_model, _ = engine.prepare(model, optimizer)
     accelerator: Any = None
     try:
         from accelerate import Accelerator
@@ -295,6 +309,12 @@ def run(root: Path, params: int, repeats: int) -> None:
         accelerator.prepare(model, optimizer)  # the same torch objects cadence prepared
     except ImportError:
         print("accelerate is not installed: its rows are skipped.")
+    return Setup(model, optimizer, engine, prepared_model, accelerator)
+
+
+def run(root: Path, params: int, repeats: int) -> None:
+    model, optimizer, engine, prepared_model, accelerator = set_up(root, params)
+    n_params = sum(parameter.numel() for parameter in model.parameters())
 
     # An untimed save: warms up the code paths, and gives the sizes of the files the raw bound writes.
     warm = root / "warmup"
@@ -438,15 +458,11 @@ def run(root: Path, params: int, repeats: int) -> None:
         )
         drop_cache(pickled)
 
-        def torch_load_touch(pickled: Path = pickled) -> int:
-            loaded = torch.load(pickled, mmap=True, weights_only=True)
-            return len([tensor.clone() for tensor in tensors_in(loaded)])
-
         bench.time(
             "torch.load mmap + clone every tensor, cold",
             READ_BOUND,
             lambda pickled=pickled: size_of(pickled),
-            torch_load_touch,
+            lambda pickled=pickled: torch_load_touch(pickled),
         )
         remove(pickled)
 
@@ -460,7 +476,6 @@ def run(root: Path, params: int, repeats: int) -> None:
             section()
         print(f"round {round_index + 1}/{repeats}: {time.perf_counter() - start:.0f} s")
 
-    del prepared_optimizer
     order = [
         WRITE_BOUND,
         "cadence save_state",
@@ -491,30 +506,18 @@ def run_loads(root: Path, params: int, repeats: int) -> None:
     """Loads only: each library's checkpoint is saved once, then the cold loads take turns, round after round, so
     that no load follows its own library's save (which leaves the machine in its own state: dirty pages written
     back, memory freed) and each pair of loads meets the same conditions."""
-    torch.manual_seed(0)
-    model = make_model(params)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    step_once(model, optimizer)
-    engine = cadence.Engine(accelerator="cpu", progress_bar=False, project_dir=root)
-    engine.prepare(model, optimizer)
-    from accelerate import Accelerator  # a dev dependency; this mode is about the comparison
-
-    logging.getLogger("accelerate").setLevel(logging.ERROR)
-    accelerator = Accelerator(cpu=True)
-    accelerator.prepare(model, optimizer)
+    model, optimizer, engine, _, accelerator = set_up(root, params)
+    if accelerator is None:
+        raise SystemExit("--loads compares against Accelerate: install it (pip install -e '.[bench]').")
     ours, theirs, pickled = root / "cadence_state", root / "accelerate_state", root / "torch_state.pt"
     engine.save_state(ours)
     accelerator.save_state(str(theirs))
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, pickled)
 
-    def torch_load_touch() -> int:
-        loaded = torch.load(pickled, mmap=True, weights_only=True)
-        return len([tensor.clone() for tensor in tensors_in(loaded)])
-
     loads: list[tuple[str, Path, Callable[[], Any]]] = [
         ("cadence load_state", ours, lambda: engine.load_state(ours)),
         ("accelerate load_state", theirs, lambda: accelerator.load_state(str(theirs))),
-        ("torch.load mmap + clone every tensor", pickled, torch_load_touch),
+        ("torch.load mmap + clone every tensor", pickled, lambda: torch_load_touch(pickled)),
     ]
     seconds: dict[str, list[float]] = {name: [] for name, _, _ in loads}
     for _ in range(repeats):

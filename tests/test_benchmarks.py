@@ -9,14 +9,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_checkpoint_benchmark_measures_every_row(tmp_path: Path) -> None:
+def run_checkpoint_benchmark(directory: Path, *arguments: str) -> str:
+    """Its output, from a model of 60,000 parameters written under ``directory``."""
     result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "checkpoint.py"), "--params", "60000", "--repeats", "1",
-         "--dir", str(tmp_path)],
+        [sys.executable, str(ROOT / "benchmarks" / "checkpoint.py"), "--params", "60000", "--dir", str(directory),
+         *arguments],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    rows = [line for line in result.stdout.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    return result.stdout
+
+
+def test_checkpoint_benchmark_measures_every_row(tmp_path: Path) -> None:
+    output = run_checkpoint_benchmark(tmp_path, "--repeats", "1")
+    rows = [line for line in output.splitlines() if line.startswith("| ") and "---" not in line][1:]
     names = [row.split(" | ")[0].removeprefix("| ") for row in rows]
     assert "cadence save_state" in names and "cadence load_state, cold" in names
     assert "accelerate load_state, cold" in names  # accelerate is a dev dependency: the comparison runs here
@@ -25,12 +31,7 @@ def test_checkpoint_benchmark_measures_every_row(tmp_path: Path) -> None:
 
 
 def test_checkpoint_benchmark_loads_mode_compares_the_three_loads(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "checkpoint.py"), "--params", "60000", "--repeats", "2",
-         "--dir", str(tmp_path), "--loads"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
+    output = run_checkpoint_benchmark(tmp_path, "--repeats", "2", "--loads")
     for name in ("cadence load_state", "accelerate load_state", "torch.load mmap + clone every tensor"):
-        assert f"| {name} | " in result.stdout
-    assert "as fast as Accelerate in" in result.stdout and list(tmp_path.iterdir()) == []
+        assert f"| {name} | " in output
+    assert "as fast as Accelerate in" in output and list(tmp_path.iterdir()) == []

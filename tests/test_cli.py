@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from cadence.cli import main
+from cadence.testing.spawn import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 CADENCE = [sys.executable, "-m", "cadence.cli"]
@@ -19,9 +19,7 @@ CADENCE = [sys.executable, "-m", "cadence.cli"]
 
 def free_master_port() -> list[str]:
     """torchrun's default port (29500) may be taken on a shared machine; tests ask the kernel for a free one."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return ["--master-port", str(probe.getsockname()[1])]
+    return ["--master-port", str(free_port())]
 
 
 def test_env_reports_versions_devices_and_backends(capsys: pytest.CaptureFixture[str]) -> None:

@@ -214,8 +214,7 @@ def _check_shapes(index: int, expected: dict[str, tuple[int, ...]], saved: dict[
         )
 
 
-def _check_optimizer(engine: Engine, index: int, optimizer: PreparedOptimizer, entry: dict[str, Any]) -> None:
-    owner = _owner(engine, optimizer)
+def _check_optimizer(index: int, optimizer: PreparedOptimizer, owner: nn.Module | None, entry: dict[str, Any]) -> None:
     if entry["keyed_by"] == "index":
         saved = [len(group["params"]) for group in entry["state"]["param_groups"]]
         current = [len(group["params"]) for group in optimizer.param_groups]
@@ -284,8 +283,9 @@ def load_engine_state(engine: Engine, directory: Path) -> dict[str, Any]:
         rank_tensors = reader.tensors(rank_safetensors)
         manifest = reader.manifest
     optimizer_entries = [decode(saved, tensors) for saved in shared["optimizers"]]
-    for index, (optimizer, entry) in enumerate(zip(engine.optimizers, optimizer_entries, strict=True)):
-        _check_optimizer(engine, index, optimizer, entry)
+    owners = [_owner(engine, optimizer) for optimizer in engine.optimizers]
+    for index, (optimizer, owner, entry) in enumerate(zip(engine.optimizers, owners, optimizer_entries, strict=True)):
+        _check_optimizer(index, optimizer, owner, entry)
     callback_states = shared["callbacks"]
     for callback in engine.callbacks:
         if callback.state_key not in callback_states and callback.state_dict():
@@ -304,8 +304,7 @@ def load_engine_state(engine: Engine, directory: Path) -> dict[str, Any]:
             engine.strategy.load_model_state_dict(user_model, weights)
         for name, parameter in user_model.named_parameters():
             parameter.grad = grads[name].to(parameter.device) if name in grads else None
-    for index, (optimizer, entry) in enumerate(zip(engine.optimizers, optimizer_entries, strict=True)):
-        owner = _owner(engine, optimizer)
+    for index, (optimizer, owner, entry) in enumerate(zip(engine.optimizers, owners, optimizer_entries, strict=True)):
         if entry["keyed_by"] == "shards" and owner is not None:
             shard_path = directory / _shard_directory("optimizer", index)
             load_optimizer_shards(owner, optimizer.optimizer, shard_path, entry["state"])

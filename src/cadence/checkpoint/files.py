@@ -99,6 +99,16 @@ def checksums_of(path: Path) -> dict[str, str]:
     return checksums.entries()
 
 
+def _memory_of(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy; the view keeps the tensor alive."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if not nbytes:
+        return memoryview(b"")
+    memory = (ctypes.c_char * nbytes).from_address(tensor.data_ptr())
+    memory._owner = tensor  # type: ignore[attr-defined]  # the view keeps the tensor's memory alive
+    return memoryview(memory).cast("B")
+
+
 class FileBuffer:
     """A file's bytes as a ``uint8`` tensor (``data``) and a memoryview of the same memory (``view``), so
     tensors can be views into it without another copy. Each holds a reference to the memory's owner, so the
@@ -114,11 +124,7 @@ class FileBuffer:
         """Fresh memory of the process's own, allocated uninitialised (``bytearray`` would first zero every
         page, which costs as much as filling them)."""
         data = torch.empty(size, dtype=torch.uint8)
-        if not size:
-            return cls(data, memoryview(b""))
-        memory = (ctypes.c_char * size).from_address(data.data_ptr())
-        memory._owner = data  # type: ignore[attr-defined]  # the view keeps the tensor's memory alive
-        return cls(data, memoryview(memory).cast("B"))
+        return cls(data, _memory_of(data))
 
     @classmethod
     def map(cls, path: Path, size: int) -> FileBuffer:
@@ -216,16 +222,6 @@ def tensors_from_safetensors(buffer: FileBuffer, origin: Path) -> dict[str, torc
 _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 
 
-def _memory_of(tensor: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without a copy; the view keeps the tensor alive."""
-    nbytes = tensor.numel() * tensor.element_size()
-    if not nbytes:
-        return memoryview(b"")
-    memory = (ctypes.c_char * nbytes).from_address(tensor.data_ptr())
-    memory._owner = tensor  # type: ignore[attr-defined]
-    return memoryview(memory).cast("B")
-
-
 def _check_storable(tensors: dict[str, torch.Tensor]) -> None:
     for name, tensor in tensors.items():
         if tensor.dtype not in _NAMES:
@@ -285,10 +281,6 @@ def write_safetensors(
                 write(memory[start : start + _WRITE_CHUNK])
         os.fsync(handle.fileno())
     return digest.entries()
-
-
-def _write_group(tensors: dict[str, torch.Tensor], path: Path) -> dict[str, str]:
-    return write_safetensors(path, tensors)
 
 
 def _write_bytes(path: Path, data: bytes) -> dict[str, str]:
@@ -375,7 +367,7 @@ class CheckpointWriter:
         groups = split_by_size({key: value.cpu() for key, value in unique.items()}, PART_BYTES)
         names = [name] if len(groups) == 1 else [_part_name(name, index) for index in range(len(groups))]
         for part, group in zip(names, groups, strict=True):
-            self._submit(part, functools.partial(_write_group, group))
+            self._submit(part, functools.partial(write_safetensors, tensors=group))
         return aliases
 
     def record_tree(self, subdirectory: str) -> None:

@@ -14,7 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on localhost that nothing listens on now (for a rendezvous address)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
@@ -53,7 +54,7 @@ def spawn(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 
     """
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    port = _free_port()
+    port = free_port()
     processes = [
         context.Process(target=_worker, args=(rank, world_size, port, fn, args, results), daemon=True)
         for rank in range(world_size)
