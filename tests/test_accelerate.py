@@ -123,6 +123,7 @@ def test_members_delegate_to_the_engine(tmp_path: Path, capsys: pytest.CaptureFi
     with accelerator.autocast():
         pass
     accelerator.wait_for_everyone()
+    assert "Resumed from" in capsys.readouterr().out  # load_state says where the run continues from
     accelerator.print("only the main process prints")
     assert capsys.readouterr().out == "only the main process prints\n"
 

@@ -335,8 +335,10 @@ def test_validation_without_validation_step_names_the_fix() -> None:
         def training_step(self, batch: Any) -> torch.Tensor:
             return nn.functional.mse_loss(self.model(batch[0]), batch[1])
 
+    eng = engine()
     with pytest.raises(NotImplementedError, match="defines no `validation_step"):
-        engine().fit(TrainOnly(), loader(), max_epochs=1, val_dataloader=loader())
+        eng.fit(TrainOnly(), loader(), max_epochs=1, val_dataloader=loader())
+    assert eng.state.step == 0  # refused at fit() start, not after a whole epoch of training
 
 
 def test_empty_dataloader_is_an_error_not_an_endless_loop() -> None:
@@ -385,3 +387,82 @@ def test_seed_makes_runs_repeatable() -> None:
         return torch.cat([p.detach().flatten() for p in step.model.parameters()])
 
     assert torch.equal(run(), run())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"seed": "abc"}, r"Engine\(seed=...\) must be an int or None .*got str 'abc'"),
+        ({"seed": 1.5}, r"Engine\(seed=...\) must be an int or None"),
+        ({"checkpoint_total_limit": "3"}, r"checkpoint_total_limit=...\) must be an int or None .*got str '3'"),
+        ({"project_dir": 3}, r"project_dir=...\) must be a path"),
+        ({"progress_bar": "no"}, r"progress_bar=...\) must be True or False"),
+        ({"timeout": 30}, r"timeout=...\) must be a datetime.timedelta"),
+    ],
+)
+def test_engine_arguments_of_the_wrong_type_name_the_expected_type(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(TypeError, match=message):
+        cadence.Engine(accelerator="cpu", **kwargs)
+
+
+def test_a_second_fit_continues_and_leaves_no_stale_dataloader(tmp_path: Any) -> None:
+    eng = engine(project_dir=tmp_path)
+    step = RegressionStep()
+    data = loader()
+    eng.fit(step, data, max_epochs=1)
+    eng.fit(step, data, max_epochs=2)  # the same loader: continues with the second epoch
+    assert eng.state.step == 10 and eng.state.epoch == 1 and len(eng.dataloaders) == 1
+    eng.fit(step, loader(samples=16), max_epochs=3, val_dataloader=loader(samples=8))  # new loaders replace it
+    assert len(eng.dataloaders) == 2
+    eng.fit(step, loader(samples=16), max_epochs=4)
+    assert len(eng.dataloaders) == 1
+    path = eng.save_state()
+    resumed = engine(project_dir=tmp_path)
+    again = RegressionStep(seed=4)
+    resumed.fit(again, loader(samples=16), max_epochs=5, resume=path)  # one dataloader saved, one prepared
+    assert resumed.state.step == eng.state.step + 2
+
+
+def test_resume_says_from_where_and_a_finished_run_says_it_is_done(tmp_path: Any, capsys: Any) -> None:
+    eng = engine(project_dir=tmp_path)
+    eng.fit(RegressionStep(), loader(), max_steps=3)
+    eng.save_state()
+    capsys.readouterr()
+    again = engine(project_dir=tmp_path)
+    step = RegressionStep(seed=4)
+    again.fit(step, loader(), max_steps=3, resume="latest")
+    out = capsys.readouterr().out
+    assert f"Resumed from {tmp_path / 'checkpoints' / 'checkpoint_0'} at step 3 (epoch 0)." in out
+    assert "already reached max_steps=3 (step 3, 0 epoch(s) done): nothing left to train" in out
+    assert again.state.step == 3
+
+
+def test_a_non_finite_loss_applied_to_the_weights_is_recorded_and_reported() -> None:
+    class BlowsUp(RegressionStep):
+        def training_step(self, batch: Any) -> torch.Tensor:
+            loss = super().training_step(batch)
+            return loss * float("nan") if eng.state.step == 2 else loss
+
+    eng = engine()
+    step = BlowsUp()
+    with pytest.warns(UserWarning, match=r"1 optimizer step\(s\) applied a NaN or infinite loss"):
+        eng.fit(step, loader(), max_steps=3)
+    assert eng.state.non_finite_steps == 1
+    assert not all(torch.isfinite(p).all() for p in step.model.parameters())
+    assert eng.state.counters()["non_finite_steps"] == 1
+
+
+def test_a_non_finite_loss_skipped_by_fp16_scaling_is_not_counted() -> None:
+    from cadence.callbacks import MixedPrecision
+
+    class BlowsUpOnce(RegressionStep):
+        calls = 0
+
+        def training_step(self, batch: Any) -> torch.Tensor:
+            self.calls += 1
+            loss = super().training_step(batch)
+            return loss * float("inf") if self.calls == 2 else loss
+
+    eng = engine(callbacks=[MixedPrecision("fp16")])
+    eng.fit(BlowsUpOnce(), loader(), max_steps=3)
+    assert eng.state.non_finite_steps == 0 and eng.state.skipped_steps == {"overflow": 1}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import random
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
@@ -20,8 +21,8 @@ from torch.utils.data import DataLoader
 
 from cadence.callback import Callback, Dispatcher
 from cadence.checkpoint.engine_state import load_engine_state, save_engine_state
+from cadence.checkpoint.errors import CheckpointCorrupted, CheckpointError
 from cadence.checkpoint.export import save_weights
-from cadence.checkpoint.files import CheckpointCorrupted, CheckpointError
 from cadence.checkpoint.layout import CheckpointDirectory
 from cadence.data import check_shardable, draw_seed, make_batch_mover, to_stateful
 from cadence.event import Event
@@ -64,8 +65,7 @@ class Engine:
         checkpoint_total_limit: int | None = None,
         timeout: timedelta = DEFAULT_TIMEOUT,
     ) -> None:
-        if checkpoint_total_limit is not None and checkpoint_total_limit < 1:
-            raise ValueError(f"checkpoint_total_limit must be at least 1 or None; got {checkpoint_total_limit}.")
+        _check_engine_arguments(seed, project_dir, progress_bar, checkpoint_total_limit, timeout)
         self.strategy = resolve_strategy(strategy, accelerator, timeout)
         self.state = State()
         self.seed = seed
@@ -77,6 +77,8 @@ class Engine:
         self._optimizers: list[PreparedOptimizer] = []
         self._schedulers: list[PreparedScheduler] = []
         self._dataloaders: list[PreparedDataLoader] = []
+        self._fit_loaders: list[tuple[Any, PreparedDataLoader]] = []
+        """The (given, prepared) dataloaders of the last ``fit()``, which the next ``fit()`` reuses or releases."""
         self._registered: list[Any] = []
         self._replaced_parameters: dict[int, nn.Parameter] = {}
         self.checkpoint_total_limit = checkpoint_total_limit
@@ -215,6 +217,10 @@ class Engine:
         self._dataloaders.append(prepared)
         return prepared
 
+    def _release_dataloader(self, loader: PreparedDataLoader) -> None:
+        """Stop saving and restoring ``loader`` with the engine (a dataloader an earlier ``fit()`` used)."""
+        self._dataloaders = [prepared for prepared in self._dataloaders if prepared is not loader]
+
     def _repoint_parameters(self, optimizer: Optimizer) -> None:
         """After a strategy replaced a model's parameters (FSDP2), point an optimizer built earlier at them."""
         if not self._replaced_parameters:
@@ -274,6 +280,7 @@ class Engine:
         _check_loss(loss)
         state = self.state
         state.loss = loss.detach()
+        state.watch_loss(state.loss)
         state.num_items = num_items
         state.loss_divisor = 1
         self._fire(Event.BEFORE_BACKWARD)
@@ -381,13 +388,16 @@ class Engine:
     def save_state(self, path: str | Path | None = None) -> Path:
         """Save everything needed to continue this run exactly, and return the checkpoint directory.
 
-        With no path it goes to ``project_dir/checkpoints/checkpoint_{n}``. The directory appears only once it
-        is complete (written aside, fsynced, renamed); an existing one at ``path`` is replaced only then.
+        With no path it goes to ``project_dir/checkpoints/checkpoint_{n}``, the first number no other save has
+        claimed (two runs saving into one directory never overwrite each other). The directory appears only once
+        it is complete (written aside, fsynced, moved into place). An existing directory at ``path`` is replaced,
+        in one step, only when it is a cadence checkpoint or empty: anything else raises ``CheckpointError``
+        before anything is written.
         """
+        target = Path(path) if path is not None else None
         # The main rank names the checkpoint and alone deletes old ones: every rank must agree on one directory.
         number = self.strategy.broadcast_object(self.checkpoints.next_number())
-        directory = Path(path) if path is not None else self.checkpoints.path(number)
-        committed = save_engine_state(self, directory, number)
+        committed, number = save_engine_state(self, target, number)
         self.checkpoints.advance(number)
         if path is None and self.checkpoint_total_limit is not None and self.is_main_process:
             self.checkpoints.prune(keep=self.checkpoint_total_limit)
@@ -397,7 +407,8 @@ class Engine:
 
     def load_state(self, path: str | Path | None = None) -> Path:
         """Restore a checkpoint written by ``save_state``; with no path, the newest valid one in
-        ``project_dir/checkpoints`` (an incomplete or corrupted newer one is skipped with a warning)."""
+        ``project_dir/checkpoints`` (an incomplete, corrupted or malformed newer one is skipped with a warning).
+        Every file and structure is checked before anything changes. Prints where the run resumes from."""
         if path is not None:
             directory = Path(path)
             manifest = load_engine_state(self, directory)
@@ -405,6 +416,7 @@ class Engine:
             directory, manifest = self._load_latest()
         self.checkpoints.advance(int(manifest["checkpoint_number"]))
         self.state.checkpoint_dir = directory
+        self.print(f"Resumed from {directory} at step {self.state.step} (epoch {self.state.epoch}).")
         self._fire(Event.LOAD_STATE)
         return directory
 
@@ -478,6 +490,27 @@ def seed_everything(seed: int) -> None:
     else:
         numpy.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def _check_engine_arguments(
+    seed: Any, project_dir: Any, progress_bar: Any, checkpoint_total_limit: Any, timeout: Any
+) -> None:
+    def refuse(name: str, expected: str, value: Any) -> None:
+        raise TypeError(f"Engine({name}=...) must be {expected}; got {type(value).__name__} {value!r}.")
+
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        refuse("seed", "an int or None (e.g. seed=42)", seed)
+    if not isinstance(project_dir, (str, os.PathLike)):
+        refuse("project_dir", "a path (str or pathlib.Path)", project_dir)
+    if not isinstance(progress_bar, bool):
+        refuse("progress_bar", "True or False", progress_bar)
+    if checkpoint_total_limit is not None:
+        if not isinstance(checkpoint_total_limit, int) or isinstance(checkpoint_total_limit, bool):
+            refuse("checkpoint_total_limit", "an int or None (e.g. checkpoint_total_limit=3)", checkpoint_total_limit)
+        if checkpoint_total_limit < 1:
+            raise ValueError(f"checkpoint_total_limit must be at least 1 or None; got {checkpoint_total_limit}.")
+    if not isinstance(timeout, timedelta):
+        refuse("timeout", "a datetime.timedelta (e.g. timedelta(minutes=10))", timeout)
 
 
 def _is_scheduler(obj: Any) -> bool:

@@ -4,6 +4,7 @@ a callback behaves the same here as in a hand-written loop."""
 from __future__ import annotations
 
 import importlib.metadata
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,19 +34,24 @@ def run_fit(
 ) -> State:
     """The body of ``Engine.fit``."""
     _check_limits(max_epochs, max_steps)
+    if val_dataloader is not None and type(step).validation_step is TrainingStep.validation_step:
+        raise NotImplementedError(
+            f"fit() was given a val_dataloader but {type(step).__name__} defines no `validation_step(self, batch)`; "
+            "define it to return a dict of metrics, or drop val_dataloader."
+        )
     model, optimizer, scheduler = _prepare_step(engine, step)
-    train_loader = engine.prepare(train_dataloader)
-    train_loader.drives_training = True
-    val_loader = None
-    if val_dataloader is not None:
-        val_loader = engine.prepare(val_dataloader)
-        val_loader.drives_training = False
+    train_loader, val_loader = _prepare_loaders(engine, train_dataloader, val_dataloader)
     _add_default_progress_bar(engine)
     if resume is not None:
         _resume(engine, resume)
     state = engine.state
     state.max_epochs, state.max_steps = max_epochs, max_steps
     state.should_stop = max_steps is not None and state.step >= max_steps
+    if resume is not None and (state.should_stop or (max_epochs is not None and train_loader.epoch >= max_epochs)):
+        engine.print(
+            f"This run already reached {_limits(max_epochs, max_steps)} (step {state.step}, {train_loader.epoch} "
+            "epoch(s) done): nothing left to train. Raise max_epochs/max_steps to train further."
+        )
     engine._fire(Event.FIT_START)
     try:
         while not state.should_stop and (max_epochs is None or train_loader.epoch < max_epochs):
@@ -77,7 +83,47 @@ def run_fit(
     finally:
         engine._fire(Event.FIT_END)
         state.exception = None
+    if state.non_finite_steps:
+        warnings.warn(
+            f"{state.non_finite_steps} optimizer step(s) applied a NaN or infinite loss, so the weights are no longer "
+            "finite. Attach cadence.callbacks.FiniteCheck() to skip such steps, or lower the learning rate.",
+            UserWarning,
+            stacklevel=3,
+        )
     return state
+
+
+def _limits(max_epochs: int | None, max_steps: int | None) -> str:
+    limits = [f"{name}={value}" for name, value in (("max_epochs", max_epochs), ("max_steps", max_steps)) if value]
+    return " / ".join(limits)
+
+
+def _prepare_loaders(
+    engine: Engine, train: DataLoader[Any] | PreparedDataLoader, val: DataLoader[Any] | PreparedDataLoader | None
+) -> tuple[PreparedDataLoader, PreparedDataLoader | None]:
+    """The prepared training and validation loaders. A loader given to an earlier ``fit()`` on this engine is the
+    one prepared then (so a second ``fit()`` continues where the first stopped); one that earlier ``fit()`` prepared
+    and this one does not use is released, so checkpoints hold only the loaders of the running ``fit()``."""
+    earlier = engine._fit_loaders
+
+    def prepared(source: Any) -> PreparedDataLoader:
+        for given, loader in earlier:
+            if given is source:
+                return loader
+        result: PreparedDataLoader = engine.prepare(source)
+        return result
+
+    train_loader = prepared(train)
+    train_loader.drives_training = True
+    val_loader = None
+    if val is not None:
+        val_loader = prepared(val)
+        val_loader.drives_training = False
+    for _, loader in earlier:
+        if loader is not train_loader and loader is not val_loader:
+            engine._release_dataloader(loader)
+    engine._fit_loaders = [(train, train_loader)] + ([(val, val_loader)] if val_loader is not None else [])
+    return train_loader, val_loader
 
 
 def _resume(engine: Engine, resume: str | Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,35 @@ class State:
     """The exception ``fit()`` is handling at ``EXCEPTION``. Written by ``fit()``."""
 
     _veto: str | None = None
+    _window_non_finite: Any = False
+    _non_finite_steps: Any = 0
+
+    @property
+    def non_finite_steps(self) -> int:
+        """Optimizer updates applied although a loss of their step was NaN or infinite: from the first one on, the
+        weights are not finite either. (fp16 loss scaling skips such steps as ``"overflow"`` instead, and
+        ``cadence.callbacks.FiniteCheck`` skips them in any precision.) Counted by the prepared optimizer; reading
+        it waits for the device."""
+        return int(self._non_finite_steps)
+
+    def watch_loss(self, loss: torch.Tensor) -> None:
+        """Note whether ``loss`` is finite, for ``non_finite_steps``. Called by ``engine.backward``.
+
+        On the CPU the value is read at once (cheap); on an accelerator the check stays on the device, so training
+        never waits for it.
+        """
+        if loss.device.type == "cpu":
+            if not math.isfinite(loss.item()):
+                self._window_non_finite = True
+            return
+        flag = torch.logical_not(torch.isfinite(loss))
+        self._window_non_finite = flag if self._window_non_finite is False else self._window_non_finite | flag
+
+    def record_update(self) -> None:
+        """Count an applied update whose losses were not all finite. Called by the prepared optimizer."""
+        if self._window_non_finite is not False:
+            self._non_finite_steps = self._non_finite_steps + self._window_non_finite
+            self._window_non_finite = False
 
     def stop(self) -> None:
         """Ask ``fit()`` to end after the current batch (any callback, any event)."""
@@ -102,6 +132,8 @@ class State:
         """Record that ``optimizer.step()`` did not update the weights. Called by the prepared optimizer."""
         self.skip_reason = reason
         self.skipped_steps[reason] = self.skipped_steps.get(reason, 0) + 1
+        if reason != "accumulating":
+            self._window_non_finite = False  # the step's gradients are dropped with it
 
     def counters(self) -> dict[str, Any]:
         """The fields a checkpoint must restore for an exact resume (JSON-safe)."""
@@ -110,6 +142,7 @@ class State:
             "epoch": self.epoch,
             "batch_idx": self.batch_idx,
             "skipped_steps": dict(self.skipped_steps),
+            "non_finite_steps": self.non_finite_steps,
         }
 
     def load_counters(self, counters: dict[str, Any]) -> None:
@@ -118,3 +151,5 @@ class State:
         self.epoch = int(counters["epoch"])
         self.batch_idx = int(counters["batch_idx"])
         self.skipped_steps = {str(k): int(v) for k, v in counters["skipped_steps"].items()}
+        self._non_finite_steps = int(counters.get("non_finite_steps", 0))  # absent before cadence 0.2
+        self._window_non_finite = False

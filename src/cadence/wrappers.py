@@ -110,6 +110,7 @@ class PreparedOptimizer(Optimizer):
             self.step_count += 1
             state.step += 1
             state.skip_reason = None
+            state.record_update()
         else:
             state.record_skip(reason)
         engine._fire(Event.AFTER_OPTIMIZER_STEP)

@@ -16,9 +16,11 @@ import torch
 from torch import nn
 
 from cadence.checkpoint.codec import decode, encode
-from cadence.checkpoint.files import CheckpointError, CheckpointReader, CheckpointWriter
+from cadence.checkpoint.commit import check_replaceable, remove_abandoned, temporary_name
+from cadence.checkpoint.files import MANIFEST, CheckpointCorrupted, CheckpointError, CheckpointReader, CheckpointWriter
 from cadence.checkpoint.matching import mismatch
 from cadence.checkpoint.rng import capture_rng_states, restore_rng_states
+from cadence.checkpoint.schema import check_optimizer_state, check_rank, check_run_fields, check_shared
 from cadence.checkpoint.sharded import (
     load_model_shards,
     load_optimizer_shards,
@@ -49,21 +51,26 @@ def _rank_files(rank: int) -> tuple[str, str]:
     return f"rank_{rank}.json", f"rank_{rank}.safetensors"
 
 
-def save_engine_state(engine: Engine, directory: Path, checkpoint_number: int) -> Path:
-    """Write the engine's complete state as a committed checkpoint at ``directory``.
+def save_engine_state(engine: Engine, target: Path | None, number: int) -> tuple[Path, int]:
+    """Write the engine's complete state as a committed checkpoint at ``target``, or, when ``target`` is None, at
+    the first free ``checkpoint_{n}`` of ``engine.checkpoints`` from ``n = number`` on; returns the directory and
+    its number.
 
     With several ranks, the main rank creates the temporary directory and writes what all ranks share (models
     and optimizers, replicated under DDP); every rank writes its own RNG and dataloader state; after every rank's
-    files are durable, the main rank writes the manifest listing all of them and renames the directory.
+    files are durable, the main rank writes the manifest listing all of them and moves the directory into place.
+    A target that is not cadence's to replace is refused on every rank before anything is written.
     """
     strategy = engine.strategy
     main = engine.is_main_process
-    temporary = strategy.broadcast_object(CheckpointWriter.temporary_name(directory) if main else None)
+    final = target if target is not None else engine.checkpoints.path(number)
+    prepared: tuple[Path | None, str | None] = (None, None)
     if main:
-        writer = CheckpointWriter(directory, _created(temporary))
-    strategy.barrier()
-    if not main:
-        writer = CheckpointWriter(directory, temporary)
+        prepared = _prepare_target(engine, target, final)
+    temporary, refusal = strategy.broadcast_object(prepared)
+    if refusal is not None:
+        raise CheckpointError(refusal)
+    writer = CheckpointWriter(final, temporary)
     try:
         if strategy.shards_checkpoints:
             # Every rank writes its shards of model and optimizer state itself.
@@ -76,27 +83,53 @@ def save_engine_state(engine: Engine, directory: Path, checkpoint_number: int) -
             models = [_model_state(engine, model) for model in engine.models]
             optimizers = [_optimizer_state(engine, optimizer) for optimizer in engine.optimizers]
         if main:
-            _write_shared(engine, writer, checkpoint_number, models, optimizers)
+            _write_shared(engine, writer, models, optimizers)
         _write_rank(engine, writer)
         files = strategy.all_gather_object(writer.finish())
-        committed = directory
+        outcome: tuple[Path | None, int, str | None] = (None, number, None)
         if main:
-            others = {name: entry for table in files for name, entry in table.items()}
-            committed = writer.commit(
-                others, step=engine.state.step, world_size=engine.world_size, checkpoint_number=checkpoint_number
-            )
-        strategy.barrier()
-        return committed
+            outcome = _commit(engine, writer, {name: entry for table in files for name, entry in table.items()}, target)
+        committed, number, failure = strategy.broadcast_object(outcome)
+        if failure is not None:
+            raise CheckpointError(failure)
+        return committed, number
     except BaseException:
         if main:
             writer.abort()
         raise
 
 
-def _created(directory: Path) -> Path:
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    directory.mkdir()
-    return directory
+def _prepare_target(engine: Engine, target: Path | None, final: Path) -> tuple[Path | None, str | None]:
+    """On the main rank: refuse a target cadence may not replace, clear what killed saves left beside it, and
+    create the temporary directory. Returns it, or the refusal every rank raises."""
+    try:
+        if target is not None:
+            check_replaceable(target)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        remove_abandoned(final.parent)
+        temporary = temporary_name(final)
+        temporary.mkdir()
+    except CheckpointError as error:
+        return None, str(error)
+    except OSError as error:
+        return None, f"save_state() cannot create a checkpoint beside {final}: {error}"
+    return temporary, None
+
+
+def _commit(
+    engine: Engine, writer: CheckpointWriter, files: dict[str, dict[str, Any]], target: Path | None
+) -> tuple[Path | None, int, str | None]:
+    manifest = {"step": engine.state.step, "world_size": engine.world_size}
+    try:
+        if target is None:
+            committed, number = writer.commit_numbered(
+                files, engine.checkpoints.path, engine.checkpoints.next_number(), **manifest
+            )
+            return committed, number, None
+        number = engine.checkpoints.next_number()
+        return writer.commit(files, checkpoint_number=number, **manifest), number, None
+    except CheckpointError as error:
+        return None, -1, str(error)
 
 
 def _owner(engine: Engine, optimizer: PreparedOptimizer) -> nn.Module | None:
@@ -149,7 +182,6 @@ def _shard_directory(kind: str, index: int) -> str:
 def _write_shared(
     engine: Engine,
     writer: CheckpointWriter,
-    checkpoint_number: int,
     model_states: list[Any],
     optimizer_states: list[dict[str, Any]],
 ) -> None:
@@ -169,10 +201,12 @@ def _write_shared(
             writer.record_tree(_shard_directory("optimizer", index))
     tensors: dict[str, torch.Tensor] = {}
     shared = {
-        "checkpoint_number": checkpoint_number,
         "counters": engine.state.counters(),
         "models": models,
-        "optimizers": [encode(state, tensors, f"optimizer_{i}") for i, state in enumerate(optimizer_states)],
+        "optimizers": [
+            encode({**state, **_optimizer_identity(optimizer)}, tensors, f"optimizer_{i}")
+            for i, (optimizer, state) in enumerate(zip(engine.optimizers, optimizer_states, strict=True))
+        ],
         "schedulers": [encode(s.state_dict(), tensors, f"scheduler_{i}") for i, s in enumerate(engine.schedulers)],
         "callbacks": {cb.state_key: encode(cb.state_dict(), tensors, cb.state_key) for cb in engine.callbacks},
         "registered": [encode(o.state_dict(), tensors, f"registered_{i}") for i, o in enumerate(engine.registered)],
@@ -214,7 +248,27 @@ def _check_shapes(index: int, expected: dict[str, tuple[int, ...]], saved: dict[
         )
 
 
+def optimizer_class(optimizer: PreparedOptimizer) -> str:
+    kind = type(optimizer.optimizer)
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
+def _optimizer_identity(optimizer: PreparedOptimizer) -> dict[str, Any]:
+    """What a load compares before restoring an optimizer: its class, and each group's option names (kept for
+    diagnosis: a newer torch may add options to the same class)."""
+    groups = [sorted(key for key in group if key != "params") for group in optimizer.param_groups]
+    return {"class": optimizer_class(optimizer), "group_keys": groups}
+
+
 def _check_optimizer(index: int, optimizer: PreparedOptimizer, owner: nn.Module | None, entry: dict[str, Any]) -> None:
+    saved_class = entry.get("class")
+    if saved_class is not None and saved_class != optimizer_class(optimizer):
+        # Another class reads the state differently (AdamW into SGD fails at the first step) or takes over its
+        # hyperparameters (AdamW into Adam silently changes weight decay): refuse before anything changes.
+        raise CheckpointError(
+            f"Optimizer {index} was saved as {saved_class}, but this engine prepared {optimizer_class(optimizer)}. "
+            f"Build the optimizer the run that saved it used ({saved_class.rsplit('.', 1)[-1]}), or start a new run."
+        )
     if entry["keyed_by"] == "index":
         saved = [len(group["params"]) for group in entry["state"]["param_groups"]]
         current = [len(group["params"]) for group in optimizer.param_groups]
@@ -236,10 +290,46 @@ def _check_optimizer(index: int, optimizer: PreparedOptimizer, owner: nn.Module 
             raise CheckpointError(f"Optimizer {index} does not match the checkpoint: {error}") from error
 
 
+def _decoded(value: Any, tensors: dict[str, torch.Tensor], origin: Path, what: str) -> Any:
+    try:
+        return decode(value, tensors)
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
+        raise CheckpointCorrupted(
+            f"{origin} is malformed: {what} cannot be rebuilt ({type(error).__name__}: {error}). The checkpoint "
+            "will not be loaded."
+        ) from error
+
+
+def _check_callback_states(engine: Engine, saved: dict[str, Any]) -> None:
+    attached = {callback.state_key for callback in engine.callbacks}
+    for callback in engine.callbacks:
+        if callback.state_key not in saved and callback.state_dict():
+            warnings.warn(
+                f"The checkpoint has no state for callback {callback.state_key!r} (it was not attached when "
+                "saving); it starts fresh.",
+                UserWarning,
+                stacklevel=4,
+            )
+    for key, state in saved.items():
+        if key not in attached and state:
+            warnings.warn(
+                f"The checkpoint holds state for callback {key!r}, but no attached callback has that state_key: its "
+                f"state is not restored. Attach the same callbacks as the run that saved it to continue exactly.",
+                UserWarning,
+                stacklevel=4,
+            )
+
+
 def load_engine_state(engine: Engine, directory: Path) -> dict[str, Any]:
-    """Restore the engine from a committed checkpoint; returns its manifest. Nothing changes unless every
-    check passes."""
+    """Restore the engine from a committed checkpoint; returns its manifest.
+
+    Every file is read and checked against the manifest, every document's structure is checked, every value is
+    rebuilt and compared with what this engine prepared, and only then does anything change: a checkpoint that
+    fails any check leaves the run untouched (``CheckpointCorrupted`` for damage, so an older one can be tried;
+    ``CheckpointError`` for a checkpoint that does not fit this run).
+    """
     with CheckpointReader(directory) as reader:
+        check_run_fields(reader.manifest, str(directory / MANIFEST))
         rank_json, rank_safetensors = _rank_files(engine.rank)
         restore_rng = reader.has(rank_json)
         if not restore_rng:
@@ -256,17 +346,17 @@ def load_engine_state(engine: Engine, directory: Path) -> dict[str, Any]:
         # Weights are copied into the parameters (load_state_dict copies), so they are read through a mapping;
         # optimizer state and gradients are kept as loaded, so they get memory of their own.
         reader.prefetch([SHARED_JSON, SHARED_TENSORS, rank_json, rank_safetensors, *models], mapped=models)
-        shared = reader.json(SHARED_JSON)
+        shared = check_shared(reader.json(SHARED_JSON), str(directory / SHARED_JSON))
+        per_rank = check_rank(reader.json(rank_json), str(directory / rank_json))
         _check_count("model", shared["models"], engine.models)
         _check_count("optimizer", shared["optimizers"], engine.optimizers)
         _check_count("scheduler", shared["schedulers"], engine.schedulers)
         _check_count("registered object", shared["registered"], engine.registered)
-        per_rank = reader.json(rank_json)
         _check_count("dataloader", per_rank["dataloaders"], engine.dataloaders)
         model_states: list[tuple[nn.Module, Any, dict[str, torch.Tensor]]] = []
         for index, (model, saved) in enumerate(zip(engine.models, shared["models"], strict=True)):
             user_model = engine.unwrap_model(model)
-            if saved.get("format") == "sharded":
+            if saved["format"] == "sharded":
                 shards = _shard_directory("model", index)
                 reader.verify_tree(shards)
                 _check_shapes(index, model_shapes(user_model), saved_shapes(directory / shards))
@@ -282,19 +372,36 @@ def load_engine_state(engine: Engine, directory: Path) -> dict[str, Any]:
         tensors = reader.tensors(SHARED_TENSORS)
         rank_tensors = reader.tensors(rank_safetensors)
         manifest = reader.manifest
-    optimizer_entries = [decode(saved, tensors) for saved in shared["optimizers"]]
+
+    shared_origin, rank_origin = directory / SHARED_JSON, directory / rank_json
+    optimizer_entries = []
+    for index, saved in enumerate(shared["optimizers"]):
+        entry = _decoded(saved, tensors, shared_origin, f"optimizer {index}")
+        if entry["keyed_by"] != "shards":
+            check_optimizer_state(entry["state"], str(shared_origin), f"optimizers[{index}].state")
+        optimizer_entries.append(entry)
     owners = [_owner(engine, optimizer) for optimizer in engine.optimizers]
     for index, (optimizer, owner, entry) in enumerate(zip(engine.optimizers, owners, optimizer_entries, strict=True)):
         _check_optimizer(index, optimizer, owner, entry)
-    callback_states = shared["callbacks"]
-    for callback in engine.callbacks:
-        if callback.state_key not in callback_states and callback.state_dict():
-            warnings.warn(
-                f"The checkpoint has no state for callback {callback.state_key!r} (it was not attached when "
-                "saving); it starts fresh.",
-                UserWarning,
-                stacklevel=3,
-            )
+    scheduler_states = [
+        _decoded(saved, tensors, shared_origin, f"scheduler {index}")
+        for index, saved in enumerate(shared["schedulers"])
+    ]
+    callback_states = {
+        key: _decoded(saved, tensors, shared_origin, f"callback {key!r}") for key, saved in shared["callbacks"].items()
+    }
+    _check_callback_states(engine, callback_states)
+    registered_states = [
+        _decoded(saved, tensors, shared_origin, f"registered object {index}")
+        for index, saved in enumerate(shared["registered"])
+    ]
+    loader_states = [
+        _decoded(saved, rank_tensors, rank_origin, f"dataloader {index}")
+        for index, saved in enumerate(per_rank["dataloaders"])
+    ]
+    for loader, saved in zip(engine.dataloaders, loader_states, strict=True):
+        getattr(loader, "check_state_dict", lambda _: None)(saved)  # TEMP until data branch merges
+    rng_states = _decoded(per_rank["rng"], rank_tensors, rank_origin, "the RNG states") if restore_rng else None
 
     # Every check passed: apply.
     for user_model, weights, grads in model_states:
@@ -312,17 +419,17 @@ def load_engine_state(engine: Engine, directory: Path) -> dict[str, Any]:
             engine.strategy.load_optimizer_state_dict(owner, optimizer.optimizer, entry["state"])
         else:
             optimizer.load_state_dict(entry["state"])
-    for scheduler, saved in zip(engine.schedulers, shared["schedulers"], strict=True):
-        scheduler.load_state_dict(decode(saved, tensors))
+    for scheduler, scheduler_state in zip(engine.schedulers, scheduler_states, strict=True):
+        scheduler.load_state_dict(scheduler_state)
         scheduler.resync()
     for callback in engine.callbacks:
         if callback.state_key in callback_states:
-            callback.load_state_dict(decode(callback_states[callback.state_key], tensors))
-    for registered, saved in zip(engine.registered, shared["registered"], strict=True):
-        registered.load_state_dict(decode(saved, tensors))
+            callback.load_state_dict(callback_states[callback.state_key])
+    for registered, registered_state in zip(engine.registered, registered_states, strict=True):
+        registered.load_state_dict(registered_state)
     engine.state.load_counters(shared["counters"])
-    for loader, saved in zip(engine.dataloaders, per_rank["dataloaders"], strict=True):
-        loader.load_state_dict(decode(saved, rank_tensors))
-    if restore_rng:
-        restore_rng_states(decode(per_rank["rng"], rank_tensors))
+    for loader, loader_state in zip(engine.dataloaders, loader_states, strict=True):
+        loader.load_state_dict(loader_state)
+    if rng_states is not None:
+        restore_rng_states(rng_states)
     return manifest

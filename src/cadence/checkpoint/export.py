@@ -19,8 +19,8 @@ from torch import nn
 
 from cadence.checkpoint.files import (
     CheckpointError,
-    _fsync_path,
     deduplicate,
+    fsync_path,
     split_by_size,
     write_safetensors,
 )
@@ -87,7 +87,7 @@ def save_weights(
         _write_atomically(directory / index_name, lambda path: path.write_text(json.dumps(index, indent=2)))
         written.append(directory / index_name)
     _remove_stale(directory, written, safe_serialization)
-    _fsync_path(directory)  # the renames above are durable only once the directory is
+    fsync_path(directory)  # the renames above are durable only once the directory is
     return written
 
 

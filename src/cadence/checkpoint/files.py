@@ -19,7 +19,6 @@ import mmap
 import os
 import shutil
 import sys
-import uuid
 import zlib
 from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,9 +27,18 @@ from typing import Any
 
 import torch
 
+from cadence.checkpoint.commit import (
+    MANIFEST,
+    check_replaceable,
+    fsync_path,
+    move_into_place,
+    swap_into_place,
+    temporary_name,
+)
+from cadence.checkpoint.errors import CheckpointCorrupted, CheckpointError
+from cadence.checkpoint.schema import check_manifest
+
 FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
-_PARTIAL = ".partial-"
 _WRITE_CHUNK = 4 * 1024 * 1024
 """Bytes written and hashed at a time: small enough to be hashed while the CPU cache still holds them (16 MiB
 chunks made a 1.2 GB save 40% slower where this was measured)."""
@@ -48,21 +56,7 @@ _VIEW_AT_LEAST = 1024 * 1024
 """Tensors of at least this many bytes are read as views into the file's buffer rather than copied."""
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded: incomplete, corrupted, or not matching what is being restored."""
-
-
-class CheckpointCorrupted(CheckpointError):
-    """The checkpoint's files are not what its manifest recorded (incomplete save, truncation, bit rot): an
-    older checkpoint may still be good."""
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+__all__ = ["MANIFEST", "CheckpointCorrupted", "CheckpointError", "fsync_path"]
 
 
 CHECKSUMS = ("sha256", "crc32")
@@ -295,7 +289,7 @@ def _write_bytes(path: Path, data: bytes) -> dict[str, str]:
 
 
 def _sync_and_hash(path: Path) -> dict[str, str]:
-    _fsync_path(path)
+    fsync_path(path)
     return checksums_of(path)
 
 
@@ -342,17 +336,13 @@ class CheckpointWriter:
         self.final = final
         if directory is None:
             self.final.parent.mkdir(parents=True, exist_ok=True)
-            directory = self.temporary_name(final)
+            directory = temporary_name(final)
             directory.mkdir()
         self.directory = directory
         self.files: dict[str, dict[str, Any]] = {}
         # One thread per core writes and hashes; one more lets a file's fsync wait without idling a core.
         self._pool = ThreadPoolExecutor(max_workers=(os.cpu_count() or 1) + 1)
         self._hashes: dict[str, Future[dict[str, str]]] = {}
-
-    @staticmethod
-    def temporary_name(final: Path) -> Path:
-        return final.parent / f".{final.name}{_PARTIAL}{uuid.uuid4().hex[:8]}"
 
     def _submit(self, name: str, write: Callable[[Path], dict[str, str]]) -> None:
         """Run ``write(path)`` (which makes the file durable and returns its checksums) in the background."""
@@ -388,24 +378,48 @@ class CheckpointWriter:
         self._pool.shutdown()
         return self.files
 
+    def _write_manifest(self, files: dict[str, dict[str, Any]] | None, manifest: dict[str, Any]) -> None:
+        document = {"format_version": FORMAT_VERSION, **manifest, "files": {**self.finish(), **(files or {})}}
+        path = self.directory / MANIFEST
+        path.write_text(json.dumps(document, indent=1, sort_keys=True))
+        fsync_path(path)
+        fsync_path(self.directory)
+
     def commit(self, files: dict[str, dict[str, Any]] | None = None, **manifest: Any) -> Path:
         """Write the manifest last (listing this writer's files, and ``files`` written by other ranks), fsync,
-        and rename into place; an older directory of the same name is replaced only after the new one is
-        complete."""
-        document = {"format_version": FORMAT_VERSION, **manifest, "files": {**self.finish(), **(files or {})}}
-        (self.directory / MANIFEST).write_text(json.dumps(document, indent=1, sort_keys=True))
-        _fsync_path(self.directory / MANIFEST)
-        _fsync_path(self.directory)
+        and move the directory into place at ``final``. An existing ``final`` is replaced, in one step, only when
+        it is a committed checkpoint or an empty directory (checked again here: it may have appeared meanwhile).
+        """
+        self._write_manifest(files, manifest)
+        check_replaceable(self.final)
         if self.final.exists():
-            # Replace: move the old one aside first, so that at every instant one complete copy exists.
-            retired = self.final.parent / f".{self.final.name}.retired-{uuid.uuid4().hex[:8]}"
-            self.final.rename(retired)
-            self.directory.rename(self.final)
-            shutil.rmtree(retired, ignore_errors=True)
+            swap_into_place(self.directory, self.final)
         else:
-            self.directory.rename(self.final)
-        _fsync_path(self.final.parent)
+            try:
+                move_into_place(self.directory, self.final)
+            except FileExistsError:
+                check_replaceable(self.final)  # created by someone else since the check above
+                swap_into_place(self.directory, self.final)
+        fsync_path(self.final.parent)
         return self.final
+
+    def commit_numbered(
+        self, files: dict[str, dict[str, Any]] | None, name: Callable[[int], Path], first: int, **manifest: Any
+    ) -> tuple[Path, int]:
+        """Like ``commit``, into the first free ``name(n)`` from ``n = first`` on: a name another run claimed in
+        the meantime is never replaced, the next number is taken instead. Returns the path and its number."""
+        number = first
+        while True:
+            self._write_manifest(files, {**manifest, "checkpoint_number": number})
+            final = name(number)
+            try:
+                move_into_place(self.directory, final)
+            except FileExistsError:
+                number += 1
+                continue
+            fsync_path(final.parent)
+            self.final = final
+            return final, number
 
     def abort(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -434,6 +448,7 @@ def read_manifest(directory: Path) -> dict[str, Any]:
         raise CheckpointError(
             f"{directory} has checkpoint format {version!r}; this cadence reads format {FORMAT_VERSION}."
         )
+    check_manifest(manifest, str(path))
     for name, expected in manifest["files"].items():
         file = directory / name
         if Path(name).is_absolute() or ".." in Path(name).parts:
@@ -562,6 +577,8 @@ class CheckpointReader:
         for part in parts:
             tensors.update(tensors_from_safetensors(self._read(part), self.directory / part))
         for alias, stored in (aliases or {}).items():
+            if stored not in tensors:
+                raise CheckpointCorrupted(f"{self.directory / name} has no {stored!r}, which alias {alias!r} names.")
             tensors[alias] = tensors[stored]
         return tensors
 
@@ -569,7 +586,3 @@ class CheckpointReader:
 def _part_name(name: str, index: int) -> str:
     stem = name.removesuffix(".safetensors")
     return f"{stem}.part{index:03d}.safetensors"
-
-
-def is_partial(directory: Path) -> bool:
-    return _PARTIAL in directory.name

@@ -6,7 +6,7 @@ import re
 import shutil
 from pathlib import Path
 
-from cadence.checkpoint.files import is_partial
+from cadence.checkpoint.commit import is_checkpoint, remove_abandoned
 
 _NAME = re.compile(r"^checkpoint_(\d+)$")
 
@@ -30,6 +30,7 @@ class CheckpointDirectory:
         return sorted(found, reverse=True)
 
     def next_number(self) -> int:
+        """The number the next save tries first; it takes the next free one if another run claimed it since."""
         existing = self.numbered()
         return max(self._next, existing[0][0] + 1 if existing else 0)
 
@@ -38,9 +39,12 @@ class CheckpointDirectory:
         self._next = number + 1
 
     def prune(self, keep: int) -> None:
-        """Delete all but the newest ``keep`` checkpoints, and leftovers of interrupted saves."""
+        """Delete all but the newest ``keep`` checkpoints (only ``checkpoint_{n}`` directories with a manifest:
+        anything else under this name is not cadence's to delete)."""
         for _, directory in self.numbered()[keep:]:
-            shutil.rmtree(directory, ignore_errors=True)
-        for entry in self.root.iterdir():
-            if is_partial(entry):
-                shutil.rmtree(entry, ignore_errors=True)
+            if is_checkpoint(directory) and not directory.is_symlink():
+                shutil.rmtree(directory, ignore_errors=True)
+
+    def remove_abandoned(self) -> list[Path]:
+        """Remove what saves killed mid-way left here (see ``cadence.checkpoint.commit.remove_abandoned``)."""
+        return remove_abandoned(self.root)

@@ -1,0 +1,12 @@
+"""The errors a checkpoint can raise, in a module of their own so every checkpoint module can raise them."""
+
+from __future__ import annotations
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be saved or loaded: incomplete, corrupted, or not matching what is being restored."""
+
+
+class CheckpointCorrupted(CheckpointError):
+    """The checkpoint's files are not what its manifest recorded (incomplete save, truncation, bit rot) or their
+    structure is malformed: an older checkpoint may still be good."""
