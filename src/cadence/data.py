@@ -86,12 +86,13 @@ class ResumableBatchSampler(Sampler[list[int]]):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def _batches(self, remaining: int) -> int:
+    def count_batches(self, remaining: int) -> int:
+        """Batches each rank gets from ``remaining`` global samples."""
         full, tail = divmod(remaining, self.global_batch_size)
         return full + (1 if tail and not self.drop_last else 0)
 
     def __len__(self) -> int:
-        return self._batches(self.num_samples - self.start_sample)
+        return self.count_batches(self.num_samples - self.start_sample)
 
     @property
     def padding(self) -> int:
