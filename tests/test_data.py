@@ -6,10 +6,19 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, IterableDataset, TensorDataset, WeightedRandomSampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+    TensorDataset,
+    WeightedRandomSampler,
+)
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 import cadence
-from cadence.data import ResumableBatchSampler, to_stateful
+from cadence.data import ResumableBatchSampler, check_shardable, to_stateful
 
 
 def ids_dataset(samples: int = 40) -> TensorDataset:
@@ -52,10 +61,11 @@ def test_custom_samplers_are_kept() -> None:
     assert stateful.sampler is sampler and len(stateful) == 2
 
 
+@pytest.mark.parametrize("loader_class", [DataLoader, StatefulDataLoader])
 @pytest.mark.parametrize("workers", [0, 2])
-def test_mid_epoch_state_resumes_with_exactly_the_remaining_batches(workers: int) -> None:
+def test_mid_epoch_state_resumes_with_exactly_the_remaining_batches(workers: int, loader_class: type) -> None:
     def prepared() -> Any:
-        return engine().prepare(DataLoader(ids_dataset(), batch_size=4, shuffle=True, num_workers=workers))
+        return engine().prepare(loader_class(ids_dataset(), batch_size=4, shuffle=True, num_workers=workers))
 
     straight = prepared()
     expected = [ids(batch) for batch in straight] + [ids(batch) for batch in straight]  # two epochs
@@ -153,3 +163,64 @@ def test_a_pass_that_never_starts_keeps_the_restored_position() -> None:
     fresh_engine.state.stop()  # e.g. fit(resume=..., max_steps=...) with the limit already reached
     assert list(resumed) == []
     assert resumed.state_dict()["batches_done"] == saved["batches_done"] == 2
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_a_stateful_dataloader_with_default_samplers_is_split_across_ranks(shuffle: bool) -> None:
+    def rank_batches(loader_class: type, rank: int) -> list[list[int]]:
+        loader = loader_class(ids_dataset(12), batch_size=3, shuffle=shuffle)
+        return [ids(batch) for batch in to_stateful(loader, seed=5, rank=rank, world_size=2)]
+
+    # torchdata builds stateful samplers of its own for shuffle=True/False: they must shard as torch's do.
+    for rank in (0, 1):
+        assert rank_batches(StatefulDataLoader, rank) == rank_batches(DataLoader, rank)
+    first, second = ([index for batch in rank_batches(StatefulDataLoader, rank) for index in batch] for rank in (0, 1))
+    assert not set(first) & set(second) and sorted(first + second) == list(range(12))
+
+
+def test_a_prepared_stateful_dataloader_shuffles_as_a_dataloader_does() -> None:
+    def order(loader_class: type, seed: int) -> list[list[int]]:
+        return [ids(batch) for batch in engine(seed).prepare(loader_class(ids_dataset(16), batch_size=4, shuffle=True))]
+
+    stateful = order(StatefulDataLoader, 4)
+    assert stateful == order(StatefulDataLoader, 4) == order(DataLoader, 4) != order(StatefulDataLoader, 5)
+    assert sorted(index for batch in stateful for index in batch) == list(range(16))
+
+
+def test_a_rebuilt_stateful_dataloader_keeps_its_arguments() -> None:
+    source = StatefulDataLoader(
+        ids_dataset(10), batch_size=4, shuffle=True, drop_last=True, num_workers=2, snapshot_every_n_steps=5
+    )
+    stateful = to_stateful(source, seed=0)
+    assert stateful is not source and isinstance(stateful.batch_sampler, ResumableBatchSampler)
+    assert stateful.snapshot_every_n_steps == 5 and stateful.num_workers == 2 and len(stateful) == 2
+
+
+def test_a_stateful_dataloader_with_its_own_sampler_is_kept() -> None:
+    sampler = WeightedRandomSampler([1.0] * 10, num_samples=6, generator=torch.Generator().manual_seed(0))
+    source = StatefulDataLoader(ids_dataset(10), batch_size=3, sampler=sampler)
+    assert to_stateful(source, seed=0, rank=1, world_size=2) is source
+
+
+def test_a_stateful_dataloader_with_a_restored_position_is_refused_not_rebuilt() -> None:
+    source = StatefulDataLoader(ids_dataset(12), batch_size=4, shuffle=True)
+    next(iter(source))
+    source.load_state_dict(source.state_dict())
+    with pytest.raises(ValueError, match=r"restored by its load_state_dict\(\).*engine.load_state"):
+        to_stateful(source, seed=0)
+
+
+def test_the_default_samplers_of_a_stateful_dataloader_can_be_sharded() -> None:
+    check_shardable(StatefulDataLoader(ids_dataset(), batch_size=4, shuffle=True))
+    check_shardable(StatefulDataLoader(ids_dataset(), batch_size=4, shuffle=False))
+
+
+def test_an_unshardable_sampler_is_named_with_the_argument_to_drop() -> None:
+    dataset = ids_dataset()
+    drawn = RandomSampler(dataset, replacement=True)
+    with pytest.raises(ValueError, match=r"RandomSampler passed as sampler=.*Drop the sampler= argument") as error:
+        check_shardable(DataLoader(dataset, batch_size=4, sampler=drawn))
+    assert "Use shuffle=True" not in str(error.value)
+    batches = BatchSampler(SequentialSampler(dataset), batch_size=4, drop_last=False)
+    with pytest.raises(ValueError, match=r"BatchSampler passed as batch_sampler=.*DistributedSampler"):
+        check_shardable(DataLoader(dataset, batch_sampler=batches))

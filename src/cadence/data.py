@@ -15,6 +15,7 @@ with warnings.catch_warnings():
     # torchdata calls the deprecated torch.set_vital when imported and on each construction; it is not ours to fix.
     warnings.filterwarnings("ignore", message=".*set_vital.*")
     from torchdata.stateful_dataloader import StatefulDataLoader
+    from torchdata.stateful_dataloader.sampler import RandomSampler as StatefulRandomSampler
 
 BatchMover = Callable[[Any], Any]
 
@@ -85,12 +86,13 @@ class ResumableBatchSampler(Sampler[list[int]]):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def _batches(self, remaining: int) -> int:
+    def count_batches(self, remaining: int) -> int:
+        """Batches each rank gets from ``remaining`` global samples."""
         full, tail = divmod(remaining, self.global_batch_size)
         return full + (1 if tail and not self.drop_last else 0)
 
     def __len__(self) -> int:
-        return self._batches(self.num_samples - self.start_sample)
+        return self.count_batches(self.num_samples - self.start_sample)
 
     @property
     def padding(self) -> int:
@@ -143,19 +145,26 @@ def check_shardable(loader: DataLoader[Any]) -> None:
             stacklevel=4,
         )
         return
-    sampler = loader.sampler if loader.batch_size is not None else loader.batch_sampler
+    custom_batches = loader.batch_size is None
+    sampler = loader.batch_sampler if custom_batches else loader.sampler
     if _torch_sampler_shuffle(sampler) is None and not isinstance(sampler, DistributedSampler):
+        # Only a sampler the user built can land here: the defaults shuffle=True/False builds are always sharded.
+        argument = "batch_sampler" if custom_batches else "sampler"
         raise ValueError(
-            f"A {type(sampler).__name__} cannot be split across ranks by cadence: every rank would draw the "
-            "same samples. Use shuffle=True/False (cadence shards it), or pass a DistributedSampler."
+            f"The {type(sampler).__name__} passed as {argument}= cannot be split across ranks by cadence: every "
+            f"rank would draw the same samples. Drop the {argument}= argument and pass shuffle=True or "
+            "shuffle=False (cadence then gives each rank its share), or pass a sampler that splits by rank "
+            "(torch.utils.data.DistributedSampler)."
         )
 
 
 def _torch_sampler_shuffle(sampler: Any) -> bool | None:
-    """Whether torch's own default sampler shuffles; ``None`` for any other sampler (kept as the user gave it)."""
+    """Whether a default sampler (torch's, or the stateful one torchdata's ``StatefulDataLoader`` builds for
+    ``shuffle=True``) shuffles; ``None`` for any other sampler (kept as the user gave it)."""
     if type(sampler) is SequentialSampler:
         return False
-    if type(sampler) is RandomSampler and not sampler.replacement and sampler._num_samples is None:
+    default_random = type(sampler) in (RandomSampler, StatefulRandomSampler)
+    if default_random and not sampler.replacement and sampler._num_samples is None:
         return True
     return None
 
@@ -187,6 +196,8 @@ def _loader_arguments(loader: DataLoader[Any], seed: int | None, rank: int, worl
         arguments["prefetch_factor"] = loader.prefetch_factor
     if getattr(loader, "in_order", True) is False:
         arguments["in_order"] = False
+    if isinstance(loader, StatefulDataLoader):
+        arguments["snapshot_every_n_steps"] = loader.snapshot_every_n_steps
     if loader._dataset_kind == 1:  # an IterableDataset: no sampler to carry over
         arguments["batch_size"] = loader.batch_size
         arguments["drop_last"] = loader.drop_last
@@ -220,11 +231,31 @@ def to_stateful(
     """A ``StatefulDataLoader`` over the same data with the same arguments as ``loader``.
 
     Shuffling (``shuffle=True``) follows a ``ResumableBatchSampler`` seeded with ``seed``, else with a seed drawn
-    from the loader's generator or torch's global one, so a resumed epoch replays exactly.
+    from the loader's generator or torch's global one, so a resumed epoch replays exactly. A ``StatefulDataLoader``
+    is rebuilt the same way when it uses the default samplers; with a sampler of the user's own it is kept as is.
     """
     if isinstance(loader, StatefulDataLoader):
-        return loader
+        if not _uses_default_sampler(loader):
+            return loader
+        _check_no_restored_position(loader)
     arguments = _loader_arguments(loader, seed, rank, world_size)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*set_vital.*")
         return StatefulDataLoader(loader.dataset, **arguments)
+
+
+def _uses_default_sampler(loader: DataLoader[Any]) -> bool:
+    """Whether ``loader`` batches map-style data with the sampler ``shuffle=True/False`` built for it."""
+    if loader._dataset_kind == 1 or loader.batch_size is None:
+        return False
+    return _torch_sampler_shuffle(loader.sampler) is not None
+
+
+def _check_no_restored_position(loader: StatefulDataLoader[Any]) -> None:
+    """Refuse to rebuild a ``StatefulDataLoader`` that holds a restored position: the rebuilt one would drop it."""
+    if loader.next_iter_state is not None:
+        raise ValueError(
+            "This StatefulDataLoader holds a position restored by its load_state_dict(); engine.prepare() rebuilds "
+            "it (so cadence can shard and resume it) and that position would be lost. Prepare the loader before "
+            "restoring anything, and resume through cadence: engine.load_state(path) or fit(..., resume=...)."
+        )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -9,6 +10,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from cadence.checkpoint.files import CheckpointError
 from cadence.data import ResumableBatchSampler
 from cadence.event import Event
 
@@ -172,6 +174,11 @@ class PreparedScheduler:
         return f"PreparedScheduler({self.scheduler!r})"
 
 
+_STATE_KEYS = ("epoch", "batches_done", "loader", "generator", "generator_at_epoch_start")
+"""What ``PreparedDataLoader.load_state_dict`` needs; ``samples_done`` and ``num_samples`` are optional (older
+states lack them)."""
+
+
 class PreparedDataLoader:
     """Iterates a ``StatefulDataLoader``, moves each batch to the device, and, while it drives training, keeps
     the State's epoch and batch position and fires the epoch and batch events.
@@ -258,7 +265,103 @@ class PreparedDataLoader:
             "loader": loader_state,
             "generator": generator_state,
             "generator_at_epoch_start": self._generator_at_epoch_start if batches_done else None,
+            "num_samples": self._dataset_size(),
         }
+
+    def _dataset_size(self) -> int | None:
+        """Samples in the dataset, ``None`` when it has no length."""
+        try:
+            return len(self.loader.dataset)
+        except TypeError:
+            return None
+
+    def check_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Raise ``CheckpointError`` when this dataloader cannot continue from ``state_dict`` (a ``state_dict()``
+        of a run being resumed): keys missing, a position saved by another kind of sampler, or a position beyond
+        the end of the current data. Changes nothing, so a caller can check every dataloader before loading any.
+        """
+        missing = [key for key in _STATE_KEYS if key not in state_dict]
+        if missing:
+            raise CheckpointError(
+                f"The dataloader state lacks {missing}: it was not written by PreparedDataLoader.state_dict(). "
+                "Load a checkpoint saved by cadence (engine.save_state), or start a fresh run."
+            )
+        problem = self._position_problem(state_dict)
+        if problem is not None:
+            raise CheckpointError(
+                f"{problem} Resume with the dataset and dataloader the run was saved with, or start a fresh run "
+                "(without resume)."
+            )
+
+    def _position_problem(self, state_dict: dict[str, Any]) -> str | None:
+        epoch = int(state_dict["epoch"])
+        batches, samples = int(state_dict["batches_done"]), int(state_dict.get("samples_done", 0))
+        saved_size = state_dict.get("num_samples")
+        saved_over = "" if saved_size is None else f" (saved over {saved_size} samples)"
+        sampler = self._sampler
+        if batches or samples:
+            # Mid-epoch, the position is a sample count for cadence's sampler and the loader's own state otherwise;
+            # neither can be read as the other, and using the wrong one would restart the epoch mid-way.
+            saved_resumable = state_dict["loader"] is None
+            if saved_resumable != (sampler is not None):
+                saved_kind = "cadence's resumable sampler" if saved_resumable else "a sampler of the user's own"
+                current_kind = "cadence's resumable sampler" if sampler is not None else "a sampler of its own"
+                return (
+                    f"The checkpoint's dataloader position ({batches} batches into epoch {epoch}) was saved with "
+                    f"{saved_kind}, but this dataloader uses {current_kind}: it cannot continue that position."
+                )
+        if sampler is not None:
+            if samples > sampler.num_samples and not self._saved_epoch_finished(state_dict):
+                return (
+                    f"The checkpoint's dataloader position is {samples} samples into epoch {epoch}{saved_over}, but "
+                    f"the dataset now has {sampler.num_samples} samples: the position lies beyond its end."
+                )
+            return None
+        length = self._map_style_length()
+        if length is not None and batches > length:
+            return (
+                f"The checkpoint's dataloader position is {batches} batches into epoch {epoch}{saved_over}, but the "
+                f"dataloader now has {length} batches an epoch ({self._dataset_size()} samples): the position lies "
+                "beyond its end."
+            )
+        return None
+
+    def _saved_epoch_finished(self, state_dict: dict[str, Any]) -> bool:
+        """Whether a saved position had no batch left in its epoch (a run stopped on the epoch's last batch): the
+        resumed pass only ends the epoch, whatever the dataset's size now."""
+        sampler, saved_size = self._sampler, state_dict.get("num_samples")
+        if sampler is None or saved_size is None:
+            return False
+        return sampler.count_batches(saved_size - int(state_dict.get("samples_done", 0))) == 0
+
+    def _map_style_length(self) -> int | None:
+        """Batches an epoch for map-style data; ``None`` for an iterable dataset, whose length is only a hint."""
+        if self.loader._dataset_kind == 1:
+            return None
+        try:
+            return len(self.loader)
+        except TypeError:
+            return None
+
+    def _warn_if_resized(self, state_dict: dict[str, Any]) -> None:
+        saved_size, size = state_dict.get("num_samples"), self._dataset_size()
+        batches, samples = int(state_dict["batches_done"]), int(state_dict.get("samples_done", 0))
+        # Between epochs nothing of the saved epoch is continued: a new dataset simply starts a new epoch.
+        if saved_size is None or size is None or saved_size == size or not (batches or samples):
+            return
+        sampler = self._sampler
+        nothing_left_now = sampler is not None and sampler.count_batches(max(size - samples, 0)) == 0
+        if nothing_left_now and self._saved_epoch_finished(state_dict):
+            return  # neither run has a batch left in this epoch
+        position = f"{samples} samples" if sampler is not None else f"{batches} batches"
+        warnings.warn(
+            f"The dataset has {size} samples, but the checkpoint was saved over {saved_size}: the run resumes "
+            f"{position} into epoch {state_dict['epoch']}, and the rest of this epoch is not what the saved run "
+            "would have seen (samples may be repeated or skipped). Resume with the dataset the run was saved with "
+            "to continue it exactly.",
+            UserWarning,
+            stacklevel=3,
+        )
 
     def _loader_state(self) -> Any:
         if self._state_before_read_ahead is not None:
@@ -266,10 +369,18 @@ class PreparedDataLoader:
         return self.loader.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a ``state_dict()``; raises ``CheckpointError`` (see ``check_state_dict``) before changing
+        anything when this dataloader cannot continue from it."""
+        self.check_state_dict(state_dict)
+        self._warn_if_resized(state_dict)
         self.epoch = int(state_dict["epoch"])
         self._resume_batches = int(state_dict["batches_done"])
         self._resume_samples = int(state_dict.get("samples_done", 0))
-        if self._sampler is None:
+        sampler = self._sampler
+        if sampler is not None:
+            # A finished epoch saved over more samples than there are now: its end is the end of the current data.
+            self._resume_samples = min(self._resume_samples, sampler.num_samples)
+        if sampler is None:
             self.loader.load_state_dict(state_dict["loader"] if state_dict["loader"] is not None else {})
         else:
             self.loader.load_state_dict({})  # the sampler's start_sample carries the position
