@@ -282,6 +282,63 @@ def test_the_seedable_sampler_shuffles_in_accelerates_order() -> None:
     assert ours == theirs and ours[0] != ours[1]
 
 
+def test_logging_dir_defaults_to_project_dir(tmp_path: Path) -> None:
+    assert Accelerator(cpu=True, project_dir=tmp_path).logging_dir == tmp_path
+    configured = ProjectConfiguration(str(tmp_path), logging_dir=str(tmp_path / "logs"))
+    assert Accelerator(cpu=True, project_config=configured).logging_dir == tmp_path / "logs"
+
+
+def test_prepare_places_every_object_so_device_placement_may_only_say_so() -> None:
+    accelerator = Accelerator(cpu=True)
+    model, optimizer, _ = build()
+    with pytest.raises(NotImplementedError, match=r"\[True, False\]\): .*leave an object .* out of prepare\(\)"):
+        accelerator.prepare(model, optimizer, device_placement=[True, False])
+    with pytest.raises(ValueError, match=r"has 1 entries for 2 objects: give one per object"):
+        accelerator.prepare(model, optimizer, device_placement=[True])
+    with pytest.raises(TypeError, match=r"takes a list with one True or None per object"):
+        accelerator.prepare(model, optimizer, device_placement=True)
+    with pytest.raises(TypeError, match=r"device_placement='yes'\): device_placement must be True, False or None"):
+        accelerator.prepare(model, optimizer, device_placement=["yes", True])
+    assert accelerator.engine.models == ()  # every refusal came before anything was prepared
+    prepared, _ = accelerator.prepare(model, optimizer, device_placement=[True, None])
+    assert accelerator.unwrap_model(prepared) is model
+
+
+def test_unwrap_model_returns_the_module_with_its_own_forward() -> None:
+    """cadence's unwrapped module is Accelerate's keep_fp32_wrapper=False; True under mixed precision is refused."""
+    inputs = dataset(8).tensors[0]
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+    model, _, _ = build()
+    full_precision = model(inputs)
+    prepared = accelerator.prepare(model)
+    assert not torch.equal(prepared(inputs), full_precision)  # the prepared forward runs under bf16 autocast
+    for keep in (None, False):
+        unwrapped = accelerator.unwrap_model(prepared, keep_fp32_wrapper=keep)
+        assert unwrapped is model and torch.equal(unwrapped(inputs), full_precision)
+    with pytest.raises(NotImplementedError, match=r"keep_fp32_wrapper=True\) under mixed_precision='bf16'.*prepare"):
+        accelerator.unwrap_model(prepared, keep_fp32_wrapper=True)
+    with pytest.raises(TypeError, match=r"keep_fp32_wrapper='no'\): keep_fp32_wrapper must be True, False or None"):
+        accelerator.unwrap_model(prepared, keep_fp32_wrapper="no")
+    # In full precision there is no autocast forward to keep: True is what cadence does.
+    plain = Accelerator(cpu=True)
+    assert plain.unwrap_model(plain.prepare(model), keep_fp32_wrapper=True) is model
+
+
+def test_unwrap_model_matches_accelerates_keep_fp32_wrapper_false() -> None:
+    accelerate = pytest.importorskip("accelerate", reason="the comparison needs the accelerate package")
+    from accelerate.state import AcceleratorState, GradientState
+
+    inputs = dataset(8).tensors[0]
+    outputs = []
+    for make in (accelerate.Accelerator, Accelerator):
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        accelerator = make(cpu=True, mixed_precision="bf16")
+        model, _, _ = build()
+        outputs.append(accelerator.unwrap_model(accelerator.prepare(model), keep_fp32_wrapper=False)(inputs))
+    assert torch.equal(outputs[0], outputs[1])
+
+
 def test_unknown_arguments_are_a_type_error() -> None:
     with pytest.raises(TypeError, match="unexpected keyword argument 'warp_speed'"):
         Accelerator(warp_speed=9)

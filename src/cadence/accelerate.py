@@ -11,7 +11,7 @@ This adapter composes the engine with built-in callbacks, which the engine core 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -243,6 +243,26 @@ def _check_user_callbacks(callbacks: list[Callback], mixed_precision: object) ->
             )
 
 
+def _check_device_placement(placement: object, count: int) -> None:
+    if isinstance(placement, str | bytes) or not isinstance(placement, Sequence):
+        raise TypeError(
+            f"prepare(device_placement={placement!r}) takes a list with one True or None per object passed."
+        )
+    if len(placement) != count:
+        raise ValueError(
+            f"prepare(device_placement={placement!r}) has {len(placement)} entries for {count} objects: "
+            "give one per object, in order."
+        )
+    for value in placement:
+        _check_bool("prepare", "device_placement", value, optional=True)
+    if any(value is False for value in placement):
+        _refuse(
+            f"prepare(device_placement={list(placement)!r})",
+            "cadence places every prepared object on accelerator.device; leave an object you want kept where "
+            "it is out of prepare()",
+        )
+
+
 class Accelerator:
     """The Accelerate tutorial's ``Accelerator``, running on a ``cadence.Engine`` (``accelerator.engine``)."""
 
@@ -326,12 +346,22 @@ class Accelerator:
         return self.engine.state.sync_gradients
 
     @property
+    def logging_dir(self) -> Path:
+        """``ProjectConfiguration.logging_dir``, else ``project_dir`` (as in Accelerate)."""
+        configured = self.project_configuration.logging_dir
+        return self.project_dir if configured is None else Path(configured)
+
+    @property
     def mixed_precision(self) -> str:
         name = self.engine.precision.name
         return "no" if name == "fp32" else name
 
     # --- the step ------------------------------------------------------------------------------------------
-    def prepare(self, *objects: Any, device_placement: Any = None) -> Any:
+    def prepare(self, *objects: Any, device_placement: Sequence[bool | None] | None = None) -> Any:
+        """``engine.prepare``: every object is placed on ``accelerator.device``, so ``device_placement`` may
+        only say True (or None) for each object."""
+        if device_placement is not None:
+            _check_device_placement(device_placement, len(objects))
         return self.engine.prepare(*objects)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -356,7 +386,18 @@ class Accelerator:
     def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
         self.engine.clip_grad_value_(parameters, clip_value)
 
-    def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True) -> nn.Module:
+    def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool | None = None) -> nn.Module:
+        """Your own module, running its own forward: cadence runs mixed precision in the wrapper ``prepare``
+        returned and never patches your module's forward. That is Accelerate's ``keep_fp32_wrapper=False``;
+        its True (an autocast forward on the unwrapped module) is refused under mixed precision."""
+        _check_bool("unwrap_model", "keep_fp32_wrapper", keep_fp32_wrapper, optional=True)
+        if keep_fp32_wrapper and self.engine.precision.wraps_forward:
+            _refuse(
+                f"unwrap_model(keep_fp32_wrapper=True) under mixed_precision={self.mixed_precision!r}",
+                "cadence keeps the autocast forward in the prepared model, not in your module; call the model "
+                "prepare() returned for mixed-precision forwards (float32 outputs), and leave keep_fp32_wrapper "
+                "unset to get your module with its own forward",
+            )
         return self.engine.unwrap_model(model)
 
     # --- processes -----------------------------------------------------------------------------------------
