@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -14,7 +15,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import cadence
+import cadence.accelerate
 from cadence.accelerate import Accelerator, DataLoaderConfiguration, ProjectConfiguration, load_checkpoint_in_model
+from cadence.callbacks import GradientAccumulation, MixedPrecision
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -146,11 +149,195 @@ def test_members_delegate_to_the_engine(tmp_path: Path, capsys: pytest.CaptureFi
         ({"mixed_precision": "fp8"}, "use 'no', 'fp16' or 'bf16'"),
         ({"device_placement": False}, "always moves prepared models"),
         ({"project_config": ProjectConfiguration(save_on_each_node=True)}, "shares"),
+        ({"dataloader_config": DataLoaderConfiguration(use_seedable_sampler=False)}, "seeded, resumable sampler"),
     ],
 )
 def test_unsupported_arguments_name_the_cadence_equivalent(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(NotImplementedError, match=message):
         Accelerator(cpu=True, **kwargs)
+
+
+def loader_config(**fields: Any) -> dict[str, Any]:
+    return {"dataloader_config": DataLoaderConfiguration(**fields)}
+
+
+def project_config(**fields: Any) -> dict[str, Any]:
+    return {"project_config": ProjectConfiguration(**fields)}
+
+
+BAD_ARGUMENTS = {
+    # The Engine path's own checks (GradientAccumulation, MixedPrecision), prefixed with the argument written.
+    "accumulation 0": ({"gradient_accumulation_steps": 0}, ValueError, r"gradient_accumulation_steps=0\): Grad.*>= 1"),
+    "accumulation -3": ({"gradient_accumulation_steps": -3}, ValueError, r"steps=-3\): GradientAccumulation"),
+    "accumulation 2.0": ({"gradient_accumulation_steps": 2.0}, ValueError, r"steps=2\.0\): .*integer >= 1"),
+    "accumulation True": ({"gradient_accumulation_steps": True}, ValueError, r"steps=True\): .*integer >= 1"),
+    "precision typo": ({"mixed_precision": "bf61"}, ValueError, r"mixed_precision='bf61'\): Unknown precision"),
+    "precision int": ({"mixed_precision": 16}, ValueError, r"mixed_precision=16\): Unknown precision 16"),
+    # Booleans.
+    "cpu": ({"cpu": "yes"}, TypeError, r"Accelerator\(cpu='yes'\): cpu must be True or False, not a str"),
+    "device_placement": ({"device_placement": 1}, TypeError, r"device_placement must be True or False"),
+    "split_batches": ({"split_batches": "no"}, TypeError, r"split_batches must be True or False"),
+    "scheduler": ({"step_scheduler_with_optimizer": None}, TypeError, r"step_scheduler_with_optimizer must be"),
+    "even_batches": (loader_config(even_batches=1), TypeError, r"DataLoaderConfiguration\(even_batches=1\)"),
+    "stateful": (loader_config(use_stateful_dataloader="yes"), TypeError, r"use_stateful_dataloader must be"),
+    "dispatch": (loader_config(dispatch_batches="no"), TypeError, r"dispatch_batches must be True, False or None"),
+    "non_blocking": (loader_config(non_blocking="yes"), TypeError, r"non_blocking must be True, False or None"),
+    "naming": (project_config(automatic_checkpoint_naming="yes"), TypeError, r"automatic_checkpoint_naming must"),
+    "each node": (project_config(save_on_each_node="no"), TypeError, r"save_on_each_node must be True or False"),
+    # Numbers and paths the Engine gets under another name.
+    "data_seed str": (loader_config(data_seed="7"), TypeError, r"data_seed='7'\): data_seed must be an integer"),
+    "data_seed float": (loader_config(data_seed=1.5), TypeError, r"data_seed must be an integer, or None"),
+    "total_limit 0": (project_config(total_limit=0), ValueError, r"total_limit=0\): .*at least 1, or None to keep"),
+    "total_limit -1": (
+        project_config(total_limit=-1),
+        ValueError,
+        r"total_limit=-1\): total_limit must be at least 1",
+    ),
+    "total_limit str": (project_config(total_limit="2"), TypeError, r"total_limit='2'\): total_limit must be an int"),
+    "iteration -1": (project_config(iteration=-1), ValueError, r"iteration=-1\): iteration must be at least 0"),
+    "iteration float": (project_config(iteration=2.5), TypeError, r"iteration must be an integer"),
+    "project_dir": ({"project_dir": 3}, TypeError, r"Accelerator\(project_dir=3\): project_dir must be a path"),
+    "config project_dir": (project_config(project_dir=3), TypeError, r"ProjectConfiguration\(project_dir=3\)"),
+    "logging_dir": (project_config(logging_dir=5), TypeError, r"logging_dir must be a path"),
+    "two project dirs": (
+        {"project_dir": "a", **project_config(project_dir="b")},
+        ValueError,
+        r"project_dir='a'\) and ProjectConfiguration\(project_dir='b'\) disagree: pass the directory once",
+    ),
+    # Objects of the wrong kind (Accelerate's own configuration classes look just like these).
+    "loader config kind": (
+        {"dataloader_config": SimpleNamespace(**vars(DataLoaderConfiguration()))},
+        TypeError,
+        r"from cadence\.accelerate import DataLoaderConfiguration",
+    ),
+    "project config kind": (
+        {"project_config": SimpleNamespace(**vars(ProjectConfiguration()))},
+        TypeError,
+        r"from cadence\.accelerate import ProjectConfiguration",
+    ),
+    # A second accumulation or precision callback would divide the loss twice or fight over the precision.
+    "accumulation callback": (
+        {"callbacks": [GradientAccumulation(4)]},
+        ValueError,
+        r"pass gradient_accumulation_steps=4 instead",
+    ),
+    "precision twice": (
+        {"mixed_precision": "bf16", "callbacks": [MixedPrecision("fp16")]},
+        ValueError,
+        r"both choose the precision: pass only one",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_ARGUMENTS))
+def test_bad_arguments_name_the_argument_the_value_and_the_fix(case: str) -> None:
+    kwargs, error, message = BAD_ARGUMENTS[case]
+    with pytest.raises(error, match=message):
+        Accelerator(**{"cpu": True, **kwargs})
+
+
+def test_a_refused_argument_changes_nothing(tmp_path: Path) -> None:
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    with pytest.raises(ValueError, match="iteration"):
+        Accelerator(
+            cpu=True,
+            dataloader_config=DataLoaderConfiguration(data_seed=5),
+            project_config=ProjectConfiguration(str(tmp_path), iteration=-1),
+        )
+    assert torch.equal(torch.get_rng_state(), before)  # data_seed would have reseeded torch
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_non_blocking_must_say_how_cadence_copies_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+    # On the CPU nothing is copied, so either value is true there.
+    for non_blocking in (True, False, None):
+        Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(non_blocking=non_blocking)).end_training()
+    # The check runs before any device is used, so the device it resolves can be stood in for.
+    monkeypatch.setattr(cadence.accelerate, "resolve_device", lambda accelerator: torch.device("cuda", 0))
+    with pytest.raises(NotImplementedError, match=r"non_blocking=False\) on 'cuda'.*with non_blocking=True"):
+        Accelerator(dataloader_config=DataLoaderConfiguration(non_blocking=False))
+    monkeypatch.setattr(cadence.accelerate, "resolve_device", lambda accelerator: torch.device("mps"))
+    with pytest.raises(NotImplementedError, match=r"non_blocking=True\) on 'mps'.*plain \(blocking\) copy"):
+        Accelerator(dataloader_config=DataLoaderConfiguration(non_blocking=True))
+
+
+def test_the_seedable_sampler_shuffles_in_accelerates_order() -> None:
+    """use_seedable_sampler=True is what cadence always does: the same order as Accelerate's, epoch after epoch."""
+    accelerate = pytest.importorskip("accelerate", reason="the comparison needs the accelerate package")
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import DataLoaderConfiguration as TheirConfiguration
+
+    def orders(accelerator: Any) -> list[list[list[float]]]:
+        loader = accelerator.prepare(DataLoader(TensorDataset(torch.arange(20.0)), batch_size=4, shuffle=True))
+        return [[batch[0].tolist() for batch in loader] for _epoch in range(2)]
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    theirs = orders(
+        accelerate.Accelerator(cpu=True, dataloader_config=TheirConfiguration(use_seedable_sampler=True, data_seed=7))
+    )
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    ours = orders(Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(data_seed=7)))
+    assert ours == theirs and ours[0] != ours[1]
+
+
+def test_logging_dir_defaults_to_project_dir(tmp_path: Path) -> None:
+    assert Accelerator(cpu=True, project_dir=tmp_path).logging_dir == tmp_path
+    configured = ProjectConfiguration(str(tmp_path), logging_dir=str(tmp_path / "logs"))
+    assert Accelerator(cpu=True, project_config=configured).logging_dir == tmp_path / "logs"
+
+
+def test_prepare_places_every_object_so_device_placement_may_only_say_so() -> None:
+    accelerator = Accelerator(cpu=True)
+    model, optimizer, _ = build()
+    with pytest.raises(NotImplementedError, match=r"\[True, False\]\): .*leave an object .* out of prepare\(\)"):
+        accelerator.prepare(model, optimizer, device_placement=[True, False])
+    with pytest.raises(ValueError, match=r"has 1 entries for 2 objects: give one per object"):
+        accelerator.prepare(model, optimizer, device_placement=[True])
+    with pytest.raises(TypeError, match=r"takes a list with one True or None per object"):
+        accelerator.prepare(model, optimizer, device_placement=True)
+    with pytest.raises(TypeError, match=r"device_placement='yes'\): device_placement must be True, False or None"):
+        accelerator.prepare(model, optimizer, device_placement=["yes", True])
+    assert accelerator.engine.models == ()  # every refusal came before anything was prepared
+    prepared, _ = accelerator.prepare(model, optimizer, device_placement=[True, None])
+    assert accelerator.unwrap_model(prepared) is model
+
+
+def test_unwrap_model_returns_the_module_with_its_own_forward() -> None:
+    """cadence's unwrapped module is Accelerate's keep_fp32_wrapper=False; True under mixed precision is refused."""
+    inputs = dataset(8).tensors[0]
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+    model, _, _ = build()
+    full_precision = model(inputs)
+    prepared = accelerator.prepare(model)
+    assert not torch.equal(prepared(inputs), full_precision)  # the prepared forward runs under bf16 autocast
+    for keep in (None, False):
+        unwrapped = accelerator.unwrap_model(prepared, keep_fp32_wrapper=keep)
+        assert unwrapped is model and torch.equal(unwrapped(inputs), full_precision)
+    with pytest.raises(NotImplementedError, match=r"keep_fp32_wrapper=True\) under mixed_precision='bf16'.*prepare"):
+        accelerator.unwrap_model(prepared, keep_fp32_wrapper=True)
+    with pytest.raises(TypeError, match=r"keep_fp32_wrapper='no'\): keep_fp32_wrapper must be True, False or None"):
+        accelerator.unwrap_model(prepared, keep_fp32_wrapper="no")
+    # In full precision there is no autocast forward to keep: True is what cadence does.
+    plain = Accelerator(cpu=True)
+    assert plain.unwrap_model(plain.prepare(model), keep_fp32_wrapper=True) is model
+
+
+def test_unwrap_model_matches_accelerates_keep_fp32_wrapper_false() -> None:
+    accelerate = pytest.importorskip("accelerate", reason="the comparison needs the accelerate package")
+    from accelerate.state import AcceleratorState, GradientState
+
+    inputs = dataset(8).tensors[0]
+    outputs = []
+    for make in (accelerate.Accelerator, Accelerator):
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        accelerator = make(cpu=True, mixed_precision="bf16")
+        model, _, _ = build()
+        outputs.append(accelerator.unwrap_model(accelerator.prepare(model), keep_fp32_wrapper=False)(inputs))
+    assert torch.equal(outputs[0], outputs[1])
 
 
 def test_unknown_arguments_are_a_type_error() -> None:
