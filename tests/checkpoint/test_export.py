@@ -16,13 +16,17 @@ from typing import Any, TypeVar
 
 import pytest
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 import cadence
+from cadence.callbacks import MixedPrecision
 from cadence.checkpoint import export
 from cadence.checkpoint.export import load_checkpoint_in_model, parse_size, save_weights
+from cadence.wrappers import PreparedModule
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
 SHARD_NAME = re.compile(r"(model|pytorch_model)-(\d{5})-of-(\d{5})\.(safetensors|bin)")
@@ -812,3 +816,42 @@ def test_an_export_refuses_a_directory_in_place_of_one_of_its_files_before_writi
         save_weights(NEW.state_dict(), tmp_path, **SHARDED_3)
     assert {path.name: path.read_bytes() for path in tmp_path.iterdir() if path.is_file()} == before
     assert what_loads(tmp_path) == "old"
+
+
+# --- 10. loading into what prepare() returned ---------------------------------------------------------------
+def test_loading_into_a_prepared_mixed_precision_model_fills_the_model_inside(tmp_path: Path) -> None:
+    save_sharded(NEW, tmp_path / "export")
+    runner = cadence.Engine(accelerator="cpu", progress_bar=False, callbacks=[MixedPrecision("bf16")])
+    prepared = runner.prepare(build(Net, seed=5))
+    assert isinstance(prepared, PreparedModule)  # the wrapper whose keys carry a "module." prefix
+    inner = runner.unwrap_model(prepared)
+    assert_state_differs(inner, snapshot(NEW))
+
+    assert load_checkpoint_in_model(prepared, tmp_path / "export") is prepared
+    assert_state_equal(inner, snapshot(NEW))
+    prepared.eval()
+    inputs = torch.randn(3, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = NEW(inputs)
+    assert torch.equal(prepared(inputs), expected.float())  # the wrapper still runs the loaded model under bf16
+
+
+def test_loading_into_a_compiled_model_fills_the_model_inside(tmp_path: Path) -> None:
+    save_weights(NEW.state_dict(), tmp_path)
+    model = build(Net, seed=5)
+    compiled = torch.compile(model)
+    assert set(compiled.state_dict()) != set(model.state_dict())  # "_orig_mod." prefixes
+    assert load_checkpoint_in_model(compiled, tmp_path) is compiled
+    assert_state_equal(model, snapshot(NEW))
+
+
+def test_loading_into_a_ddp_model_fills_the_model_inside(tmp_path: Path) -> None:
+    save_weights(NEW.state_dict(), tmp_path / "export")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        model = build(Net, seed=5)
+        wrapped = DistributedDataParallel(model)
+        assert load_checkpoint_in_model(wrapped, tmp_path / "export") is wrapped
+        assert_state_equal(model, snapshot(NEW))
+    finally:
+        dist.destroy_process_group()

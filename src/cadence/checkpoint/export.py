@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from cadence.checkpoint.files import (
     CheckpointError,
@@ -25,6 +27,7 @@ from cadence.checkpoint.files import (
     write_safetensors,
 )
 from cadence.checkpoint.matching import mismatch
+from cadence.wrappers import PreparedModule
 
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -257,6 +260,21 @@ def _device_for(name: str, device_map: Mapping[str, Any] | None, default: torch.
     return torch.device(f"cuda:{target}" if isinstance(target, int) else target)
 
 
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside what ``engine.prepare`` (``PreparedModule``, DDP) or ``torch.compile`` wrapped it
+    in: their state dicts prefix every key (``module.``, ``_orig_mod.``), which the checkpoint does not."""
+    # Compiled modules exist only once torch._dynamo was imported; importing it here would cost about a second.
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")
+    compiled = getattr(dynamo, "OptimizedModule", ())
+    while True:
+        if isinstance(model, PreparedModule | DistributedDataParallel):
+            model = model.module
+        elif isinstance(model, compiled):
+            model = model._orig_mod
+        else:
+            return model
+
+
 def load_checkpoint_in_model(
     model: nn.Module, checkpoint: str | Path, device_map: Mapping[str, Any] | None = None
 ) -> nn.Module:
@@ -265,9 +283,12 @@ def load_checkpoint_in_model(
     Keys, shapes and (for an index) the recorded total size are checked before any weight changes. A key that
     is missing from the checkpoint is accepted only when the model ties it to a key that is present (tied
     weights are stored once). ``device_map`` (``{"": device}`` or module prefixes to devices) places weights.
+    ``model`` may be what ``engine.prepare`` returned (or a ``torch.compile`` module): the weights go into the
+    module inside, and ``model`` is returned.
     """
     source = _resolve(Path(checkpoint))
-    targets = dict(model.state_dict(keep_vars=True))
+    module = _unwrap(model)
+    targets = dict(module.state_dict(keep_vars=True))
     loaded: dict[str, torch.Tensor] = {}
     for name, keys in sorted(source.files.items()):
         content = _read_file(source.directory / name)
@@ -283,7 +304,7 @@ def load_checkpoint_in_model(
                 f"The index records total_size {source.total_size} but its shards hold {actual} bytes: the index "
                 "or a shard was changed after saving."
             )
-    _check_keys(model, targets, loaded)
+    _check_keys(module, targets, loaded)
     # Every device is resolved before any weight changes: a device_map lacking an entry changes nothing.
     devices = {name: _device_for(name, device_map, targets[name].device) for name in loaded}
     with torch.no_grad():
