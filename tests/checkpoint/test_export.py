@@ -855,3 +855,72 @@ def test_loading_into_a_ddp_model_fills_the_model_inside(tmp_path: Path) -> None
         assert_state_equal(model, snapshot(NEW))
     finally:
         dist.destroy_process_group()
+
+
+# --- 11. device_map is checked against this machine before anything loads --------------------------------------
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+
+
+@no_cuda
+@pytest.mark.parametrize(
+    ("device_map", "prefix"),
+    [
+        ({"": 0}, ""),
+        ({"": "cuda:0"}, ""),
+        ({"": torch.device("cuda", 0)}, ""),
+        ({"inp": "cpu", "norm": "cpu", "hidden": "cpu", "out": 0}, "out"),
+    ],
+    ids=["index", "string", "torch-device", "one-module"],
+)
+def test_a_device_map_onto_cuda_without_cuda_is_refused_before_loading(
+    tmp_path: Path, device_map: dict[str, Any], prefix: str
+) -> None:
+    save_weights(NEW.state_dict(), tmp_path)
+    message = (
+        rf"device_map puts '{prefix}' on cuda:0 but CUDA is not available on this machine; "
+        r"use device_map=\{'': 'cpu'\}"
+    )
+    model = build(Net, seed=5)
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=message):
+        load_checkpoint_in_model(model, tmp_path, device_map=device_map)
+    assert_state_equal(model, before)
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        ("disk", r"puts '' on 'disk', which is not a device torch knows"),
+        ("gpu:0", r"puts '' on 'gpu:0', which is not a device torch knows"),
+        ("meta", r"puts '' on 'meta', which holds no data"),
+        (-1, r"maps '' to -1; give a device such as 'cpu'"),
+        (1.5, r"maps '' to 1\.5; give a device such as 'cpu'"),
+        (None, r"maps '' to None; give a device such as 'cpu'"),
+        (True, r"maps '' to True; give a device such as 'cpu'"),
+    ],
+)
+def test_a_device_map_naming_no_usable_device_is_refused_before_loading(
+    tmp_path: Path, target: object, message: str
+) -> None:
+    save_weights(NEW.state_dict(), tmp_path)
+    model = build(Net, seed=5)
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=message):
+        load_checkpoint_in_model(model, tmp_path, device_map={"inp": "cpu", "": target})
+    assert_state_equal(model, before)
+
+
+@pytest.mark.skipif(torch.backends.mps.is_available(), reason="checks the refusal on a machine without MPS")
+def test_a_device_map_onto_an_absent_accelerator_names_it(tmp_path: Path) -> None:
+    save_weights(NEW.state_dict(), tmp_path)
+    with pytest.raises(ValueError, match=r"puts 'hidden' on mps but MPS is not available on this machine"):
+        load_checkpoint_in_model(build(Net, seed=5), tmp_path, device_map={"": "cpu", "hidden": "mps"})
+
+
+def test_a_device_map_keyed_by_something_other_than_module_names_is_refused(tmp_path: Path) -> None:
+    save_weights(NEW.state_dict(), tmp_path)
+    model = build(Net, seed=5)
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=r"device_map keys are module names .*; got 0"):
+        load_checkpoint_in_model(model, tmp_path, device_map={0: "cpu"})
+    assert_state_equal(model, before)

@@ -249,15 +249,67 @@ def _read_file(path: Path) -> dict[str, torch.Tensor]:
     return loaded
 
 
-def _device_for(name: str, device_map: Mapping[str, Any] | None, default: torch.device) -> torch.device:
+def _parse_device(prefix: str, target: object) -> torch.device:
+    if isinstance(target, torch.device):
+        return target
+    if isinstance(target, int) and not isinstance(target, bool) and target >= 0:
+        return torch.device("cuda", target)
+    if isinstance(target, str):
+        try:
+            return torch.device(target)
+        except RuntimeError as error:
+            raise ValueError(
+                f"device_map puts {prefix!r} on {target!r}, which is not a device torch knows ({error}); use 'cpu', "
+                "'cuda:0' or a GPU index like 0."
+            ) from error
+    raise ValueError(
+        f"device_map maps {prefix!r} to {target!r}; give a device such as 'cpu', 'cuda:0', a GPU index like 0, "
+        "or torch.device('cuda', 0)."
+    )
+
+
+def _usable_device(prefix: str, target: object) -> torch.device:
+    """``target`` as a device this machine has, else a ValueError naming ``prefix`` and the fix."""
+    device = _parse_device(prefix, target)
+    if device.type == "cpu":
+        return device
+    if device.type == "meta":
+        raise ValueError(
+            f"device_map puts {prefix!r} on 'meta', which holds no data: the weights would be lost. Use "
+            "device_map={'': 'cpu'} or a GPU."
+        )
+    backend = getattr(torch, device.type, None)
+    if backend is None or not hasattr(backend, "is_available") or not backend.is_available():
+        raise ValueError(
+            f"device_map puts {prefix!r} on {device} but {device.type.upper()} is not available on this machine; use "
+            "device_map={'': 'cpu'} to load on the CPU, or load where that device is."
+        )
+    count = int(backend.device_count()) if hasattr(backend, "device_count") else None
+    if device.index is not None and count is not None and device.index >= count:
+        raise ValueError(
+            f"device_map puts {prefix!r} on {device} but this machine has {count} {device.type.upper()} device(s); "
+            f"use an index below {count}, or device_map={{'': 'cpu'}}."
+        )
+    return device
+
+
+def _usable_device_map(device_map: Mapping[str, Any]) -> dict[str, torch.device]:
+    for prefix in device_map:
+        if not isinstance(prefix, str):
+            raise ValueError(
+                f"device_map keys are module names like 'encoder.layer.0' ('' for everything); got {prefix!r}."
+            )
+    return {prefix: _usable_device(prefix, target) for prefix, target in device_map.items()}
+
+
+def _device_for(name: str, device_map: Mapping[str, torch.device], default: torch.device) -> torch.device:
     """The device ``device_map`` gives ``name`` (longest matching module prefix), else ``default``."""
     if not device_map:
         return default
     matches = [prefix for prefix in device_map if prefix in ("", name) or name.startswith(prefix + ".")]
     if not matches:
         raise ValueError(f"device_map has no entry for {name!r}; add one for it or a '' entry for everything.")
-    target = device_map[max(matches, key=len)]
-    return torch.device(f"cuda:{target}" if isinstance(target, int) else target)
+    return device_map[max(matches, key=len)]
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -282,10 +334,11 @@ def load_checkpoint_in_model(
 
     Keys, shapes and (for an index) the recorded total size are checked before any weight changes. A key that
     is missing from the checkpoint is accepted only when the model ties it to a key that is present (tied
-    weights are stored once). ``device_map`` (``{"": device}`` or module prefixes to devices) places weights.
-    ``model`` may be what ``engine.prepare`` returned (or a ``torch.compile`` module): the weights go into the
-    module inside, and ``model`` is returned.
+    weights are stored once). ``device_map`` (``{"": device}`` or module prefixes to devices) places weights;
+    every device in it is checked to exist here first. ``model`` may be what ``engine.prepare`` returned (or a
+    ``torch.compile`` module): the weights go into the module inside, and ``model`` is returned.
     """
+    devices_by_prefix = _usable_device_map(device_map or {})
     source = _resolve(Path(checkpoint))
     module = _unwrap(model)
     targets = dict(module.state_dict(keep_vars=True))
@@ -306,7 +359,7 @@ def load_checkpoint_in_model(
             )
     _check_keys(module, targets, loaded)
     # Every device is resolved before any weight changes: a device_map lacking an entry changes nothing.
-    devices = {name: _device_for(name, device_map, targets[name].device) for name in loaded}
+    devices = {name: _device_for(name, devices_by_prefix, targets[name].device) for name in loaded}
     with torch.no_grad():
         for name, value in loaded.items():
             target = targets[name]
