@@ -924,3 +924,28 @@ def test_a_device_map_keyed_by_something_other_than_module_names_is_refused(tmp_
     with pytest.raises(ValueError, match=r"device_map keys are module names .*; got 0"):
         load_checkpoint_in_model(model, tmp_path, device_map={0: "cpu"})
     assert_state_equal(model, before)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_a_device_map_onto_a_gpu_this_machine_lacks_is_refused_before_loading(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    save_weights(NEW.state_dict(), tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a machine with two GPUs, as far as the check sees
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    model = build(Net, seed=5)
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=r"puts 'out' on cuda:2 but this machine has 2 CUDA device\(s\); use an index"):
+        load_checkpoint_in_model(model, tmp_path, device_map={"": 1, "out": "cuda:2"})
+    assert_state_equal(model, before)
+
+
+@needs_cuda
+def test_a_device_map_onto_cuda_loads_bitwise_there(tmp_path: Path) -> None:
+    save_weights(NEW.state_dict(), tmp_path)
+    model = build(Net, seed=5)
+    load_checkpoint_in_model(model, tmp_path, device_map={"": "cpu", "out": 0})
+    assert {tensor.device.type for name, tensor in model.state_dict().items() if name.startswith("out.")} == {"cuda"}
+    assert_state_equal(model.cpu(), snapshot(NEW))
