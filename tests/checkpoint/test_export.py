@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import errno
+import itertools
 import json
+import os
 import pathlib
 import pickle
 import re
@@ -13,12 +16,17 @@ from typing import Any, TypeVar
 
 import pytest
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 import cadence
+from cadence.callbacks import MixedPrecision
+from cadence.checkpoint import export
 from cadence.checkpoint.export import load_checkpoint_in_model, parse_size, save_weights
+from cadence.wrappers import PreparedModule
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
 SHARD_NAME = re.compile(r"(model|pytorch_model)-(\d{5})-of-(\d{5})\.(safetensors|bin)")
@@ -219,7 +227,7 @@ def test_parse_size_rejects(size: Any) -> None:
 def test_save_model_rejects_a_bad_shard_size_before_writing(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="max_shard_size"):
         engine(tmp_path).save_model(build(Net, seed=0), tmp_path / "export", max_shard_size="lots")
-    assert not any((tmp_path / "export").iterdir())
+    assert not (tmp_path / "export").exists()  # validated before even the directory is created
 
 
 # --- 3. tied weights ---------------------------------------------------------------------------------------
@@ -581,7 +589,8 @@ def test_re_exporting_as_safetensors_takes_precedence_over_old_pickle_files(tmp_
     runner.save_model(trained_net(seed=1), directory, safe_serialization=False)
     newer = trained_net(seed=2)
     runner.save_model(newer, directory)
-    assert "model.safetensors" in file_names(directory)
+    # The old pickle export goes too: left there, it would come back into view whenever the new one is replaced.
+    assert file_names(directory) == {"model.safetensors"}
     assert_state_equal(_load_fresh(directory), snapshot(newer))
 
 
@@ -594,3 +603,349 @@ def test_re_exporting_keeps_unrelated_files(tmp_path: Path) -> None:
     engine(tmp_path).save_model(trained_net(), directory)
     assert {"config.json", "model-notes.safetensors", "model-1-of-2.safetensors"} <= file_names(directory)
     assert not any(name.startswith(".") for name in file_names(directory))  # no partial files left over
+
+
+# --- 9. an interrupted re-export leaves the old export or the new one, whole -----------------------------------
+USER_FILES = {"config.json": b'{"hidden": 32}', "tokenizer.json": b'{"vocab": {}}'}
+Layout = dict[str, Any]
+SHARDED_3: Layout = {"max_shard_size": "2KB"}
+SHARDED_4: Layout = {"max_shard_size": 1200}
+SINGLE: Layout = {}
+PICKLE_SINGLE: Layout = {"safe_serialization": False}
+PICKLE_SHARDED_3: Layout = {"max_shard_size": "2KB", "safe_serialization": False}
+# (old layout, new layout, whether the directory may load nothing for a while): only an index that reads the very
+# shard names the new export writes must stop being served before they are replaced.
+RE_EXPORTS = [
+    (SHARDED_3, SHARDED_3, True),
+    (PICKLE_SHARDED_3, PICKLE_SHARDED_3, True),
+    (SHARDED_3, SHARDED_4, False),
+    (SHARDED_4, SHARDED_3, False),
+    (SINGLE, SINGLE, False),
+    (SINGLE, SHARDED_3, False),
+    (SHARDED_3, SINGLE, False),
+    (SHARDED_3, PICKLE_SINGLE, False),
+    (PICKLE_SINGLE, SHARDED_3, False),
+    (PICKLE_SHARDED_3, SHARDED_4, False),
+    (PICKLE_SINGLE, PICKLE_SHARDED_3, False),
+]
+RE_EXPORT_IDS = [
+    "3-shards-to-3",
+    "pickle-3-shards-to-3",
+    "3-shards-to-4",
+    "4-shards-to-3",
+    "single-to-single",
+    "single-to-shards",
+    "shards-to-single",
+    "shards-to-pickle",
+    "pickle-to-shards",
+    "pickle-shards-to-shards",
+    "pickle-single-to-pickle-shards",
+]
+OLD, NEW = trained_net(seed=1), trained_net(seed=2)
+
+
+def old_export(directory: Path, layout: Layout) -> dict[str, bytes]:
+    """The earlier export plus the user's own files; returns every file's bytes."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, content in USER_FILES.items():
+        (directory / name).write_bytes(content)
+    save_weights(OLD.state_dict(), directory, **layout)
+    return {path.name: path.read_bytes() for path in directory.iterdir()}
+
+
+def what_loads(directory: Path) -> str:
+    """'old', 'new' or 'nothing' (no export in view); anything else names what went wrong."""
+    model = build(Net, seed=99)
+    try:
+        load_checkpoint_in_model(model, directory)
+    except cadence.CheckpointError as error:
+        return "nothing" if "holds no" in str(error) else f"a broken export ({error})"
+    state = model.state_dict()
+    for label, source in (("old", OLD), ("new", NEW)):
+        if all(torch.equal(state[name], tensor) for name, tensor in source.state_dict().items()):
+            return label
+    return "a mix of exports"
+
+
+def temporaries(directory: Path) -> set[str]:
+    return {name for name in file_names(directory) if name.endswith(".partial")}
+
+
+def assert_user_files_kept(directory: Path) -> None:
+    for name, content in USER_FILES.items():
+        assert (directory / name).read_bytes() == content, name
+
+
+def fail_on_call(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str, call: int, error: OSError) -> None:
+    """Make ``owner.name`` raise ``error`` on its ``call``-th call (after writing a little, like a full disk)."""
+    real = getattr(owner, name)
+    calls = 0
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == call:
+            if name in ("write_safetensors", "save"):
+                Path(args[1] if name == "save" else args[0]).write_bytes(b"\0" * 100)
+            raise error
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, failing)
+
+
+@pytest.mark.parametrize(
+    "old_layout",
+    [SINGLE, SHARDED_3, SHARDED_4, PICKLE_SINGLE, PICKLE_SHARDED_3],
+    ids=["single", "3-shards", "4-shards", "pickle-single", "pickle-3-shards"],
+)
+@pytest.mark.parametrize("safe", [True, False], ids=["safetensors", "pickle"])
+def test_a_full_disk_at_the_third_shard_leaves_the_old_export_untouched(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, old_layout: Layout, safe: bool
+) -> None:
+    before = old_export(tmp_path, old_layout)
+    assert what_loads(tmp_path) == "old"
+    if safe:
+        fail_on_call(monkeypatch, export, "write_safetensors", 3, OSError(errno.ENOSPC, "No space left on device"))
+    else:
+        fail_on_call(monkeypatch, torch, "save", 3, OSError(errno.ENOSPC, "No space left on device"))
+    with pytest.raises(OSError, match="No space left"):
+        save_weights(NEW.state_dict(), tmp_path, max_shard_size="2KB", safe_serialization=safe)  # 3 shards
+    assert {path.name: path.read_bytes() for path in tmp_path.iterdir()} == before  # no temporaries either
+    assert what_loads(tmp_path) == "old"
+
+
+def watch_directory_changes(monkeypatch: pytest.MonkeyPatch, after_each: Callable[[], None]) -> None:
+    """Run ``after_each`` after every rename and removal: what a SIGKILL at that instant would leave."""
+    real_replace, real_unlink = os.replace, os.unlink
+
+    def replace(*args: Any, **kwargs: Any) -> None:
+        real_replace(*args, **kwargs)
+        after_each()
+
+    def unlink(*args: Any, **kwargs: Any) -> None:
+        real_unlink(*args, **kwargs)
+        after_each()
+
+    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(os, "unlink", unlink)
+
+
+def distinct_in_order(labels: list[str]) -> list[str]:
+    return [label for position, label in enumerate(labels) if position == 0 or labels[position - 1] != label]
+
+
+@pytest.mark.parametrize(("old_layout", "new_layout", "may_show_nothing"), RE_EXPORTS, ids=RE_EXPORT_IDS)
+def test_every_instant_of_a_re_export_loads_the_old_or_the_new_export_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, old_layout: Layout, new_layout: Layout, may_show_nothing: bool
+) -> None:
+    old_export(tmp_path, old_layout)
+    seen: list[str] = []
+    watch_directory_changes(monkeypatch, lambda: seen.append(what_loads(tmp_path)))
+    save_weights(NEW.state_dict(), tmp_path, **new_layout)
+    monkeypatch.undo()
+
+    expected = ["old", "nothing", "new"] if may_show_nothing else ["old", "new"]
+    assert distinct_in_order(["old", *seen]) == expected
+    assert what_loads(tmp_path) == "new"
+    assert_user_files_kept(tmp_path)
+    assert not temporaries(tmp_path)
+
+
+@pytest.mark.parametrize("change", ["replace", "unlink"])
+@pytest.mark.parametrize(("old_layout", "new_layout", "_"), RE_EXPORTS, ids=RE_EXPORT_IDS)
+def test_a_re_export_failing_at_any_rename_or_removal_leaves_one_whole_export(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, old_layout: Layout, new_layout: Layout, _: bool, change: str
+) -> None:
+    """Fail each rename (or each removal) in turn with an I/O error, until the export gets through."""
+    for step in itertools.count(1):
+        directory = tmp_path / str(step)
+        old_export(directory, old_layout)
+        with monkeypatch.context() as patch:
+            fail_on_call(patch, os, change, step, OSError(errno.EIO, "Input/output error"))
+            try:
+                save_weights(NEW.state_dict(), directory, **new_layout)
+                finished = True
+            except OSError as error:
+                assert error.errno == errno.EIO
+                finished = False
+        assert what_loads(directory) in ({"new"} if finished else {"old", "nothing", "new"}), step
+        assert not temporaries(directory)
+        assert_user_files_kept(directory)
+        save_weights(NEW.state_dict(), directory, **new_layout)  # a retry completes
+        assert what_loads(directory) == "new"
+        if finished:
+            break
+    assert step > 1 or change == "unlink"  # a re-export with nothing to remove never unlinks
+
+
+def test_an_export_never_brings_an_older_shadowed_export_back_into_view(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pickle file an older tool left beside the served export must never be what loads, not even while the
+    served index is replaced."""
+    old_export(tmp_path, SHARDED_3)
+    save_weights(trained_net(seed=3).state_dict(), tmp_path / "older", safe_serialization=False)
+    (tmp_path / "older" / "pytorch_model.bin").replace(tmp_path / "pytorch_model.bin")
+    (tmp_path / "older").rmdir()
+    assert what_loads(tmp_path) == "old"
+    seen: list[str] = []
+    watch_directory_changes(monkeypatch, lambda: seen.append(what_loads(tmp_path)))
+    save_weights(NEW.state_dict(), tmp_path, **SHARDED_3)
+    monkeypatch.undo()
+    assert distinct_in_order(["old", *seen]) == ["old", "nothing", "new"]
+    assert file_names(tmp_path) == {*USER_FILES, "model.safetensors.index.json"} | {
+        f"model-{n:05d}-of-00003.safetensors" for n in (1, 2, 3)
+    }
+
+
+def test_an_export_clears_the_temporaries_a_killed_export_left_and_nothing_else(tmp_path: Path) -> None:
+    killed = [".model-00004-of-00004.safetensors.partial", ".model.safetensors.index.json.partial"]
+    kept = [".config.json.partial", "model.safetensors.partial", ".notes.partial", "model-00001-of-00003.txt"]
+    for name in killed + kept:
+        (tmp_path / name).write_bytes(b"x")
+    save_weights(NEW.state_dict(), tmp_path, **SHARDED_3)
+    assert not set(killed) & file_names(tmp_path)
+    assert all((tmp_path / name).read_bytes() == b"x" for name in kept)
+    assert what_loads(tmp_path) == "new"
+
+
+def test_an_export_refuses_a_directory_in_place_of_one_of_its_files_before_writing(tmp_path: Path) -> None:
+    before = old_export(tmp_path, SINGLE)
+    (tmp_path / "model.safetensors.index.json").mkdir()
+    with pytest.raises(IsADirectoryError, match=r"model\.safetensors\.index\.json is not a file.*another directory"):
+        save_weights(NEW.state_dict(), tmp_path, **SHARDED_3)
+    assert {path.name: path.read_bytes() for path in tmp_path.iterdir() if path.is_file()} == before
+    assert what_loads(tmp_path) == "old"
+
+
+# --- 10. loading into what prepare() returned ---------------------------------------------------------------
+def test_loading_into_a_prepared_mixed_precision_model_fills_the_model_inside(tmp_path: Path) -> None:
+    save_sharded(NEW, tmp_path / "export")
+    runner = cadence.Engine(accelerator="cpu", progress_bar=False, callbacks=[MixedPrecision("bf16")])
+    prepared = runner.prepare(build(Net, seed=5))
+    assert isinstance(prepared, PreparedModule)  # the wrapper whose keys carry a "module." prefix
+    inner = runner.unwrap_model(prepared)
+    assert_state_differs(inner, snapshot(NEW))
+
+    assert load_checkpoint_in_model(prepared, tmp_path / "export") is prepared
+    assert_state_equal(inner, snapshot(NEW))
+    prepared.eval()
+    inputs = torch.randn(3, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = NEW(inputs)
+    assert torch.equal(prepared(inputs), expected.float())  # the wrapper still runs the loaded model under bf16
+
+
+def test_loading_into_a_compiled_model_fills_the_model_inside(tmp_path: Path) -> None:
+    save_weights(NEW.state_dict(), tmp_path)
+    model = build(Net, seed=5)
+    compiled = torch.compile(model)
+    assert set(compiled.state_dict()) != set(model.state_dict())  # "_orig_mod." prefixes
+    assert load_checkpoint_in_model(compiled, tmp_path) is compiled
+    assert_state_equal(model, snapshot(NEW))
+
+
+def test_loading_into_a_ddp_model_fills_the_model_inside(tmp_path: Path) -> None:
+    save_weights(NEW.state_dict(), tmp_path / "export")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        model = build(Net, seed=5)
+        wrapped = DistributedDataParallel(model)
+        assert load_checkpoint_in_model(wrapped, tmp_path / "export") is wrapped
+        assert_state_equal(model, snapshot(NEW))
+    finally:
+        dist.destroy_process_group()
+
+
+# --- 11. device_map is checked against this machine before anything loads --------------------------------------
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+
+
+@no_cuda
+@pytest.mark.parametrize(
+    ("device_map", "prefix"),
+    [
+        ({"": 0}, ""),
+        ({"": "cuda:0"}, ""),
+        ({"": torch.device("cuda", 0)}, ""),
+        ({"inp": "cpu", "norm": "cpu", "hidden": "cpu", "out": 0}, "out"),
+    ],
+    ids=["index", "string", "torch-device", "one-module"],
+)
+def test_a_device_map_onto_cuda_without_cuda_is_refused_before_loading(
+    tmp_path: Path, device_map: dict[str, Any], prefix: str
+) -> None:
+    save_weights(NEW.state_dict(), tmp_path)
+    message = (
+        rf"device_map puts '{prefix}' on cuda:0 but CUDA is not available on this machine; "
+        r"use device_map=\{'': 'cpu'\}"
+    )
+    model = build(Net, seed=5)
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=message):
+        load_checkpoint_in_model(model, tmp_path, device_map=device_map)
+    assert_state_equal(model, before)
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        ("disk", r"puts '' on 'disk', which is not a device torch knows"),
+        ("gpu:0", r"puts '' on 'gpu:0', which is not a device torch knows"),
+        ("meta", r"puts '' on 'meta', which holds no data"),
+        (-1, r"maps '' to -1; give a device such as 'cpu'"),
+        (1.5, r"maps '' to 1\.5; give a device such as 'cpu'"),
+        (None, r"maps '' to None; give a device such as 'cpu'"),
+        (True, r"maps '' to True; give a device such as 'cpu'"),
+    ],
+)
+def test_a_device_map_naming_no_usable_device_is_refused_before_loading(
+    tmp_path: Path, target: object, message: str
+) -> None:
+    save_weights(NEW.state_dict(), tmp_path)
+    model = build(Net, seed=5)
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=message):
+        load_checkpoint_in_model(model, tmp_path, device_map={"inp": "cpu", "": target})
+    assert_state_equal(model, before)
+
+
+@pytest.mark.skipif(torch.backends.mps.is_available(), reason="checks the refusal on a machine without MPS")
+def test_a_device_map_onto_an_absent_accelerator_names_it(tmp_path: Path) -> None:
+    save_weights(NEW.state_dict(), tmp_path)
+    with pytest.raises(ValueError, match=r"puts 'hidden' on mps but MPS is not available on this machine"):
+        load_checkpoint_in_model(build(Net, seed=5), tmp_path, device_map={"": "cpu", "hidden": "mps"})
+
+
+def test_a_device_map_keyed_by_something_other_than_module_names_is_refused(tmp_path: Path) -> None:
+    save_weights(NEW.state_dict(), tmp_path)
+    model = build(Net, seed=5)
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=r"device_map keys are module names .*; got 0"):
+        load_checkpoint_in_model(model, tmp_path, device_map={0: "cpu"})
+    assert_state_equal(model, before)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_a_device_map_onto_a_gpu_this_machine_lacks_is_refused_before_loading(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    save_weights(NEW.state_dict(), tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a machine with two GPUs, as far as the check sees
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    model = build(Net, seed=5)
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=r"puts 'out' on cuda:2 but this machine has 2 CUDA device\(s\); use an index"):
+        load_checkpoint_in_model(model, tmp_path, device_map={"": 1, "out": "cuda:2"})
+    assert_state_equal(model, before)
+
+
+@needs_cuda
+def test_a_device_map_onto_cuda_loads_bitwise_there(tmp_path: Path) -> None:
+    save_weights(NEW.state_dict(), tmp_path)
+    model = build(Net, seed=5)
+    load_checkpoint_in_model(model, tmp_path, device_map={"": "cpu", "out": 0})
+    assert {tensor.device.type for name, tensor in model.state_dict().items() if name.startswith("out.")} == {"cuda"}
+    assert_state_equal(model.cpu(), snapshot(NEW))
