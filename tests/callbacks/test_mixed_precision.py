@@ -133,6 +133,11 @@ class RenamedMixedPrecision(MixedPrecision):
         return "SecondPrecision"
 
 
+def test_two_mixed_precision_callbacks_get_one_message_saying_keep_one() -> None:
+    with pytest.raises(ValueError, match=r"^Engine got two MixedPrecision callbacks; keep one\."):
+        cadence.Engine(accelerator="cpu", callbacks=[MixedPrecision("bf16"), MixedPrecision("fp16")])
+
+
 @pytest.mark.parametrize(("first", "second"), [("bf16", "fp16"), ("bf16", "fp32"), ("fp32", "bf16")])
 def test_a_second_mixed_precision_under_another_state_key_is_refused_too(first: Any, second: Any) -> None:
     # ("bf16", "fp32") used to pass silently, the fp32 plugin replacing bf16.
