@@ -155,6 +155,7 @@ def _merged(first: list[str], second: Iterable[str]) -> list[str]:
 def _replace_atomically(path: Path, columns: list[str], rows: Iterable[dict[str, Any]]) -> None:
     """Write ``rows`` under ``columns`` to a temporary file beside ``path``, fsync it, then rename it over
     ``path``: a crash at any moment leaves either the old file or the new one, whole."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(descriptor, "w", newline="") as handle:
