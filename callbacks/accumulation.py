@@ -25,7 +25,10 @@ class GradientAccumulation(Callback):
       rescaled then.)
     - Item-count mode (``{"loss": summed_loss, "num_items": n}`` or ``engine.backward(loss, num_items=n)``):
       losses are summed as given and the window's gradients are divided by the window's total item count,
-      summed across ranks, so variable-length batches match the concatenated large batch's mean.
+      summed across ranks, so variable-length batches match the concatenated large batch's mean. A window with
+      no item at all (every label masked, on every rank) has no mean: its optimizer step is vetoed and recorded
+      as ``"no_items"``, and the weights stay as they were. (Telling a zero count apart costs one device sync
+      per optimizer step in this mode.)
     """
 
     def __init__(self, steps: int) -> None:
@@ -36,6 +39,7 @@ class GradientAccumulation(Callback):
         self._micro_batches = 0
         self._items: Any = 0
         self._item_mode: bool | None = None
+        self._no_items = False
 
     def on_batch_start(self, engine: Engine) -> None:
         state = engine.state
@@ -44,6 +48,7 @@ class GradientAccumulation(Callback):
             self._micro_batches = 0
             self._items = 0
             self._item_mode = None
+            self._no_items = False
             state.grad_divisor = None
             self._window_length = None
             if state.num_batches is not None:
@@ -75,11 +80,18 @@ class GradientAccumulation(Callback):
         if not state.sync_gradients:
             return
         if self._item_mode:
-            state.grad_divisor = self._global_item_count(engine)
+            items = self._global_item_count(engine)
+            # Dividing by a zero count would turn every gradient into NaN: the step is vetoed instead.
+            self._no_items = bool(items == 0)
+            state.grad_divisor = None if self._no_items else items
         elif self._window_length is None and self._micro_batches != self.steps:
             # An unsized dataloader ended mid-window: the losses were divided by `steps`, not by the window's
             # real length, so rescale the summed gradients by steps / length.
             state.grad_divisor = self._micro_batches / self.steps
+
+    def on_before_optimizer_step(self, engine: Engine) -> None:
+        if self._no_items:
+            engine.state.veto_step("no_items")
 
     def _global_item_count(self, engine: Engine) -> Any:
         items = self._items

@@ -1,4 +1,5 @@
-"""``Checkpoint``: save the engine's state every N optimizer steps, every N epochs, and when fit() fails."""
+"""``Checkpoint``: save the engine's state every N optimizer steps, every N epochs, when fit() ends, and when it
+fails."""
 
 from __future__ import annotations
 
@@ -17,35 +18,53 @@ class Checkpoint(Callback):
     - every ``every_n_steps`` real optimizer steps, at the end of the batch that completed the step (so the
       dataloader resumes at the next batch);
     - every ``every_n_epochs`` epochs, at ``EPOCH_END`` (the resume starts the next epoch);
-    - with ``on_exception=True``, when ``fit()`` raises. The batch that raised counts as consumed: it is not
-      replayed on resume.
+    - with ``save_last=True`` (the default), when ``fit()`` ends normally, unless a checkpoint of this very step
+      was already saved: running a finished script again with ``fit(..., resume="latest")`` finds the final
+      state. A failing ``fit()`` does not save here (see ``on_exception``);
+    - with ``on_exception=True``, when ``fit()`` raises. The main process prints the checkpoint's path and step.
 
     Resume with ``engine.fit(..., resume="latest")``.
+
+    What an ``on_exception`` checkpoint holds, and why its resume is not bit-exact: the save happens after the
+    batch that raised was taken from the dataloader, so that batch counts as consumed and the resumed run starts
+    at the batch after it; the failed batch is never trained on. Whatever the failed batch did before raising
+    stays in the checkpoint too: gradients it accumulated into the current window, random numbers it drew,
+    metrics it logged. The weights and optimizer are those of the last completed optimizer step (or of the
+    step that raised, if it raised after ``optimizer.step()``). To resume bit-exactly, resume from the last
+    ``every_n_steps`` / ``every_n_epochs`` checkpoint instead: ``engine.fit(..., resume=path)``.
     """
 
     def __init__(
-        self, every_n_steps: int | None = None, every_n_epochs: int | None = None, on_exception: bool = False
+        self,
+        every_n_steps: int | None = None,
+        every_n_epochs: int | None = None,
+        on_exception: bool = False,
+        save_last: bool = True,
     ) -> None:
         for name, value in (("every_n_steps", every_n_steps), ("every_n_epochs", every_n_epochs)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None; got {value!r}.")
-        if every_n_steps is None and every_n_epochs is None and not on_exception:
+        if every_n_steps is None and every_n_epochs is None and not on_exception and not save_last:
             raise ValueError(
-                "Checkpoint needs a trigger: every_n_steps=..., every_n_epochs=... and/or on_exception=True."
+                "Checkpoint needs a trigger: every_n_steps=..., every_n_epochs=..., on_exception=True and/or "
+                "save_last=True."
             )
         self.every_n_steps = every_n_steps
         self.every_n_epochs = every_n_epochs
         self.on_exception_save = on_exception
+        self.save_last = save_last
         self._last_saved_step = -1
         self._saving = False
 
-    def _save(self, engine: Engine) -> None:
+    def _save(self, engine: Engine, reason: str | None = None) -> None:
         self._saving = True
         try:
             self._last_saved_step = engine.state.step
-            engine.save_state()
+            path = engine.save_state()
         finally:
             self._saving = False
+        if reason is not None:
+            engine.print(f"Saved checkpoint {path} at step {engine.state.step} ({reason}).")
 
     def on_batch_end(self, engine: Engine) -> None:
         state = engine.state
@@ -64,10 +83,16 @@ class Checkpoint(Callback):
     def on_exception(self, engine: Engine) -> None:
         if not self.on_exception_save or self._saving:
             return  # a failure inside save_state itself must not recurse into another save
+        error = engine.state.exception
         try:
-            self._save(engine)
-        except Exception as error:  # the original exception is what the user must see
-            warnings.warn(f"Checkpoint(on_exception=True) could not save: {error}", UserWarning, stacklevel=2)
+            self._save(engine, f"fit failed: {type(error).__name__}; the batch that raised is not replayed")
+        except Exception as save_error:  # the original exception is what the user must see
+            warnings.warn(f"Checkpoint(on_exception=True) could not save: {save_error}", UserWarning, stacklevel=2)
+
+    def on_fit_end(self, engine: Engine) -> None:
+        # fit() sets state.exception during FIT_END when it is failing: that case belongs to on_exception.
+        if self.save_last and engine.state.exception is None and engine.state.step != self._last_saved_step:
+            self._save(engine, "fit ended")
 
     def state_dict(self) -> dict[str, Any]:
         return {"last_saved_step": self._last_saved_step}

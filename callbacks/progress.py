@@ -60,8 +60,16 @@ class RichProgressBar(Callback):
         if self._progress is not None:
             if self._task is not None:
                 self._progress.remove_task(self._task)
+            state = engine.state
+            # A resumed epoch starts part-way: the bar shows the position within the epoch, not this process's count.
             self._task = self._progress.add_task(
-                "train", total=engine.state.num_batches, epoch=engine.state.epoch, step=0, loss="-", rate="-"
+                "train",
+                total=state.num_batches,
+                completed=state.batch_idx + 1,
+                epoch=state.epoch,
+                step=0,
+                loss="-",
+                rate="-",
             )
 
     def on_batch_end(self, engine: Engine) -> None:
@@ -69,17 +77,18 @@ class RichProgressBar(Callback):
             return
         self._batches += 1
         state = engine.state
-        if self._batches % self.refresh_every_n_batches and not state.is_last_batch:
+        position = state.batch_idx + 1
+        if position % self.refresh_every_n_batches and not state.is_last_batch:
             if self._progress is not None and self._task is not None:
                 self._progress.advance(self._task)
             return
         fields = self._fields(engine)
         if self._progress is not None and self._task is not None:
-            self._progress.update(self._task, completed=self._batches, **fields)
+            self._progress.update(self._task, completed=position, **fields)
         else:
             total = "?" if state.num_batches is None else str(state.num_batches)
             self.console.print(
-                f"epoch {fields['epoch']} | batch {self._batches}/{total} | step {fields['step']} | "
+                f"epoch {fields['epoch']} | batch {position}/{total} | step {fields['step']} | "
                 f"loss {fields['loss']} | {fields['rate']} it/s | ETA {fields['eta']}",
                 highlight=False,
                 soft_wrap=True,
@@ -101,11 +110,12 @@ class RichProgressBar(Callback):
 
     def _fields(self, engine: Engine) -> dict[str, Any]:
         state = engine.state
+        # The rate counts only the batches this process ran; the batches left count from the epoch's position.
         elapsed = max(time.perf_counter() - self._epoch_started, 1e-9)
         rate = self._batches / elapsed
         eta = "?"
         if state.num_batches is not None and rate > 0:
-            remaining = (state.num_batches - self._batches) / rate
+            remaining = (state.num_batches - state.batch_idx - 1) / rate
             eta = time.strftime("%H:%M:%S", time.gmtime(max(remaining, 0.0)))
         loss = "-" if state.loss is None else f"{state.loss.item():.4f}"
         return {"epoch": state.epoch, "step": state.step, "loss": loss, "rate": f"{rate:.1f}", "eta": eta}

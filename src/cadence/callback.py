@@ -95,6 +95,18 @@ def _warn_misspelled_hooks(callback: Callback) -> None:
             )
 
 
+def _state_key_collision(existing: Callback, callback: Callback) -> str:
+    collision = (
+        f"share the state_key {callback.state_key!r}, so their checkpoints would collide. Override `state_key` on "
+        "one of them to give it a unique name."
+    )
+    if type(existing) is not type(callback):
+        return f"Two callbacks {collision}"
+    # Two callbacks of one class are usually a mistake (two precisions): say so before the way out.
+    name = type(callback).__name__
+    return f"Engine got two {name} callbacks; keep one. (If both are meant: they {collision})"
+
+
 class Dispatcher:
     """Calls callbacks in the order given. Which callbacks override which hook is computed once, at attach time,
     so an event nobody listens to costs one dictionary lookup."""
@@ -115,12 +127,9 @@ class Dispatcher:
                 f"Callbacks must subclass cadence.Callback; got {type(callback).__name__}. "
                 "Define `class MyCallback(cadence.Callback)` and override its `on_<event>` methods."
             )
-        keys = {existing.state_key for existing in self._callbacks}
-        if callback.state_key in keys:
-            raise ValueError(
-                f"Two callbacks share the state_key {callback.state_key!r}, so their checkpoints would collide. "
-                "Override `state_key` on one of them to give it a unique name."
-            )
+        for existing in self._callbacks:
+            if existing.state_key == callback.state_key:
+                raise ValueError(_state_key_collision(existing, callback))
         _warn_misspelled_hooks(callback)
         self._callbacks.append(callback)
         for event in Event:

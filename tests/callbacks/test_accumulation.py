@@ -272,3 +272,81 @@ def test_real_loop_through_fake_engine_counts_no_sync_micro_steps() -> None:
     fake = FakeEngine(callbacks=[GradientAccumulation(3)])
     fake.run(steps=6, step=TinyStep())
     assert fake.strategy.no_sync_entered == 4  # type: ignore[attr-defined]
+
+
+# --- a window without items -------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("rank", "world_size"), [(0, 1), (1, 4)])
+def test_a_window_without_items_vetoes_the_step_instead_of_dividing_by_zero(rank: int, world_size: int) -> None:
+    fake = FakeEngine(callbacks=[GradientAccumulation(2)], rank=rank, world_size=world_size)
+    for index in range(2):
+        start_batch(fake, index, 4)
+        fake.state.num_items = torch.tensor(0.0)
+        fake.fire(Event.BEFORE_BACKWARD)
+        fake.fire(Event.AFTER_BACKWARD)
+    assert fake.state.grad_divisor is None
+    fake.fire(Event.BEFORE_OPTIMIZER_STEP)
+    assert fake.state.take_veto() == "no_items"
+    start_batch(fake, 2, 4)  # the next window has items again: nothing is vetoed
+    fake.state.num_items = 3
+    fake.fire(Event.BEFORE_BACKWARD)
+    start_batch(fake, 3, 4)
+    fake.fire(Event.BEFORE_BACKWARD)
+    fake.fire(Event.AFTER_BACKWARD)
+    fake.fire(Event.BEFORE_OPTIMIZER_STEP)
+    assert fake.state.take_veto() is None and float(fake.state.grad_divisor) == 6.0  # type: ignore[arg-type]
+
+
+class MaskedSequences(Sequences):
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+
+class MomentumTokenStep(TokenStep):
+    def __init__(self) -> None:
+        super().__init__()
+        # Momentum moves the weights even on an all-zero gradient: only a real skip leaves them unchanged.
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9)
+
+
+class GradientSpy(cadence.Callback):
+    def __init__(self) -> None:
+        self.finite: list[bool] = []
+        self.weights_at: dict[tuple[cadence.Event, int], torch.Tensor] = {}
+
+    def on_before_optimizer_step(self, engine: cadence.Engine) -> None:
+        grads = [p.grad for group in engine.state.optimizer.param_groups for p in group["params"]]  # type: ignore[union-attr]
+        self.finite.append(all(bool(torch.isfinite(grad).all()) for grad in grads))
+
+    def on_batch_start(self, engine: cadence.Engine) -> None:
+        self.weights_at[(Event.BATCH_START, engine.state.batch_idx)] = engine.models[0].weight.detach().clone()
+
+    def on_batch_end(self, engine: cadence.Engine) -> None:
+        self.weights_at[(Event.BATCH_END, engine.state.batch_idx)] = engine.models[0].weight.detach().clone()
+
+
+def test_fit_skips_the_window_without_items_and_matches_the_loop_that_skips_it() -> None:
+    # Windows of two batches of two sequences: 10 items, none (every label masked), 14 items.
+    lengths = [3, 2, 1, 4, 0, 0, 0, 0, 6, 5, 2, 1]
+    spy, recorder = GradientSpy(), RecordingCallback()
+    fake = FakeEngine(callbacks=[GradientAccumulation(2), spy, recorder])
+    step = MomentumTokenStep()
+    state = fake.run(steps=6, step=step, dataloader=DataLoader(MaskedSequences(lengths), batch_size=2))
+    assert state.step == 2 and state.skipped_steps == {"accumulating": 3, "no_items": 1}
+    outcomes = [r.skip_reason for r in recorder.records if r.event is Event.AFTER_OPTIMIZER_STEP]
+    assert outcomes == [None, "no_items", None]
+    assert spy.finite == [True, True, True]
+    assert torch.equal(spy.weights_at[(Event.BATCH_START, 2)], spy.weights_at[(Event.BATCH_END, 3)])
+
+    torch.manual_seed(0)
+    reference = nn.Linear(3, 1).to(torch.float64)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    sequences = list(Sequences(lengths))
+    for window in (sequences[:4], sequences[8:]):  # the window without items is not a step at all
+        tokens = torch.stack([t for t, _ in window])
+        mask = torch.stack([m for _, m in window])
+        per_token = (reference(tokens).squeeze(-1) - 1.0) ** 2
+        ((per_token * mask).sum() / mask.sum()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for ours, theirs in zip(step.model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-12)

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from cadence import Engine, Event
-from cadence.callbacks import CSVLogger
-from cadence.testing import FakeEngine, TinyStep
+from cadence.callbacks import Checkpoint, CSVLogger, csv_logger
+from cadence.testing import FakeEngine, TinyStep, tiny_dataloader
 from tests.helpers import RegressionStep, loader
 
 
@@ -74,3 +74,128 @@ def test_param_groups_get_their_own_lr_columns(tmp_path: Path) -> None:
     FakeEngine(callbacks=[CSVLogger()], project_dir=str(tmp_path)).run(steps=1, step=TwoGroups())
     row = read(tmp_path / "metrics.csv")[0]
     assert (row["lr"], row["lr_1"]) == ("0.1", "0.2")
+
+
+# --- resume ---------------------------------------------------------------------------------------------------
+def log_rows(tmp_path: Path) -> None:
+    """Rows of steps 1..5 under a widened header, with validation rows at steps 2 and 5."""
+    fake = FakeEngine(callbacks=[CSVLogger(flush_every_n_rows=1)], project_dir=str(tmp_path))
+    fake.run(steps=2)
+    fake.log("val/loss", 0.5)
+    fake.fire(Event.VALIDATION_END)
+    fake.log("grad_norm", 2.0)
+    fake.run(steps=3)
+    fake.fire(Event.VALIDATION_END)
+
+
+def test_load_state_keeps_rows_up_to_the_restored_step_and_appends_after_them(tmp_path: Path) -> None:
+    log_rows(tmp_path)
+    header = list(read(tmp_path / "metrics.csv")[0])
+    before = read(tmp_path / "metrics.csv")
+    resumed = FakeEngine(callbacks=[CSVLogger(flush_every_n_rows=1)], project_dir=str(tmp_path))
+    resumed.state.step = 3
+    resumed.fire(Event.LOAD_STATE)
+    assert read(tmp_path / "metrics.csv") == [row for row in before if int(row["step"]) <= 3]
+    resumed.run(steps=2)
+    rows = read(tmp_path / "metrics.csv")
+    assert list(rows[0]) == header  # the old columns survive though the resumed run never logs val/loss
+    assert [(row["step"], bool(row["val/loss"])) for row in rows] == [
+        ("1", False), ("2", False), ("2", True), ("3", False), ("4", False), ("5", False)
+    ]  # fmt: skip
+    assert rows[:4] == before[:4]
+
+
+def test_a_fresh_run_starts_a_new_file(tmp_path: Path) -> None:
+    log_rows(tmp_path)
+    FakeEngine(callbacks=[CSVLogger(flush_every_n_rows=1)], project_dir=str(tmp_path)).run(steps=1)
+    assert [row["step"] for row in read(tmp_path / "metrics.csv")] == ["1"]
+
+
+def test_rows_reach_the_file_when_a_checkpoint_is_saved(tmp_path: Path) -> None:
+    # A process killed after the checkpoint must not lose the rows a resume from it keeps.
+    fake = FakeEngine(callbacks=[CSVLogger(flush_every_n_rows=1000)], project_dir=str(tmp_path))
+    step = TinyStep()
+    model, optimizer, data = fake.prepare(step.model, step.optimizer, tiny_dataloader(batches=3))
+    for inputs, targets in data:
+        fake.backward(torch.nn.functional.mse_loss(model(inputs), targets))
+        optimizer.step()
+        optimizer.zero_grad()
+    fake.save_state()
+    assert [row["step"] for row in read(tmp_path / "metrics.csv")] == ["1", "2", "3"]
+
+
+def test_a_failed_rewrite_leaves_the_old_file_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    log_rows(tmp_path)
+    before = (tmp_path / "metrics.csv").read_bytes()
+
+    def crash(*args: Any) -> None:
+        raise OSError("disk vanished")
+
+    monkeypatch.setattr(csv_logger.os, "replace", crash)
+    resumed = FakeEngine(callbacks=[CSVLogger()], project_dir=str(tmp_path))
+    resumed.state.step = 3
+    with pytest.raises(OSError, match="disk vanished"):
+        resumed.fire(Event.LOAD_STATE)
+    assert (tmp_path / "metrics.csv").read_bytes() == before
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["metrics.csv"]  # no temporary file left
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("epoch,loss\n0,1.5\n", "has no 'step' column"),
+        ("step,loss\n1,1.5\nlast,2.0\n", "whose step is 'last', not an integer"),
+        ("step,loss\n1,1.5,7\n", "more cells than its header on line 2"),
+    ],
+)
+def test_a_file_the_logger_did_not_write_is_refused_and_kept(tmp_path: Path, content: str, message: str) -> None:
+    (tmp_path / "metrics.csv").write_text(content)
+    resumed = FakeEngine(callbacks=[CSVLogger()], project_dir=str(tmp_path))
+    with pytest.raises(ValueError, match=message + r".*Move it aside"):
+        resumed.fire(Event.LOAD_STATE)
+    assert (tmp_path / "metrics.csv").read_text() == content
+
+
+class FailingStep(RegressionStep):
+    """Raises in the training step of the batch that would make optimizer step ``fail_at``, as a crash would."""
+
+    def __init__(self, engine: Engine, fail_at: int | None) -> None:
+        super().__init__()
+        self.engine = engine
+        self.fail_at = fail_at
+
+    def training_step(self, batch: Any) -> Any:
+        step = self.engine.state.step + 1
+        if step == self.fail_at:
+            raise RuntimeError("node lost")
+        loss = super().training_step(batch)
+        metrics: dict[str, Any] = {"loss": loss}
+        if step >= 3:
+            metrics["extra"] = loss.detach() * 2  # a column that appears before the checkpoint
+        if step >= 12:
+            metrics["late"] = loss.detach() * 3  # and one that appears only after the resume
+        return metrics
+
+
+def train(project: Path, fail_at: int | None, flush_every_n_rows: int, resume: str | None = None) -> None:
+    engine = Engine(
+        accelerator="cpu",
+        project_dir=project,
+        callbacks=[Checkpoint(every_n_steps=4), CSVLogger(flush_every_n_rows=flush_every_n_rows)],
+        progress_bar=False,
+    )
+    engine.fit(FailingStep(engine, fail_at), loader(), max_epochs=3, val_dataloader=loader(), resume=resume)
+
+
+@pytest.mark.parametrize("flush_every_n_rows", [1, 50])
+def test_a_resumed_run_writes_the_same_file_as_an_uninterrupted_one(tmp_path: Path, flush_every_n_rows: int) -> None:
+    train(tmp_path / "straight", fail_at=None, flush_every_n_rows=flush_every_n_rows)
+    interrupted = tmp_path / "interrupted"
+    with pytest.raises(RuntimeError, match="node lost"):
+        train(interrupted, fail_at=11, flush_every_n_rows=flush_every_n_rows)  # last checkpoint at step 8
+    assert [row["step"] for row in read(interrupted / "metrics.csv")][-1] == "10"  # steps 9 and 10 get replayed
+    train(interrupted, fail_at=None, flush_every_n_rows=flush_every_n_rows, resume="latest")
+    expected = (tmp_path / "straight" / "metrics.csv").read_text()
+    assert (interrupted / "metrics.csv").read_text() == expected
+    steps = [row["step"] for row in read(interrupted / "metrics.csv") if not row["val/mse"]]
+    assert steps == [str(step) for step in range(1, 16)]

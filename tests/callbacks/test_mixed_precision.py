@@ -122,3 +122,40 @@ def test_bf16_fit_equals_plain_autocast_loop_bitwise() -> None:
     full = RegressionStep()
     cadence.Engine(accelerator="cpu", progress_bar=False).fit(full, loader(), max_epochs=2)
     assert not torch.equal(parameters(full.model)[0], parameters(model)[0])
+
+
+# --- one precision per engine ---------------------------------------------------------------------------------
+class RenamedMixedPrecision(MixedPrecision):
+    """A second MixedPrecision that got past the state_key check (as the collision message suggests)."""
+
+    @property
+    def state_key(self) -> str:
+        return "SecondPrecision"
+
+
+def test_two_mixed_precision_callbacks_get_one_message_saying_keep_one() -> None:
+    with pytest.raises(ValueError, match=r"^Engine got two MixedPrecision callbacks; keep one\."):
+        cadence.Engine(accelerator="cpu", callbacks=[MixedPrecision("bf16"), MixedPrecision("fp16")])
+
+
+@pytest.mark.parametrize(("first", "second"), [("bf16", "fp16"), ("bf16", "fp32"), ("fp32", "bf16")])
+def test_a_second_mixed_precision_under_another_state_key_is_refused_too(first: Any, second: Any) -> None:
+    # ("bf16", "fp32") used to pass silently, the fp32 plugin replacing bf16.
+    message = rf"^Engine got two MixedPrecision callbacks \('{first}' and '{second}'\); keep one\.$"
+    with pytest.raises(ValueError, match=message):
+        cadence.Engine(accelerator="cpu", callbacks=[MixedPrecision(first), RenamedMixedPrecision(second)])
+
+
+def test_adding_a_second_one_later_keeps_the_first_precision() -> None:
+    engine = cadence.Engine(accelerator="cpu", callbacks=[MixedPrecision("bf16")])
+    with pytest.raises(ValueError, match=r"\('bf16' and 'fp32'\); keep one"):
+        engine.add_callback(RenamedMixedPrecision("fp32"))
+    assert engine.precision.name == "bf16"
+
+
+def test_a_precision_installed_by_hand_is_not_replaced() -> None:
+    engine = cadence.Engine(accelerator="cpu")
+    engine.set_precision(GradScalerPrecision("cpu"))
+    with pytest.raises(ValueError, match=r"already has a 'fp16' precision.*MixedPrecision\('fp32'\) would replace"):
+        engine.add_callback(MixedPrecision("fp32"))
+    assert isinstance(engine.precision, GradScalerPrecision)
