@@ -73,10 +73,11 @@ class FiniteCheck(Callback):
         self.consecutive_skips = 0
         self._history: deque[float] = deque(maxlen=window)
         self._vetoed: str | None = None
-        self._reset_window()
+        self._reset_pending()
 
-    def _reset_window(self) -> None:
-        # Python scalars until the first loss arrives, so a restored window needs no device.
+    def _reset_pending(self) -> None:
+        # The losses since the last optimizer step; Python scalars until the first one arrives, so a restored
+        # state needs no device.
         self._loss_bad: bool | torch.Tensor = False
         self._loss_sum: float | torch.Tensor = 0.0
         self._loss_count = 0
@@ -94,23 +95,24 @@ class FiniteCheck(Callback):
         state = engine.state
         if state.optimizer is None:
             return
-        packet = self._window_verdict(engine, state.optimizer)
+        packet = self._pending_verdict(engine, state.optimizer)
         if engine.world_size > 1:
             packet = engine.reduce(packet, op="max")
-        flag, window_loss = packet.tolist()  # the one host sync per optimizer step
+        flag, step_loss = packet.tolist()  # the one host sync per optimizer step
         has_loss = self._loss_count > 0
-        self._reset_window()
+        self._reset_pending()
+        self._vetoed = None
         if flag:
             self._vetoed = "non_finite"
-        elif has_loss and is_spike(window_loss, self._history, self.window, self.spike_factor):
+        elif has_loss and is_spike(step_loss, self._history, self.window, self.spike_factor):
             self._vetoed = "loss_spike"
         if self._vetoed is not None:
             state.veto_step(self._vetoed)
         elif has_loss:
-            self._history.append(window_loss)
+            self._history.append(step_loss)
 
-    def _window_verdict(self, engine: Engine, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-        """On the device: [1.0 if anything is non-finite else 0.0, the window's mean loss (0 if non-finite)]."""
+    def _pending_verdict(self, engine: Engine, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """On the device: [1.0 if anything is non-finite else 0.0, the pending losses' mean (0 if non-finite)]."""
         device = engine.device
         bad = torch.as_tensor(self._loss_bad, device=device)
         if not isinstance(engine.precision, GradScalerPrecision):
@@ -141,15 +143,15 @@ class FiniteCheck(Callback):
         return {
             "consecutive_skips": self.consecutive_skips,
             "history": list(self._history),
-            # A checkpoint taken mid-window keeps the window's verdict so far (the sum only matters when finite).
-            "window_bad": bad,
-            "window_loss_sum": 0.0 if bad else float(self._loss_sum),
-            "window_losses": self._loss_count,
+            # A checkpoint taken mid accumulation window keeps its verdict so far (the sum only matters when finite).
+            "pending_bad": bad,
+            "pending_loss_sum": 0.0 if bad else float(self._loss_sum),
+            "pending_losses": self._loss_count,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.consecutive_skips = int(state_dict["consecutive_skips"])
         self._history = deque((float(x) for x in state_dict["history"]), maxlen=self.window)
-        self._loss_bad = bool(state_dict["window_bad"])
-        self._loss_sum = float(state_dict["window_loss_sum"])
-        self._loss_count = int(state_dict["window_losses"])
+        self._loss_bad = bool(state_dict["pending_bad"])
+        self._loss_sum = float(state_dict["pending_loss_sum"])
+        self._loss_count = int(state_dict["pending_losses"])

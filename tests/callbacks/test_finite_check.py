@@ -164,7 +164,7 @@ def test_the_micro_batch_check_reads_nothing_back_to_the_host(monkeypatch: pytes
         fake.state.loss = torch.tensor(loss)
         fake.fire(Event.AFTER_BACKWARD)
     monkeypatch.undo()
-    assert check.state_dict()["window_bad"] is True and check.state_dict()["window_losses"] == 2
+    assert check.state_dict()["pending_bad"] is True and check.state_dict()["pending_losses"] == 2
 
 
 def test_the_spike_guard_skips_a_spike_and_keeps_it_out_of_the_median() -> None:
@@ -196,7 +196,7 @@ def test_every_rank_takes_the_decision_of_the_reduced_flag(monkeypatch: pytest.M
     assert calls == ["max"] and fake.state.skip_reason == "non_finite"
 
 
-def test_state_round_trips_mid_window_and_keeps_counting(tmp_path: Any) -> None:
+def test_state_round_trips_mid_window_and_keeps_counting() -> None:
     first = FiniteCheck(max_consecutive_skips=3, spike_factor=2.0, window=4)
     fake = FakeEngine(callbacks=[first])
     model, optimizer = prepared(fake)
@@ -206,7 +206,7 @@ def test_state_round_trips_mid_window_and_keeps_counting(tmp_path: Any) -> None:
     fake.fire(Event.AFTER_BACKWARD)
     saved = first.state_dict()
     json.dumps(saved, allow_nan=False)  # checkpoint metadata is strict JSON
-    assert saved["consecutive_skips"] == 2 and len(saved["history"]) == 1 and saved["window_bad"] is True
+    assert saved["consecutive_skips"] == 2 and len(saved["history"]) == 1 and saved["pending_bad"] is True
 
     second = FiniteCheck(max_consecutive_skips=3, spike_factor=2.0, window=4)
     second.load_state_dict(saved)
