@@ -133,7 +133,7 @@ class FiniteCheck(Callback):
                 raise RuntimeError(
                     f"FiniteCheck: {self.consecutive_skips} optimizer steps in a row were skipped for a non-finite "
                     f"loss or gradients or a loss spike (last: {reason!r} at epoch {state.epoch}, batch "
-                    f"{state.batch_idx}, after {state.step} updates), so the run cannot learn. Lower the learning "
+                    f"{state.batch_idx}, state.step {state.step}), so the run cannot learn. Lower the learning "
                     "rate, check those batches for NaN/inf, add GradientClipping(max_norm=1.0) or use "
                     "MixedPrecision('bf16'); FiniteCheck(max_consecutive_skips=...) tolerates more in a row."
                 )
