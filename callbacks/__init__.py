@@ -4,12 +4,14 @@ from .accumulation import GradientAccumulation
 from .checkpoint import Checkpoint
 from .clipping import GradientClipping, clip_gradients
 from .csv_logger import CSVLogger
+from .finite_check import FiniteCheck
 from .mixed_precision import MixedPrecision
 from .progress import RichProgressBar
 
 __all__ = [
     "CSVLogger",
     "Checkpoint",
+    "FiniteCheck",
     "GradientAccumulation",
     "GradientClipping",
     "MixedPrecision",
