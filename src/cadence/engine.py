@@ -159,7 +159,11 @@ class Engine:
     def add_callback(self, callback: Callback) -> None:
         """Attach a callback after the engine was built; it runs after the existing ones."""
         self._dispatcher.attach(callback)
-        callback.setup(self)
+        try:
+            callback.setup(self)
+        except BaseException:
+            self._dispatcher.detach(callback)  # a refused callback must not stay attached
+            raise
 
     def remove_callback(self, callback: Callback) -> None:
         """Detach a callback; its hooks are not called again."""

@@ -74,7 +74,9 @@ def run_fit(
                     "The training dataloader yielded no batch: check that its dataset is not empty and that "
                     "drop_last does not drop every sample."
                 )
-            if val_loader is not None and batches and (train_loader.epoch > epochs_before or state.should_stop):
+            # An epoch that ended here is validated even when a resume left none of its batches to run (the
+            # checkpoint was taken at its last batch, before the uninterrupted run validated it).
+            if val_loader is not None and (train_loader.epoch > epochs_before or (batches and state.should_stop)):
                 _validate(engine, step, model, val_loader)
     except BaseException as error:
         state.exception = error

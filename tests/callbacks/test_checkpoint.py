@@ -130,7 +130,7 @@ def test_save_last_saves_where_the_periodic_saves_stopped(tmp_path: Path) -> Non
     fake = FakeEngine(callbacks=[Checkpoint(every_n_steps=4)], project_dir=str(tmp_path))
     fake.fit(TinyStep(), tiny_dataloader(batches=3), max_steps=6)
     assert saved(tmp_path) == ["checkpoint_0", "checkpoint_1"]
-    fresh = FakeEngine(project_dir=str(tmp_path))
+    fresh = FakeEngine(callbacks=[Checkpoint(every_n_steps=4)], project_dir=str(tmp_path))
     step = TinyStep()
     fresh.prepare(step.model, step.optimizer, tiny_dataloader(batches=3))
     fresh.load_state()

@@ -104,6 +104,6 @@ def test_a_resumed_epoch_on_a_terminal_shows_the_position_within_the_epoch(tmp_p
     progress_lines(tmp_path, fail_at=7)  # checkpoint at step 6: the resumed epoch has batches 7 and 8 left
     output = io.StringIO()
     bar = RichProgressBar(refresh_every_n_batches=1, console=Console(file=output, force_terminal=True, width=120))
-    engine = FakeEngine(callbacks=[bar], project_dir=str(tmp_path))
+    engine = FakeEngine(callbacks=[Checkpoint(every_n_steps=3), bar], project_dir=str(tmp_path))
     engine.fit(TinyStep(), tiny_dataloader(batches=8), max_epochs=1, resume="latest")
     assert "8/8" in output.getvalue() and "2/8" not in output.getvalue()

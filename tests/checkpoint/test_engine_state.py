@@ -412,3 +412,35 @@ def test_large_tensor_files_are_split_into_parts_and_read_back(tmp_path: Path, m
     fresh.prepare(fresh_step.model, fresh_step.optimizer, fresh_step.scheduler, loader(shuffle=True))
     fresh.load_state(path)
     assert_bitwise_equal(parameters(fresh_step.model), parameters(step.model))
+
+
+def test_resuming_on_a_smaller_dataset_is_refused_before_anything_changes(tmp_path: Path) -> None:
+    eng = engine(tmp_path)
+    eng.fit(RegressionStep(scheduler=True), loader(shuffle=True, samples=40), max_steps=3)  # 24 of 40 samples
+    path = eng.save_state()
+    fresh = engine(tmp_path)
+    step = RegressionStep(seed=11, scheduler=True)
+    fresh.prepare(step.model, step.optimizer, step.scheduler, loader(shuffle=True, samples=16))
+    before = parameters(step.model)
+    with pytest.raises(CheckpointError, match=r"24 samples into epoch 0 .* now has 16 samples"):
+        fresh.load_state(path)
+    assert_bitwise_equal(parameters(step.model), before)
+    assert not step.optimizer.state and fresh.state.step == 0
+
+
+def test_an_epoch_checkpointed_at_its_last_batch_is_still_validated_after_resume(tmp_path: Path) -> None:
+    from cadence.callbacks import Checkpoint
+
+    class CrashAtEpochEnd(cadence.Callback):
+        def on_epoch_end(self, engine: cadence.Engine) -> None:
+            raise RuntimeError("killed between the last batch and validation")
+
+    first = engine(tmp_path, callbacks=[Checkpoint(every_n_steps=5, save_last=False), CrashAtEpochEnd()])
+    with pytest.raises(RuntimeError, match="killed between"):
+        first.fit(RegressionStep(), loader(), max_epochs=1, val_dataloader=loader(samples=16))
+    assert "val/mse" not in first.state.metrics
+    resumed = engine(tmp_path, callbacks=[Checkpoint(every_n_steps=5, save_last=False)])
+    state = resumed.fit(
+        RegressionStep(seed=4), loader(), max_epochs=1, val_dataloader=loader(samples=16), resume="latest"
+    )
+    assert state.step == 5 and "val/mse" in state.metrics

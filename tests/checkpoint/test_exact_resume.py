@@ -87,7 +87,7 @@ def test_sigkill_during_save_keeps_the_previous_checkpoint(uninterrupted: Path, 
     assert [p for p in checkpoints.iterdir() if ".partial-" in p.name], "the interrupted save left no partial dir"
     resumed = worker(tmp_path, "--resume")
     assert resumed.returncode == 0, resumed.stderr
-    assert not [p for p in checkpoints.iterdir() if ".partial-" in p.name], "a later save removes what a killed one left"
+    assert not [p for p in checkpoints.iterdir() if ".partial-" in p.name], "the next save removed it"
     after_resume = losses(tmp_path / "losses_resumed.jsonl")
     assert (after_resume[0]["epoch"], after_resume[0]["batch"]) == (0, 16)  # checkpoint_1: after step 4
     expected = {(row["epoch"], row["batch"]): row["loss"] for row in losses(uninterrupted / "losses.jsonl")}

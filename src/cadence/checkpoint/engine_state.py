@@ -400,7 +400,7 @@ def load_engine_state(engine: Engine, directory: Path) -> dict[str, Any]:
         for index, saved in enumerate(per_rank["dataloaders"])
     ]
     for loader, saved in zip(engine.dataloaders, loader_states, strict=True):
-        getattr(loader, "check_state_dict", lambda _: None)(saved)  # TEMP until data branch merges
+        loader.check_state_dict(saved)
     rng_states = _decoded(per_rank["rng"], rank_tensors, rank_origin, "the RNG states") if restore_rng else None
 
     # Every check passed: apply.
