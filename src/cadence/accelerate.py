@@ -20,15 +20,14 @@ import torch
 from torch import nn
 
 from cadence.callback import Callback
-
-# mypy checks callbacks/ as its own tree (installed as cadence.callbacks), so it cannot follow this import.
-from cadence.callbacks import GradientAccumulation, MixedPrecision  # type: ignore[import-not-found]
+from cadence.callbacks import GradientAccumulation, MixedPrecision
+from cadence.callbacks.mixed_precision import PrecisionName
 from cadence.checkpoint.export import load_checkpoint_in_model
 from cadence.engine import Engine
 
 __all__ = ["Accelerator", "DataLoaderConfiguration", "ProjectConfiguration", "load_checkpoint_in_model"]
 
-_PRECISIONS = {"no": "fp32", None: "fp32", "fp16": "fp16", "bf16": "bf16"}
+_PRECISIONS: dict[str | None, PrecisionName] = {"no": "fp32", None: "fp32", "fp16": "fp16", "bf16": "bf16"}
 
 # Accelerate arguments the facade does not take, and what to use in cadence instead.
 _UNSUPPORTED = {
