@@ -6,7 +6,9 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -29,9 +31,52 @@ def test_env_reports_versions_devices_and_backends(capsys: pytest.CaptureFixture
 
 
 def test_usage_and_unknown_commands(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main([]) == 2
-    assert main(["--help"]) == 0 and "cadence launch" in capsys.readouterr().out
-    assert main(["teleport"]) == 2 and "unknown command 'teleport'" in capsys.readouterr().err
+    assert main([]) == 2 and "required: COMMAND" in capsys.readouterr().err
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(command in out for command in ("launch", "env", "checkpoint"))
+    assert main(["teleport"]) == 2 and "invalid choice: 'teleport'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "command", [["env"], ["checkpoint"], ["checkpoint", "verify"], ["checkpoint", "inspect"]], ids=" ".join
+)
+def test_every_command_explains_itself_with_help(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*command, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: cadence {' '.join(command)} [-h]")
+    assert "distributed         gloo" not in out  # `env --help` explains env instead of running it
+
+
+def test_launch_help_is_torchrun_s_help_under_cadence_s_name(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["launch", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: cadence launch [-h]")
+    assert "--nproc-per-node" in out and "--rdzv-endpoint" in out and "torch.distributed.run" in out
+
+
+@pytest.mark.parametrize(
+    ("command", "missing"),
+    [(["checkpoint"], "ACTION"), (["checkpoint", "verify"], "DIRECTORY"), (["launch"], "training_script")],
+    ids=["checkpoint", "checkpoint verify", "launch"],
+)
+def test_a_command_missing_its_arguments_is_a_usage_error(
+    command: list[str], missing: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(command) == 2
+    assert f"the following arguments are required: {missing}" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_bad_torchrun_option_value_prints_torchrun_s_message_not_a_traceback() -> None:
+    # In a subprocess: torchrun renames the calling thread and reads the environment before it checks the value.
+    result = subprocess.run(
+        [*CADENCE, "launch", "--nproc-per-node", "abc", "train.py"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "cadence launch: error: Unsupported nproc_per_node value: abc (see cadence launch --help)"
+    ]
 
 
 def test_checkpoint_verify_checks_the_sha256_that_a_load_skips(
@@ -52,6 +97,44 @@ def test_checkpoint_verify_checks_the_sha256_that_a_load_skips(
     engine.load_state(checkpoint)
     assert main(["checkpoint", "verify", str(checkpoint)]) == 1
     assert "model_0.safetensors does not match its sha256" in capsys.readouterr().err
+
+
+@pytest.fixture
+def checkpoint(tmp_path: Path) -> Path:
+    import torch
+
+    import cadence
+
+    engine = cadence.Engine(accelerator="cpu", progress_bar=False, project_dir=tmp_path)
+    engine.prepare(torch.nn.Linear(3, 2))
+    return engine.save_state()
+
+
+def _drop_a_size(manifest: dict[str, Any]) -> None:
+    del manifest["files"]["model_0.safetensors"]["size"]
+
+
+def _entry_not_a_table(manifest: dict[str, Any]) -> None:
+    manifest["files"]["model_0.safetensors"] = 5
+
+
+def _files_not_a_table(manifest: dict[str, Any]) -> None:
+    manifest["files"] = list(manifest["files"])
+
+
+@pytest.mark.parametrize("action", ["verify", "inspect"])
+@pytest.mark.parametrize("damage", [_drop_a_size, _entry_not_a_table, _files_not_a_table])
+def test_a_structurally_damaged_manifest_gets_one_line_naming_the_checkpoint(
+    checkpoint: Path, action: str, damage: Callable[[dict[str, Any]], None], capsys: pytest.CaptureFixture[str]
+) -> None:
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    damage(manifest)
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+    assert main(["checkpoint", action, str(checkpoint)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    [line] = captured.err.splitlines()
+    assert line.startswith(f"{checkpoint}: ")
 
 
 @pytest.mark.slow
@@ -82,6 +165,7 @@ def test_a_rank_that_raises_fails_the_job_instead_of_hanging() -> None:
         [*CADENCE, "launch", "--nproc-per-node", "2", *free_master_port(), str(ROOT / "tests" / "failing_rank.py")],
         capture_output=True, text=True, timeout=240,
     )  # fmt: skip
-    assert result.returncode != 0
+    assert result.returncode == 1
     assert "rank 1 failed on purpose" in result.stdout + result.stderr
+    assert "Root Cause (first observed failure)" in result.stderr  # torchrun's summary: which rank, which exit code
     assert time.monotonic() - started < 120

@@ -21,9 +21,8 @@ import torch
 from torch import nn
 
 from cadence.callback import Callback
-
-# mypy checks callbacks/ as its own tree (installed as cadence.callbacks), so it cannot follow this import.
-from cadence.callbacks import GradientAccumulation, MixedPrecision  # type: ignore[import-not-found]
+from cadence.callbacks import GradientAccumulation, MixedPrecision
+from cadence.callbacks.mixed_precision import PrecisionName
 from cadence.checkpoint.export import load_checkpoint_in_model
 from cadence.engine import Engine
 from cadence.strategies import resolve_device

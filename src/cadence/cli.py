@@ -1,7 +1,12 @@
-"""The ``cadence`` command: ``launch`` (torchrun), ``env`` (for bug reports), ``checkpoint verify|inspect``."""
+"""The ``cadence`` command: ``launch`` (torchrun), ``env`` (for bug reports), ``checkpoint verify|inspect``.
+
+Each command imports what it needs when it runs (torch.distributed.run for ``launch``, the checkpoint reader for
+``checkpoint``): no command pays for another's imports.
+"""
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import json
 import os
@@ -10,17 +15,19 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
+_EXAMPLES = """examples:
+  cadence launch --nproc-per-node 2 train.py --epochs 3
+  cadence env
+  cadence checkpoint verify checkpoints/checkpoint_3
+  cadence checkpoint inspect checkpoints/checkpoint_3
 
-_USAGE = """usage: cadence launch [--nproc-per-node N] [torchrun options] script.py [script args]
-       cadence env
-       cadence checkpoint (verify | inspect) DIRECTORY
+exit status: 0 success, 1 failure (a failed job, a damaged checkpoint), 2 usage error"""
 
-launch     run script.py on N processes with torch.distributed.run; every torchrun option (multi-node
-           --nnodes, --rdzv-backend, --rdzv-endpoint, --max-restarts ...) passes through unchanged
-env        print versions, devices and the distributed environment, for bug reports
-checkpoint verify: check every file of a checkpoint against its manifest; inspect: print the manifest
-"""
+_LAUNCH_DESCRIPTION = (
+    "Run a training script on N processes with torch.distributed.run (torchrun). Every torchrun option below "
+    "passes through unchanged (multi-node: --nnodes, --rdzv-backend, --rdzv-endpoint, --max-restarts ...); "
+    "everything after the script is the script's own arguments."
+)
 
 _DISTRIBUTED_VARIABLES = (
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
@@ -36,6 +43,8 @@ def _version(distribution: str) -> str:
 
 
 def environment_report() -> str:
+    """What ``cadence env`` prints: versions, devices, distributed backends and torchrun's variables."""
+    import torch
     import torch.distributed as dist
 
     lines = [
@@ -60,48 +69,129 @@ def environment_report() -> str:
     return "\n".join(lines)
 
 
-def _checkpoint(action: str, directory: Path) -> int:
+def _checkpoint(options: argparse.Namespace) -> int:
     from cadence.checkpoint.files import CheckpointError, CheckpointReader
 
+    directory: Path = options.directory
     try:
         with CheckpointReader(directory, every_checksum=True) as reader:
-            if action == "verify":
+            if options.action == "verify":
                 reader.verify()
-                print(f"{directory}: {len(reader.manifest['files'])} files match the manifest (size, sha256, crc32)")
-            else:
-                print(json.dumps(reader.manifest, indent=2, sort_keys=True))
+            manifest = reader.manifest
     except CheckpointError as error:
         print(f"{directory}: {error}", file=sys.stderr)
+        return 1
+    except OSError as error:
+        print(f"{directory}: cannot be read ({error}).", file=sys.stderr)
+        return 1
+    except (ValueError, KeyError, TypeError) as error:
+        # Damage the reader's own checks do not name yet: one line still beats a traceback.
+        print(
+            f"{directory}: the checkpoint is damaged ({type(error).__name__}: {error}); it cannot be verified or "
+            "loaded. Load an earlier checkpoint.",
+            file=sys.stderr,
+        )
+        return 1
+    if options.action == "verify":
+        print(f"{directory}: {len(manifest['files'])} files match the manifest (size, sha256, crc32)")
+    else:
+        print(json.dumps(manifest, indent=2, sort_keys=True))
+    return 0
+
+
+def _env(options: argparse.Namespace) -> int:
+    print(environment_report())
+    return 0
+
+
+def _launch(arguments: list[str]) -> int:
+    from torch.distributed import run
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+
+    parser = run.get_args_parser()
+    parser.prog = "cadence launch"
+    parser.description = _LAUNCH_DESCRIPTION
+    try:
+        options = parser.parse_args(arguments)
+    except SystemExit as stop:
+        return _exit_status(stop)
+    try:
+        record(run.run)(options)
+    except ChildFailedError as error:
+        # torchrun's summary of the failure: the first rank that failed, its exit code and traceback.
+        print(error, file=sys.stderr)
+        return 1
+    except (ValueError, AssertionError) as error:
+        # torchrun checks the values of its options (--nproc-per-node abc) only here, before starting a process.
+        print(f"cadence launch: error: {error} (see cadence launch --help)", file=sys.stderr)
+        return 2
+    except Exception as error:  # rendezvous timeouts, signals: torchrun's message is the whole story
+        print(f"cadence launch: {type(error).__name__}: {error}", file=sys.stderr)
         return 1
     return 0
 
 
+def _exit_status(stop: SystemExit) -> int:
+    """argparse exits after printing help (0) or a usage error (2); ``main`` returns that status instead."""
+    if stop.code is None:
+        return 0
+    return stop.code if isinstance(stop.code, int) else 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of every command but ``launch``, whose arguments torchrun's own parser reads."""
+    parser = argparse.ArgumentParser(
+        prog="cadence",
+        description="cadence: a small PyTorch training engine whose every feature is a callback.",
+        epilog=_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    # Listed for --help only: main() hands everything after `launch` to torchrun before this parser runs.
+    commands.add_parser("launch", add_help=False, help="run a script on N processes through torchrun")
+
+    env = commands.add_parser(
+        "env",
+        help="print versions, devices and the distributed environment, for bug reports",
+        description="Print the versions of cadence, Python and its libraries, the devices, the distributed "
+        "backends and the torchrun variables that are set: paste it into a bug report.",
+    )
+    env.set_defaults(run=_env)
+
+    checkpoint = commands.add_parser(
+        "checkpoint",
+        help="verify a checkpoint directory or print its manifest",
+        description="Check a checkpoint written by Engine.save_state, or print its manifest.",
+    )
+    actions = checkpoint.add_subparsers(dest="action", metavar="ACTION", required=True)
+    verify = actions.add_parser(
+        "verify",
+        help="check every file against the manifest (size, sha256, crc32)",
+        description="Read every file of the checkpoint and check its size and every checksum the manifest records "
+        "(sha256 too, which a load skips for speed). On a mismatch, exit status 1 and the file that differs.",
+    )
+    inspect = actions.add_parser(
+        "inspect",
+        help="print the manifest as JSON",
+        description="Print the checkpoint's manifest (format version, step, world size, each file's size and "
+        "checksums) after checking that every file it lists is there with that size.",
+    )
+    for action in (verify, inspect):
+        action.add_argument("directory", type=Path, metavar="DIRECTORY", help="e.g. checkpoints/checkpoint_3")
+        action.set_defaults(run=_checkpoint)
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
-    if not arguments or arguments[0] in ("-h", "--help"):
-        print(_USAGE, end="")
-        return 0 if arguments else 2
-    command, rest = arguments[0], arguments[1:]
-    if command == "launch":
-        from torch.distributed import run
-
-        if not rest or rest[0] in ("-h", "--help"):
-            print(_USAGE, end="")
-            run.get_args_parser().print_help()
-            return 0
-        try:
-            run.main(rest)
-        except Exception as error:  # torchrun's ChildFailedError has already printed which rank failed and why
-            print(f"cadence launch: {type(error).__name__}: the job failed.", file=sys.stderr)
-            return 1
-        return 0
-    if command == "env":
-        print(environment_report())
-        return 0
-    if command == "checkpoint" and len(rest) == 2 and rest[0] in ("verify", "inspect"):
-        return _checkpoint(rest[0], Path(rest[1]))
-    print(f"cadence: unknown command {' '.join(arguments)!r}\n\n{_USAGE}", file=sys.stderr, end="")
-    return 2
+    if arguments[:1] == ["launch"]:
+        return _launch(arguments[1:])
+    try:
+        options = build_parser().parse_args(arguments)
+    except SystemExit as stop:
+        return _exit_status(stop)
+    status: int = options.run(options)
+    return status
 
 
 if __name__ == "__main__":

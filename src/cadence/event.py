@@ -30,62 +30,102 @@ evaluation loop runs after ``model.eval()`` and so never counts as training batc
 from __future__ import annotations
 
 from enum import Enum
+from typing import TYPE_CHECKING
 
 
 class Event(str, Enum):
     """One member per point in the loop; ``Callback.on_<value>(engine)`` is its hook."""
 
-    FIT_START = "fit_start"
-    """Once per ``fit()``, after preparation, before the first epoch."""
+    _value_: str
 
-    EPOCH_START = "epoch_start"
-    """A training dataloader is about to yield its first batch; ``state.epoch`` is the new epoch's index."""
+    def __new__(cls, value: str, doc: str = "") -> Event:
+        # Each member is written as (value, documentation): the text becomes the member's own __doc__, which
+        # help(Event) shows under it, where a string literal after the member would be dropped at run time.
+        # (Event(value) looks a member up without calling this, hence the default that mypy sees.)
+        if not doc:
+            raise TypeError(f"Event member {value!r} has no documentation: write it as NAME = {value!r}, 'doc'.")
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member.__doc__ = doc
+        return member
 
-    BATCH_START = "batch_start"
-    """A training batch is on the device. ``state.batch_idx`` and ``state.is_last_batch`` describe it. Callbacks
-    that decide ``state.sync_gradients`` (gradient accumulation) do so here, and only here."""
+    if TYPE_CHECKING:  # mypy cannot follow the value that __new__ assigns
 
-    BEFORE_BACKWARD = "before_backward"
-    """``engine.backward(loss)`` was called: ``state.loss`` and ``state.num_items`` are set and
-    ``state.loss_divisor`` is 1. A callback may set ``state.loss_divisor``; the engine divides the loss by it,
-    then the precision scales it, then autograd runs."""
+        @property
+        def value(self) -> str: ...
 
-    AFTER_BACKWARD = "after_backward"
-    """Gradients of this batch are accumulated into ``.grad`` (still scaled under fp16, unsynced on a no-sync
-    micro-step)."""
+    FIT_START = "fit_start", "Once per ``fit()``, after preparation, before the first epoch."
 
-    BEFORE_OPTIMIZER_STEP = "before_optimizer_step"
-    """Fires only on a sync step. Gradients are synced across ranks, unscaled exactly once, and divided by
-    ``state.grad_divisor`` when a callback set it: they are the gradients the optimizer will use. Clipping lives
-    here. A callback may veto the step with ``state.veto_step(reason)``."""
+    EPOCH_START = (
+        "epoch_start",
+        "A training dataloader is about to yield its first batch; ``state.epoch`` is the new epoch's index.",
+    )
 
-    AFTER_OPTIMIZER_STEP = "after_optimizer_step"
-    """Fires only on a sync step, after the step was taken or skipped: ``state.skip_reason`` says which
-    (``None`` when the weights were updated) and ``state.step`` counts only real updates."""
+    BATCH_START = (
+        "batch_start",
+        "A training batch is on the device. ``state.batch_idx`` and ``state.is_last_batch`` describe it. "
+        "Callbacks that decide ``state.sync_gradients`` (gradient accumulation) do so here, and only here.",
+    )
 
-    BATCH_END = "batch_end"
-    """The loop body for the batch has finished (the next batch was asked for, or the loop ended)."""
+    BEFORE_BACKWARD = (
+        "before_backward",
+        "``engine.backward(loss)`` was called: ``state.loss`` and ``state.num_items`` are set and "
+        "``state.loss_divisor`` is 1. A callback may set ``state.loss_divisor``; the engine divides the loss by "
+        "it, then the precision scales it, then autograd runs.",
+    )
 
-    EPOCH_END = "epoch_end"
-    """The training dataloader is exhausted."""
+    AFTER_BACKWARD = (
+        "after_backward",
+        "Gradients of this batch are accumulated into ``.grad`` (still scaled under fp16, unsynced on a no-sync "
+        "micro-step).",
+    )
 
-    VALIDATION_START = "validation_start"
-    """``fit()`` is about to run ``validation_step`` over the validation dataloader (model in eval mode, no grad)."""
+    BEFORE_OPTIMIZER_STEP = (
+        "before_optimizer_step",
+        "Fires only on a sync step. Gradients are synced across ranks, unscaled exactly once, and divided by "
+        "``state.grad_divisor`` when a callback set it: they are the gradients the optimizer will use. Clipping "
+        "lives here. A callback may veto the step with ``state.veto_step(reason)``.",
+    )
 
-    VALIDATION_END = "validation_end"
-    """Validation metrics, averaged over batches and ranks, are in ``state.metrics`` under ``val/<name>``."""
+    AFTER_OPTIMIZER_STEP = (
+        "after_optimizer_step",
+        "Fires only on a sync step, after the step was taken or skipped: ``state.skip_reason`` says which "
+        "(``None`` when the weights were updated) and ``state.step`` counts only real updates.",
+    )
 
-    FIT_END = "fit_end"
-    """``fit()`` is returning, normally or through an exception: release resources here."""
+    BATCH_END = (
+        "batch_end",
+        "The loop body for the batch has finished (the next batch was asked for, or the loop ended).",
+    )
 
-    EXCEPTION = "exception"
-    """``fit()`` caught an exception (``state.exception``); it is re-raised after the callbacks ran."""
+    EPOCH_END = "epoch_end", "The training dataloader is exhausted."
 
-    SAVE_STATE = "save_state"
-    """A checkpoint was committed at ``state.checkpoint_dir`` (callbacks' ``state_dict`` went into it)."""
+    VALIDATION_START = (
+        "validation_start",
+        "``fit()`` is about to run ``validation_step`` over the validation dataloader (model in eval mode, no grad).",
+    )
 
-    LOAD_STATE = "load_state"
-    """A checkpoint was restored from ``state.checkpoint_dir``: every callback's ``load_state_dict`` ran."""
+    VALIDATION_END = (
+        "validation_end",
+        "Validation metrics, averaged over batches and ranks, are in ``state.metrics`` under ``val/<name>``.",
+    )
+
+    FIT_END = "fit_end", "``fit()`` is returning, normally or through an exception: release resources here."
+
+    EXCEPTION = (
+        "exception",
+        "``fit()`` caught an exception (``state.exception``); it is re-raised after the callbacks ran.",
+    )
+
+    SAVE_STATE = (
+        "save_state",
+        "A checkpoint was committed at ``state.checkpoint_dir`` (callbacks' ``state_dict`` went into it).",
+    )
+
+    LOAD_STATE = (
+        "load_state",
+        "A checkpoint was restored from ``state.checkpoint_dir``: every callback's ``load_state_dict`` ran.",
+    )
 
     @property
     def hook_name(self) -> str:

@@ -3,83 +3,168 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+import textwrap
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 Number = float | int | torch.Tensor
+_Class = TypeVar("_Class", bound=type)
 
 
+def _doc(text: str) -> dict[str, str]:
+    """A field's documentation, as ``field(metadata=...)``: ``_list_fields`` puts it where ``help()`` shows it."""
+    return {"doc": text}
+
+
+def _list_fields(cls: _Class) -> _Class:
+    """Append each public field, its type and its ``doc`` to the class docstring: ``help()`` and IDEs show the
+    class docstring but no attribute docstrings, and the text stays written once, beside the field."""
+    entries = []
+    for each in fields(cls):
+        if each.name.startswith("_"):
+            continue
+        if "doc" not in each.metadata:
+            raise TypeError(
+                f"{cls.__name__}.{each.name} has no documentation: declare it with field(..., metadata=_doc(...))."
+            )
+        text = textwrap.fill(each.metadata["doc"], width=100, initial_indent="    ", subsequent_indent="    ")
+        entries.append(f"{each.name}: {each.type}\n{text}")
+    if cls.__doc__ is not None:  # None under python -OO, which strips docstrings
+        cls.__doc__ += "\n\nFields:\n\n" + "\n\n".join(entries)
+    return cls
+
+
+@_list_fields
 @dataclass(slots=True)
 class State:
-    """Counters and flags of one engine. Read freely; write only the fields whose docstring names you."""
+    """Counters and flags of one engine. Read freely; write only the fields whose documentation names you."""
 
-    step: int = 0
-    """Optimizer updates really applied (skipped steps never count). Written by the prepared optimizer."""
+    step: int = field(
+        default=0,
+        metadata=_doc(
+            "Optimizer updates really applied (skipped steps never count). Written by the prepared optimizer."
+        ),
+    )
 
-    epoch: int = 0
-    """Index of the current training epoch; it stays the finished epoch's index through ``EPOCH_END`` and
-    validation, until the next ``EPOCH_START``. Written by the training dataloader at ``EPOCH_START``."""
+    epoch: int = field(
+        default=0,
+        metadata=_doc(
+            "Index of the current training epoch; it stays the finished epoch's index through ``EPOCH_END`` and "
+            "validation, until the next ``EPOCH_START``. Written by the training dataloader at ``EPOCH_START``."
+        ),
+    )
 
-    batch_idx: int = -1
-    """Index within the epoch of the current training batch (the number of batches seen before it). Written by
-    the training dataloader before ``BATCH_START``."""
+    batch_idx: int = field(
+        default=-1,
+        metadata=_doc(
+            "Index within the epoch of the current training batch (the number of batches seen before it). Written by "
+            "the training dataloader before ``BATCH_START``."
+        ),
+    )
 
-    is_last_batch: bool = False
-    """True when the current batch is the dataloader's last of the epoch. Written with ``batch_idx``."""
+    is_last_batch: bool = field(
+        default=False,
+        metadata=_doc("True when the current batch is the dataloader's last of the epoch. Written with ``batch_idx``."),
+    )
 
-    num_batches: int | None = None
-    """Batches in the current epoch, ``None`` for a dataloader without a length. Written at ``EPOCH_START``."""
+    num_batches: int | None = field(
+        default=None,
+        metadata=_doc(
+            "Batches in the current epoch, ``None`` for a dataloader without a length. Written at ``EPOCH_START``."
+        ),
+    )
 
-    sync_gradients: bool = True
-    """True when this batch ends an optimizer step. Written at ``BATCH_START`` by the callback that owns
-    accumulation; True when no callback writes it."""
+    sync_gradients: bool = field(
+        default=True,
+        metadata=_doc(
+            "True when this batch ends an optimizer step. Written at ``BATCH_START`` by the callback that owns "
+            "accumulation; True when no callback writes it."
+        ),
+    )
 
-    loss: torch.Tensor | None = None
-    """The current batch's loss as passed to ``engine.backward``. Written by ``engine.backward``."""
+    loss: torch.Tensor | None = field(
+        default=None,
+        metadata=_doc("The current batch's loss as passed to ``engine.backward``. Written by ``engine.backward``."),
+    )
 
-    num_items: Number | None = None
-    """Items the current loss sums over (token-level losses), or ``None``. Written by ``engine.backward``."""
+    num_items: Number | None = field(
+        default=None,
+        metadata=_doc(
+            "Items the current loss sums over (token-level losses), or ``None``. Written by ``engine.backward``."
+        ),
+    )
 
-    loss_divisor: Number = 1
-    """The engine divides the loss by this before backward. Reset to 1 by ``engine.backward``; written at
-    ``BEFORE_BACKWARD`` (gradient accumulation)."""
+    loss_divisor: Number = field(
+        default=1,
+        metadata=_doc(
+            "The engine divides the loss by this before backward. Reset to 1 by ``engine.backward``; written at "
+            "``BEFORE_BACKWARD`` (gradient accumulation)."
+        ),
+    )
 
-    grad_divisor: Number | None = None
-    """When set, gradients are divided by it after unscaling and before ``BEFORE_OPTIMIZER_STEP`` (item-count
-    normalisation). Written by callbacks before a sync step's ``optimizer.step()``; reset by the engine after each
-    step."""
+    grad_divisor: Number | None = field(
+        default=None,
+        metadata=_doc(
+            "When set, gradients are divided by it after unscaling and before ``BEFORE_OPTIMIZER_STEP`` (item-count "
+            "normalisation). Written by callbacks before a sync step's ``optimizer.step()``; reset by the engine "
+            "after each step."
+        ),
+    )
 
-    skip_reason: str | None = None
-    """Why the last ``optimizer.step()`` did not update the weights (``"accumulating"``, ``"overflow"``, a veto's
-    reason), ``None`` when it did. Written by the prepared optimizer."""
+    skip_reason: str | None = field(
+        default=None,
+        metadata=_doc(
+            'Why the last ``optimizer.step()`` did not update the weights (``"accumulating"``, ``"overflow"``, a '
+            "veto's reason), ``None`` when it did. Written by the prepared optimizer."
+        ),
+    )
 
-    skipped_steps: dict[str, int] = field(default_factory=dict)
-    """How many ``optimizer.step()`` calls were skipped, by reason. Written by the prepared optimizer."""
+    skipped_steps: dict[str, int] = field(
+        default_factory=dict,
+        metadata=_doc(
+            "How many ``optimizer.step()`` calls were skipped, by reason. Written by the prepared optimizer."
+        ),
+    )
 
-    optimizer: torch.optim.Optimizer | None = None
-    """The prepared optimizer whose step is running, during ``BEFORE/AFTER_OPTIMIZER_STEP``; else ``None``.
-    Written by the prepared optimizer."""
+    optimizer: torch.optim.Optimizer | None = field(
+        default=None,
+        metadata=_doc(
+            "The prepared optimizer whose step is running, during ``BEFORE/AFTER_OPTIMIZER_STEP``; else ``None``. "
+            "Written by the prepared optimizer."
+        ),
+    )
 
-    metrics: dict[str, Any] = field(default_factory=dict)
-    """Latest value of every logged metric. Written through ``engine.log`` / ``engine.log_dict``."""
+    metrics: dict[str, Any] = field(
+        default_factory=dict,
+        metadata=_doc("Latest value of every logged metric. Written through ``engine.log`` / ``engine.log_dict``."),
+    )
 
-    max_steps: int | None = None
-    """The run's step limit, when ``fit()`` was given one. Written by ``fit()``."""
+    max_steps: int | None = field(
+        default=None,
+        metadata=_doc("The run's step limit, when ``fit()`` was given one. Written by ``fit()``."),
+    )
 
-    max_epochs: int | None = None
-    """The run's epoch limit, when ``fit()`` was given one. Written by ``fit()``."""
+    max_epochs: int | None = field(
+        default=None,
+        metadata=_doc("The run's epoch limit, when ``fit()`` was given one. Written by ``fit()``."),
+    )
 
-    should_stop: bool = False
-    """Set by ``stop()``; ``fit()`` ends after the current batch."""
+    should_stop: bool = field(
+        default=False, metadata=_doc("Set by ``stop()``; ``fit()`` ends after the current batch.")
+    )
 
-    checkpoint_dir: Path | None = None
-    """The checkpoint last saved or loaded. Written by ``save_state`` / ``load_state``."""
+    checkpoint_dir: Path | None = field(
+        default=None,
+        metadata=_doc("The checkpoint last saved or loaded. Written by ``save_state`` / ``load_state``."),
+    )
 
-    exception: BaseException | None = None
-    """The exception ``fit()`` is handling at ``EXCEPTION``. Written by ``fit()``."""
+    exception: BaseException | None = field(
+        default=None,
+        metadata=_doc("The exception ``fit()`` is handling at ``EXCEPTION``. Written by ``fit()``."),
+    )
 
     _veto: str | None = None
     _window_non_finite: Any = False
