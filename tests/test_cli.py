@@ -90,7 +90,7 @@ def test_checkpoint_verify_checks_the_sha256_that_a_load_skips(
     engine.prepare(torch.nn.Linear(3, 2))
     checkpoint = engine.save_state()
     assert main(["checkpoint", "verify", str(checkpoint)]) == 0
-    assert "files match the manifest (size, sha256, crc32)" in capsys.readouterr().out
+    assert "files match the manifest (size, sha256, crc32) and every document is well formed" in capsys.readouterr().out
     manifest = json.loads((checkpoint / "manifest.json").read_text())
     manifest["files"]["model_0.safetensors"]["sha256"] = "0" * 64  # the crc32 still matches
     (checkpoint / "manifest.json").write_text(json.dumps(manifest))
@@ -135,6 +135,17 @@ def test_a_structurally_damaged_manifest_gets_one_line_naming_the_checkpoint(
     assert captured.out == ""
     [line] = captured.err.splitlines()
     assert line.startswith(f"{checkpoint}: ")
+
+
+def test_verify_names_a_malformed_document_whose_checksums_match(
+    checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.checkpoint.test_schema import rewrite
+
+    rewrite(checkpoint, "state.json", lambda document: document["counters"].pop("step"))
+    assert main(["checkpoint", "verify", str(checkpoint)]) == 1
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"{checkpoint}: ") and "state.json is malformed: counters has no 'step'" in line
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar, cast
 
 import torch
 from torch import nn
@@ -216,14 +216,14 @@ def _precision_callback(mixed_precision: object) -> Callback:
         _refuse("mixed_precision='fp8'", "use 'no', 'fp16' or 'bf16'")
     name = "fp32" if mixed_precision is None or mixed_precision == "no" else mixed_precision
     with _naming("Accelerator", "mixed_precision", mixed_precision):
-        precision: Callback = MixedPrecision(name)
+        precision: Callback = MixedPrecision(cast(PrecisionName, name))  # its own check names a bad value
     return precision
 
 
 def _accumulation_callbacks(steps: object) -> list[Callback]:
     with _naming("Accelerator", "gradient_accumulation_steps", steps):
-        accumulation: Callback = GradientAccumulation(steps)
-    return [accumulation] if accumulation.steps > 1 else []  # type: ignore[attr-defined]
+        accumulation = GradientAccumulation(cast(int, steps))  # its own check names a bad value
+    return [accumulation] if accumulation.steps > 1 else []
 
 
 def _check_user_callbacks(callbacks: list[Callback], mixed_precision: object) -> None:

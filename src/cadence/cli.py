@@ -71,12 +71,14 @@ def environment_report() -> str:
 
 def _checkpoint(options: argparse.Namespace) -> int:
     from cadence.checkpoint.files import CheckpointError, CheckpointReader
+    from cadence.checkpoint.schema import check_documents
 
     directory: Path = options.directory
     try:
         with CheckpointReader(directory, every_checksum=True) as reader:
             if options.action == "verify":
                 reader.verify()
+                check_documents(reader.manifest, reader.json, str(directory))
             manifest = reader.manifest
     except CheckpointError as error:
         print(f"{directory}: {error}", file=sys.stderr)
@@ -93,7 +95,10 @@ def _checkpoint(options: argparse.Namespace) -> int:
         )
         return 1
     if options.action == "verify":
-        print(f"{directory}: {len(manifest['files'])} files match the manifest (size, sha256, crc32)")
+        print(
+            f"{directory}: {len(manifest['files'])} files match the manifest (size, sha256, crc32) and every "
+            "document is well formed"
+        )
     else:
         print(json.dumps(manifest, indent=2, sort_keys=True))
     return 0

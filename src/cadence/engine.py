@@ -93,26 +93,32 @@ class Engine:
     # --- who and where -------------------------------------------------------------------------------------
     @property
     def device(self) -> torch.device:
+        """Where this process trains: prepared models and every batch of a prepared dataloader are put here."""
         return self.strategy.device
 
     @property
     def rank(self) -> int:
+        """This process's index among all processes (0 on one process)."""
         return self.strategy.rank
 
     @property
     def local_rank(self) -> int:
+        """This process's index on its machine (which GPU it uses)."""
         return self.strategy.local_rank
 
     @property
     def world_size(self) -> int:
+        """How many processes train together (1 without torchrun)."""
         return self.strategy.world_size
 
     @property
     def is_main_process(self) -> bool:
+        """True on rank 0, the process that prints, logs and commits checkpoints."""
         return self.strategy.rank == 0
 
     @property
     def callbacks(self) -> Sequence[Callback]:
+        """The attached callbacks, in the order they run at every event."""
         return self._dispatcher.callbacks
 
     @property
@@ -122,14 +128,18 @@ class Engine:
 
     @property
     def optimizers(self) -> Sequence[PreparedOptimizer]:
+        """The prepared optimizers, in the order prepared."""
         return tuple(self._optimizers)
 
     @property
     def schedulers(self) -> Sequence[PreparedScheduler]:
+        """The prepared LR schedulers, in the order prepared."""
         return tuple(self._schedulers)
 
     @property
     def dataloaders(self) -> Sequence[PreparedDataLoader]:
+        """The prepared dataloaders whose positions checkpoints save (those of the running ``fit()``, and those
+        prepared by hand), in the order prepared."""
         return tuple(self._dataloaders)
 
     @property
@@ -139,6 +149,7 @@ class Engine:
 
     @property
     def precision(self) -> Precision:
+        """The installed precision plugin (full precision unless a ``MixedPrecision`` callback installed one)."""
         return self._precision
 
     def set_precision(self, precision: Precision) -> None:
@@ -330,6 +341,7 @@ class Engine:
 
     # --- processes -----------------------------------------------------------------------------------------
     def wait_for_everyone(self) -> None:
+        """Block until every process reaches this call (a barrier; returns at once on one process)."""
         self.strategy.barrier()
 
     def print(self, *args: Any, **kwargs: Any) -> None:
@@ -366,6 +378,8 @@ class Engine:
         self.strategy.teardown()
 
     def __enter__(self) -> Engine:
+        """``with Engine(...) as engine:`` closes the engine (and the process group it created) on leaving the
+        block, also when it is left by an exception."""
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -459,6 +473,8 @@ class Engine:
         self.state.metrics[name] = value
 
     def log_dict(self, metrics: Mapping[str, Any]) -> None:
+        """``engine.log(name, value)`` for every item of ``metrics``. Tensors are kept as they are (no device sync);
+        loggers read them when they write."""
         self.state.metrics.update(metrics)
 
     # --- the managed loop ----------------------------------------------------------------------------------

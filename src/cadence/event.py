@@ -19,8 +19,8 @@ the same places in both::
                                                        # BATCH_END: when the next batch is asked for
                                                        # EPOCH_END: when the dataloader is exhausted
         VALIDATION_START ... VALIDATION_END            # fit() only, with a val_dataloader, after each epoch
+    EXCEPTION                                          # fit() only, when it raises: before FIT_END
     FIT_END                                            # fit() only, also after an exception
-    EXCEPTION                                          # fit() only, before the exception propagates
     save_state() -> SAVE_STATE, load_state() -> LOAD_STATE  # after the checkpoint is committed / restored
 
 A prepared dataloader fires the epoch and batch events while a prepared model is in training mode: an

@@ -7,6 +7,8 @@ damaged one instead of failing with a ``KeyError`` half-way through restoring th
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 from cadence.checkpoint.errors import CheckpointCorrupted
@@ -133,3 +135,17 @@ def check_optimizer_state(state: Any, origin: str, where: str) -> dict[str, Any]
     for index, group in enumerate(_field(table, "param_groups", list, origin, where)):
         _field(_table(group, origin, f"{where}.param_groups[{index}]"), "params", list, origin, where)
     return table
+
+
+_RANK_DOCUMENT = re.compile(r"^rank_\d+\.json$")
+
+
+def check_documents(manifest: dict[str, Any], read_json: Callable[[str], Any], directory: str) -> None:
+    """Check an engine checkpoint's manifest fields and every JSON document it lists (``cadence checkpoint
+    verify``: what ``load_state`` would check, without an engine)."""
+    check_run_fields(manifest, f"{directory}/manifest.json")
+    for name in manifest["files"]:
+        if name == "state.json":
+            check_shared(read_json(name), f"{directory}/{name}")
+        elif _RANK_DOCUMENT.match(name):
+            check_rank(read_json(name), f"{directory}/{name}")
