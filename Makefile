@@ -17,8 +17,8 @@ demo: $(INSTALLED)
 	$(PYTHON) examples/quickstart.py
 
 lint: $(INSTALLED)
-	$(VENV)/bin/ruff check src callbacks tests examples benchmarks
-	$(VENV)/bin/ruff format --check src callbacks tests examples benchmarks
+	$(VENV)/bin/ruff check src callbacks frontends tests examples benchmarks
+	$(VENV)/bin/ruff format --check src callbacks frontends tests examples benchmarks
 	$(VENV)/bin/mypy
 
 test: lint

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any
 
 import pytest
@@ -377,6 +378,27 @@ def test_default_progress_bar_is_added_by_fit_and_can_be_turned_off() -> None:
     without = engine()
     without.fit(RegressionStep(), loader(samples=16), max_epochs=1)
     assert list(without.callbacks) == []
+
+
+def test_default_progress_bar_needs_no_installed_metadata(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a checkout that is not installed there are no entry points; the default bar comes from an import."""
+    import importlib.metadata
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda **_: [])
+    with_bar = cadence.Engine(accelerator="cpu")
+    with_bar.fit(RegressionStep(), loader(samples=16), max_epochs=1)
+    assert [type(cb).__name__ for cb in with_bar.callbacks] == ["RichProgressBar"]
+
+
+def test_an_unimportable_default_progress_bar_is_named_before_anything_is_prepared(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "cadence.defaults", None)  # what a failed import leaves: ImportError
+    step = RegressionStep()
+    optimizer = step.optimizer
+    with pytest.raises(ImportError, match=r"progress bar by default.*Engine\(progress_bar=False\)"):
+        cadence.Engine(accelerator="cpu").fit(step, loader(samples=16), max_epochs=1)
+    assert step.optimizer is optimizer  # fit() stopped before prepare() wrapped anything
 
 
 def test_seed_makes_runs_repeatable() -> None:

@@ -1,9 +1,11 @@
-"""``fit()``: the managed loop, written only with the engine's public imperative API (see ``cadence.Event``), so
-a callback behaves the same here as in a hand-written loop."""
+"""``fit()``: the managed loop. Each batch goes through the engine's public imperative API (``prepare``,
+``accumulate``, ``backward``, the prepared optimizer's ``step``/``zero_grad``; see ``cadence.Event``), so a
+callback behaves the same here as in a hand-written loop. Not everything here is public API: the loop-level events
+(``FIT_START``, ``EXCEPTION``, ``FIT_END``, ``VALIDATION_START``/``_END``) fire through the engine's private
+``_fire``, and the loaders a previous ``fit()`` prepared are tracked in private engine fields."""
 
 from __future__ import annotations
 
-import importlib.metadata
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -18,6 +20,7 @@ from cadence.state import State
 from cadence.step import TrainingStep
 
 if TYPE_CHECKING:
+    from cadence.callback import Callback
     from cadence.engine import Engine
     from cadence.wrappers import PreparedDataLoader, PreparedOptimizer
 
@@ -39,9 +42,11 @@ def run_fit(
             f"fit() was given a val_dataloader but {type(step).__name__} defines no `validation_step(self, batch)`; "
             "define it to return a dict of metrics, or drop val_dataloader."
         )
+    default_bar = _default_progress_bar(engine)  # resolved before prepare() changes anything
     model, optimizer, scheduler = _prepare_step(engine, step)
     train_loader, val_loader = _prepare_loaders(engine, train_dataloader, val_dataloader)
-    _add_default_progress_bar(engine)
+    if default_bar is not None:
+        engine.add_callback(default_bar)
     if resume is not None:
         _resume(engine, resume)
     state = engine.state
@@ -195,14 +200,21 @@ def _validate(engine: Engine, step: TrainingStep, model: nn.Module, loader: Prep
     engine._fire(Event.VALIDATION_END)
 
 
-def _add_default_progress_bar(engine: Engine) -> None:
+def _default_progress_bar(engine: Engine) -> Callback | None:
+    """The bar ``fit()`` adds, or None when progress_bar=False or a callback already shows progress."""
     if not engine.progress_bar or any(getattr(cb, "shows_progress", False) for cb in engine.callbacks):
-        return
-    # The engine core knows no concrete callback: the default progress bar is whatever the installed
-    # distribution registers under this entry-point group (cadence.callbacks.RichProgressBar).
-    for entry_point in importlib.metadata.entry_points(group="cadence.progress_bar"):
-        engine.add_callback(entry_point.load()())
-        return
+        return None
+    try:
+        # The core's one import above itself, lazy and in this one place: the default bar is a concrete
+        # callback, which only a front end may name (cadence.defaults is frontends/defaults.py).
+        from cadence.defaults import default_progress_bar
+    except ImportError as error:
+        raise ImportError(
+            f"fit() shows a progress bar by default (cadence.callbacks.RichProgressBar) and could not import it: "
+            f"{error}. Reinstall cadence with its dependencies (`pip install -e .` in the clone), or pass "
+            "Engine(progress_bar=False) to train without a bar."
+        ) from error
+    return default_progress_bar()
 
 
 def _check_limits(max_epochs: int | None, max_steps: int | None) -> None:

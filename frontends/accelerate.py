@@ -1,0 +1,452 @@
+"""A drop-in for the Hugging Face Accelerate API that the Accelerate tutorial uses: change one import line.
+
+``Accelerator`` builds a ``cadence.Engine`` with the matching callbacks (``GradientAccumulation``,
+``MixedPrecision``) and delegates every call to it; it holds no training logic of its own. Every argument is
+checked (type and range, by the Engine path's own checks where there are some) before the Engine is built, and
+one it cannot honour raises an error naming the cadence equivalent instead of being ignored.
+
+This adapter composes the engine with built-in callbacks, which the engine core itself never imports.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar, cast
+
+import torch
+from torch import nn
+
+from cadence.callback import Callback
+from cadence.callbacks import GradientAccumulation, MixedPrecision
+from cadence.callbacks.mixed_precision import PrecisionName
+from cadence.checkpoint.export import load_checkpoint_in_model
+from cadence.engine import Engine
+from cadence.strategies import resolve_device
+
+__all__ = ["Accelerator", "DataLoaderConfiguration", "ProjectConfiguration", "load_checkpoint_in_model"]
+
+# Accelerate arguments the facade does not take, and what to use in cadence instead.
+_UNSUPPORTED = {
+    "deepspeed_plugin": "cadence has no DeepSpeed integration; use Engine(strategy='fsdp') to shard the model",
+    "deepspeed_plugins": "cadence has no DeepSpeed integration; use Engine(strategy='fsdp')",
+    "fsdp_plugin": "build cadence.Engine(strategy='fsdp') (FSDP2) instead of an FSDP plugin",
+    "torch_tp_plugin": "tensor parallelism is not supported; use Engine(strategy='fsdp')",
+    "megatron_lm_plugin": "Megatron-LM is not supported; use Engine(strategy='fsdp')",
+    "parallelism_config": "use Engine(strategy='ddp' | 'fsdp')",
+    "rng_types": "cadence always saves and restores every RNG (python, numpy, torch, each device) per rank",
+    "log_with": "attach cadence.callbacks.CSVLogger() (or your own Callback) to the Engine",
+    "gradient_accumulation_plugin": "pass gradient_accumulation_steps=N",
+    "kwargs_handlers": "configure the Engine and its callbacks directly (e.g. MixedPrecision(init_scale=...))",
+    "dynamo_backend": "call torch.compile(model) before prepare()",
+    "dynamo_plugin": "call torch.compile(model) before prepare()",
+}
+
+_Configuration = TypeVar("_Configuration")
+
+_PER_RANK_BATCHES = "each rank loads its own batch_size from one global sample order; pass the per-rank batch size"
+
+
+@dataclass
+class ProjectConfiguration:
+    """Where checkpoints go: ``project_dir/checkpoints/checkpoint_{n}`` with ``automatic_checkpoint_naming``.
+
+    ``logging_dir`` (default: ``project_dir``) is what ``accelerator.logging_dir`` returns. In Accelerate only its
+    trackers write there; cadence has none (``log_with`` is refused): attach ``cadence.callbacks.CSVLogger``, which
+    writes ``metrics.csv`` under ``project_dir``, or point your own writer at ``accelerator.logging_dir``.
+    """
+
+    project_dir: str | os.PathLike[str] | None = None
+    logging_dir: str | os.PathLike[str] | None = None
+    automatic_checkpoint_naming: bool = False
+    total_limit: int | None = None
+    iteration: int = 0
+    save_on_each_node: bool = False
+
+
+@dataclass
+class DataLoaderConfiguration:
+    """How ``prepare`` treats dataloaders. The defaults say what cadence does; a value it cannot honour is refused.
+
+    - ``use_seedable_sampler``: prepared dataloaders always shuffle with a seeded, resumable sampler whose order
+      depends only on the seed and the epoch (the order of Accelerate's ``SeedableRandomSampler``), so it is True
+      here and False is refused.
+    - ``data_seed``: that sampler's seed. It becomes ``Engine(seed=...)``, which also seeds python, numpy and torch
+      (Accelerate seeds only the sampler). None: a seed drawn from torch's generator, as Accelerate does.
+    - ``non_blocking``: None lets cadence choose: batches are copied to CUDA with ``non_blocking=True`` (pin the
+      DataLoader's memory to overlap the copy), with a plain copy to other devices, and not at all on the CPU.
+      A value that contradicts that choice is refused.
+    - ``use_stateful_dataloader``: prepared dataloaders are always resumable ``StatefulDataLoader``s, so True or
+      False. The batch-splitting options are not supported.
+    """
+
+    split_batches: bool = False
+    dispatch_batches: bool | None = None
+    even_batches: bool = True
+    use_seedable_sampler: bool = True
+    data_seed: int | None = None
+    non_blocking: bool | None = None
+    use_stateful_dataloader: bool = False
+
+
+def _refuse(argument: str, fix: str) -> NoReturn:
+    raise NotImplementedError(f"cadence.accelerate.Accelerator does not support {argument}: {fix}.")
+
+
+# --- argument checks: each names the argument, the value given and what to pass instead ---------------------
+def _check_bool(owner: str, name: str, value: object, *, optional: bool = False) -> None:
+    if (optional and value is None) or isinstance(value, bool):
+        return
+    need = "True, False or None" if optional else "True or False"
+    raise TypeError(f"{owner}({name}={value!r}): {name} must be {need}, not a {type(value).__name__}.")
+
+
+def _check_int(owner: str, name: str, value: object, minimum: int | None, none_means: str | None = None) -> None:
+    if value is None and none_means is not None:
+        return
+    or_none = f", or None {none_means}" if none_means is not None else ""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{owner}({name}={value!r}): {name} must be an integer{or_none}, not a {type(value).__name__}.")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{owner}({name}={value!r}): {name} must be at least {minimum}{or_none}.")
+
+
+def _check_path(owner: str, name: str, value: object) -> None:
+    if value is not None and not isinstance(value, str | os.PathLike):
+        raise TypeError(f"{owner}({name}={value!r}): {name} must be a path (str or os.PathLike) or None.")
+
+
+def _as_configuration(name: str, value: object, kind: type[_Configuration]) -> _Configuration:
+    if not isinstance(value, kind):
+        raise TypeError(
+            f"Accelerator({name}=...) takes a cadence.accelerate.{kind.__name__}, not a {type(value).__module__}."
+            f"{type(value).__qualname__}: `from cadence.accelerate import {kind.__name__}`."
+        )
+    return value
+
+
+@contextmanager
+def _naming(owner: str, name: str, value: object) -> Iterator[None]:
+    """Prefix the argument the user wrote to an error from the cadence object that checks it, so the checks (and
+    the rest of the message) are the same as on the Engine path."""
+    try:
+        yield
+    except TypeError as error:
+        raise TypeError(f"{owner}({name}={value!r}): {error}") from error
+    except ValueError as error:
+        raise ValueError(f"{owner}({name}={value!r}): {error}") from error
+
+
+def _check_unsupported(arguments: dict[str, Any]) -> None:
+    for argument, value in arguments.items():
+        if argument not in _UNSUPPORTED:
+            raise TypeError(f"Accelerator() got an unexpected keyword argument {argument!r}.")
+        if value is not None:
+            _refuse(f"{argument}={value!r}", _UNSUPPORTED[argument])
+
+
+def _checked_dataloader_config(config: object, accelerator: str) -> DataLoaderConfiguration:
+    if config is None:
+        return DataLoaderConfiguration()
+    config = _as_configuration("dataloader_config", config, DataLoaderConfiguration)
+    owner = "DataLoaderConfiguration"
+    for name in ("split_batches", "even_batches", "use_seedable_sampler", "use_stateful_dataloader"):
+        _check_bool(owner, name, getattr(config, name))
+    for name in ("dispatch_batches", "non_blocking"):
+        _check_bool(owner, name, getattr(config, name), optional=True)
+    _check_int(owner, "data_seed", config.data_seed, minimum=None, none_means="to draw one from torch's generator")
+    if config.split_batches or config.dispatch_batches or not config.even_batches:
+        _refuse("split_batches / dispatch_batches / even_batches=False", _PER_RANK_BATCHES)
+    if not config.use_seedable_sampler:
+        _refuse(
+            "DataLoaderConfiguration(use_seedable_sampler=False)",
+            "prepared dataloaders always shuffle with a seeded, resumable sampler (the order depends only on "
+            "data_seed and the epoch, so a resumed run sees the same batches); leave use_seedable_sampler=True",
+        )
+    if config.non_blocking is not None:
+        _check_non_blocking(config.non_blocking, resolve_device(accelerator).type)
+    return config
+
+
+def _check_non_blocking(non_blocking: bool, device_type: str) -> None:
+    # cadence.data.make_batch_mover's rule: non-blocking copies to CUDA only. The CPU needs no copy at all, so
+    # either value is true there.
+    if device_type == "cpu" or non_blocking == (device_type == "cuda"):
+        return
+    copy = "with non_blocking=True" if device_type == "cuda" else "with a plain (blocking) copy"
+    _refuse(
+        f"DataLoaderConfiguration(non_blocking={non_blocking}) on {device_type!r}",
+        f"cadence copies batches to {device_type!r} {copy}; leave non_blocking=None",
+    )
+
+
+def _checked_project_config(project: object) -> ProjectConfiguration:
+    if project is None:
+        return ProjectConfiguration()
+    project = _as_configuration("project_config", project, ProjectConfiguration)
+    owner = "ProjectConfiguration"
+    _check_path(owner, "project_dir", project.project_dir)
+    _check_path(owner, "logging_dir", project.logging_dir)
+    _check_bool(owner, "automatic_checkpoint_naming", project.automatic_checkpoint_naming)
+    _check_bool(owner, "save_on_each_node", project.save_on_each_node)
+    _check_int(owner, "total_limit", project.total_limit, minimum=1, none_means="to keep every checkpoint")
+    _check_int(owner, "iteration", project.iteration, minimum=0)
+    if project.save_on_each_node:
+        _refuse("save_on_each_node=True", "put project_dir on a filesystem every node shares (docs/scaling.md)")
+    return project
+
+
+def _project_directory(argument: str | os.PathLike[str] | None, project: ProjectConfiguration) -> Path:
+    _check_path("Accelerator", "project_dir", argument)
+    configured = project.project_dir
+    if argument is not None and configured is not None and Path(argument) != Path(configured):
+        raise ValueError(
+            f"Accelerator(project_dir={argument!r}) and ProjectConfiguration(project_dir={configured!r}) disagree: "
+            "pass the directory once, in one of them."
+        )
+    chosen = argument if argument is not None else configured
+    return Path(chosen if chosen is not None else ".")
+
+
+def _precision_callback(mixed_precision: object) -> Callback:
+    if mixed_precision == "fp8":
+        _refuse("mixed_precision='fp8'", "use 'no', 'fp16' or 'bf16'")
+    name = "fp32" if mixed_precision is None or mixed_precision == "no" else mixed_precision
+    with _naming("Accelerator", "mixed_precision", mixed_precision):
+        precision: Callback = MixedPrecision(cast(PrecisionName, name))  # its own check names a bad value
+    return precision
+
+
+def _accumulation_callbacks(steps: object) -> list[Callback]:
+    with _naming("Accelerator", "gradient_accumulation_steps", steps):
+        accumulation = GradientAccumulation(cast(int, steps))  # its own check names a bad value
+    return [accumulation] if accumulation.steps > 1 else []
+
+
+def _check_user_callbacks(callbacks: list[Callback], mixed_precision: object) -> None:
+    """The facade builds the accumulation and precision callbacks from its arguments; a second one would divide
+    the loss twice or fight over the precision."""
+    for callback in callbacks:
+        if isinstance(callback, GradientAccumulation):
+            raise ValueError(
+                f"Accelerator(callbacks=[GradientAccumulation({callback.steps})]): pass "
+                f"gradient_accumulation_steps={callback.steps} instead of the callback."
+            )
+        if isinstance(callback, MixedPrecision) and not (mixed_precision is None or mixed_precision == "no"):
+            raise ValueError(
+                f"Accelerator(mixed_precision={mixed_precision!r}) and a MixedPrecision('{callback.precision_name}') "
+                "callback both choose the precision: pass only one of them."
+            )
+
+
+def _check_device_placement(placement: object, count: int) -> None:
+    if isinstance(placement, str | bytes) or not isinstance(placement, Sequence):
+        raise TypeError(
+            f"prepare(device_placement={placement!r}) takes a list with one True or None per object passed."
+        )
+    if len(placement) != count:
+        raise ValueError(
+            f"prepare(device_placement={placement!r}) has {len(placement)} entries for {count} objects: "
+            "give one per object, in order."
+        )
+    for value in placement:
+        _check_bool("prepare", "device_placement", value, optional=True)
+    if any(value is False for value in placement):
+        _refuse(
+            f"prepare(device_placement={list(placement)!r})",
+            "cadence places every prepared object on accelerator.device; leave an object you want kept where "
+            "it is out of prepare()",
+        )
+
+
+class Accelerator:
+    """The Accelerate tutorial's ``Accelerator``, running on a ``cadence.Engine`` (``accelerator.engine``)."""
+
+    def __init__(
+        self,
+        device_placement: bool = True,
+        split_batches: bool = False,
+        mixed_precision: str | None = None,
+        gradient_accumulation_steps: int = 1,
+        cpu: bool = False,
+        dataloader_config: DataLoaderConfiguration | None = None,
+        project_dir: str | os.PathLike[str] | None = None,
+        project_config: ProjectConfiguration | None = None,
+        step_scheduler_with_optimizer: bool = True,
+        callbacks: Iterable[Callback] = (),
+        **unsupported: Any,
+    ) -> None:
+        # Everything is checked before the Engine is built: building it seeds the RNGs and may join processes.
+        _check_unsupported(unsupported)
+        for name, value in (
+            ("device_placement", device_placement),
+            ("split_batches", split_batches),
+            ("cpu", cpu),
+            ("step_scheduler_with_optimizer", step_scheduler_with_optimizer),
+        ):
+            _check_bool("Accelerator", name, value)
+        if not device_placement:
+            _refuse("device_placement=False", "cadence always moves prepared models and batches to engine.device")
+        if not step_scheduler_with_optimizer:
+            _refuse("step_scheduler_with_optimizer=False", "call the raw scheduler yourself (scheduler.scheduler)")
+        if split_batches:
+            _refuse("split_batches=True", _PER_RANK_BATCHES)
+        accelerator = "cpu" if cpu else "auto"
+        config = _checked_dataloader_config(dataloader_config, accelerator)
+        project = _checked_project_config(project_config)
+        directory = _project_directory(project_dir, project)
+        user_callbacks = list(callbacks)
+        _check_user_callbacks(user_callbacks, mixed_precision)
+        features = [*_accumulation_callbacks(gradient_accumulation_steps), _precision_callback(mixed_precision)]
+        self.project_configuration = project
+        self.project_dir = directory
+        self.gradient_accumulation_steps: int = gradient_accumulation_steps
+        self.engine = Engine(
+            accelerator=accelerator,
+            callbacks=[*features, *user_callbacks],
+            seed=config.data_seed,
+            project_dir=self.project_dir,
+            progress_bar=False,
+            checkpoint_total_limit=project.total_limit,
+        )
+        if project.iteration:
+            self.engine.checkpoints.advance(project.iteration - 1)
+
+    # --- where and who -------------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.engine.is_main_process
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.engine.local_rank == 0
+
+    @property
+    def process_index(self) -> int:
+        return self.engine.rank
+
+    @property
+    def local_process_index(self) -> int:
+        return self.engine.local_rank
+
+    @property
+    def num_processes(self) -> int:
+        return self.engine.world_size
+
+    @property
+    def sync_gradients(self) -> bool:
+        return self.engine.state.sync_gradients
+
+    @property
+    def logging_dir(self) -> Path:
+        """``ProjectConfiguration.logging_dir``, else ``project_dir`` (as in Accelerate)."""
+        configured = self.project_configuration.logging_dir
+        return self.project_dir if configured is None else Path(configured)
+
+    @property
+    def mixed_precision(self) -> str:
+        name = self.engine.precision.name
+        return "no" if name == "fp32" else name
+
+    # --- the step ------------------------------------------------------------------------------------------
+    def prepare(self, *objects: Any, device_placement: Sequence[bool | None] | None = None) -> Any:
+        """``engine.prepare``: every object is placed on ``accelerator.device``, so ``device_placement`` may
+        only say True (or None) for each object."""
+        if device_placement is not None:
+            _check_device_placement(device_placement, len(objects))
+        return self.engine.prepare(*objects)
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        if kwargs:
+            _refuse(f"backward(**{kwargs})", "engine.backward(loss, num_items=...) takes only an item count")
+        self.engine.backward(loss)
+
+    @contextmanager
+    def accumulate(self, *models: nn.Module) -> Iterator[None]:
+        """Skip gradient sync on accumulation micro-steps for each model given (all prepared ones if none)."""
+        with ExitStack() as stack:
+            for model in models or self.engine.models:
+                stack.enter_context(self.engine.accumulate(model))
+            yield
+
+    def autocast(self) -> AbstractContextManager[Any]:
+        return self.engine.autocast()
+
+    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2) -> Any:
+        return self.engine.clip_grad_norm_(parameters, max_norm, norm_type)
+
+    def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
+        self.engine.clip_grad_value_(parameters, clip_value)
+
+    def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool | None = None) -> nn.Module:
+        """Your own module, running its own forward: cadence runs mixed precision in the wrapper ``prepare``
+        returned and never patches your module's forward. That is Accelerate's ``keep_fp32_wrapper=False``;
+        its True (an autocast forward on the unwrapped module) is refused under mixed precision."""
+        _check_bool("unwrap_model", "keep_fp32_wrapper", keep_fp32_wrapper, optional=True)
+        if keep_fp32_wrapper and self.engine.precision.wraps_forward:
+            _refuse(
+                f"unwrap_model(keep_fp32_wrapper=True) under mixed_precision={self.mixed_precision!r}",
+                "cadence keeps the autocast forward in the prepared model, not in your module; call the model "
+                "prepare() returned for mixed-precision forwards (float32 outputs), and leave keep_fp32_wrapper "
+                "unset to get your module with its own forward",
+            )
+        return self.engine.unwrap_model(model)
+
+    # --- processes -----------------------------------------------------------------------------------------
+    def wait_for_everyone(self) -> None:
+        self.engine.wait_for_everyone()
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        self.engine.print(*args, **kwargs)
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.engine.gather(tensor)
+
+    def gather_for_metrics(self, data: Any, use_gather_object: bool = False) -> Any:
+        if use_gather_object:
+            _refuse("gather_for_metrics(use_gather_object=True)", "gather tensors (one row per sample)")
+        return self.engine.gather_for_metrics(data)
+
+    def reduce(self, tensor: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
+        return self.engine.reduce(tensor, op=reduction)  # type: ignore[arg-type]
+
+    # --- saving --------------------------------------------------------------------------------------------
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        self.engine.register_for_checkpointing(*objects)
+
+    def save_model(
+        self,
+        model: nn.Module,
+        save_directory: str | os.PathLike[str],
+        max_shard_size: int | str = "10GB",
+        safe_serialization: bool = True,
+    ) -> None:
+        self.engine.save_model(model, Path(save_directory), max_shard_size, safe_serialization)
+
+    def _checkpoint_path(self, directory: str | os.PathLike[str] | None, verb: str) -> Path | None:
+        if directory is not None:
+            return Path(directory)
+        if self.project_configuration.automatic_checkpoint_naming:
+            return None
+        raise ValueError(
+            f"{verb}() needs a directory, or ProjectConfiguration(automatic_checkpoint_naming=True) to use "
+            f"{self.project_dir / 'checkpoints'}/checkpoint_{{n}}."
+        )
+
+    def save_state(self, output_dir: str | os.PathLike[str] | None = None, safe_serialization: bool = True) -> str:
+        if not safe_serialization:
+            _refuse("save_state(safe_serialization=False)", "cadence checkpoints are always safetensors + JSON")
+        return str(self.engine.save_state(self._checkpoint_path(output_dir, "save_state")))
+
+    def load_state(self, input_dir: str | os.PathLike[str] | None = None) -> None:
+        self.engine.load_state(self._checkpoint_path(input_dir, "load_state"))
+
+    def end_training(self) -> None:
+        self.engine.close()

@@ -1,0 +1,128 @@
+"""The layers DESIGN.md draws, checked on the real files: core (src/cadence) <- callbacks/ <- frontends/.
+
+The core never imports a callback or a front end (one named exception: ``fit()``'s default progress bar), callbacks
+use only the core's public names and never a front end, and the only links in src/cadence lead to those two
+folders, so no core module can hide behind one.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CORE = ROOT / "src" / "cadence"
+CALLBACKS = ROOT / "callbacks"
+FRONTENDS = ROOT / "frontends"
+
+# (importing file, imported module): the core's one import above itself, made lazily at the point of use. The
+# default bar is a concrete callback, so a front-end module names it (src/cadence/loop.py, _default_progress_bar).
+ALLOWED_UPWARD = {("loop.py", "cadence.defaults")}
+
+
+def _module_name(path: Path, root: Path, package: str) -> str:
+    parts = [*path.relative_to(root).with_suffix("").parts]
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join([package, *parts])
+
+
+def _imports(path: Path, module: str) -> list[tuple[str, str | None]]:
+    """Every (module, name) imported anywhere in ``path`` (function bodies included), relative imports resolved;
+    ``name`` is None for ``import x``."""
+    is_package = path.name == "__init__.py"
+    found: list[tuple[str, str | None]] = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, None) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = module.split(".")
+                anchor = anchor[: len(anchor) - node.level + (1 if is_package else 0)]
+                base = ".".join([*anchor, *([base] if base else [])])
+            found += [(base, alias.name) for alias in node.names]
+    return found
+
+
+def _real_core_files() -> list[Path]:
+    """The core's own .py files: links (to callbacks/ and frontends/) are not walked into."""
+    files: list[Path] = []
+    pending = [CORE]
+    while pending:
+        folder = pending.pop()
+        for entry in sorted(folder.iterdir()):
+            if entry.is_symlink():
+                continue
+            if entry.is_dir():
+                pending.append(entry)
+            elif entry.suffix == ".py":
+                files.append(entry)
+    return files
+
+
+def _front_end_modules() -> set[str]:
+    return {f"cadence.{path.stem}" for path in FRONTENDS.glob("*.py")}
+
+
+def _is_within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_every_link_in_the_core_leads_to_callbacks_or_a_front_end() -> None:
+    links = sorted(path for path in CORE.rglob("*") if path.is_symlink())
+    assert links, "src/cadence should link to callbacks/ and frontends/"
+    for link in links:
+        target = link.resolve()
+        assert target == CALLBACKS or target.parent == FRONTENDS, f"{link} -> {target}"
+    for front_end in FRONTENDS.glob("*.py"):
+        exposed = CORE / front_end.name
+        assert exposed.is_symlink() and exposed.resolve() == front_end, (
+            f"{front_end.name} is not installed: `ln -s ../../frontends/{front_end.name} {exposed.relative_to(ROOT)}`"
+        )
+
+
+def test_the_core_imports_no_callback_and_no_front_end() -> None:
+    upward = ["cadence.callbacks", *_front_end_modules()]
+    files = _real_core_files()
+    assert CORE / "loop.py" in files and CORE / "callbacks" not in files
+    edges = set()
+    for path in files:
+        for module, name in _imports(path, _module_name(path, CORE, "cadence")):
+            full = f"{module}.{name}" if name is not None else module
+            if any(_is_within(module, top) or _is_within(full, top) for top in upward):
+                edges.add((str(path.relative_to(CORE)), module))
+    assert edges == ALLOWED_UPWARD
+
+
+def test_callbacks_use_only_public_core_names_and_no_front_end() -> None:
+    front_ends = _front_end_modules()
+    checked = 0
+    for path in sorted(CALLBACKS.glob("*.py")):
+        for module, name in _imports(path, _module_name(path, CALLBACKS, "cadence.callbacks")):
+            if not _is_within(module, "cadence") or _is_within(module, "cadence.callbacks"):
+                continue  # third-party, or a sibling callback module
+            checked += 1
+            names = [*module.split("."), *([name] if name is not None else [])]
+            assert not any(part.startswith("_") for part in names), f"{path.name} imports {module}.{name}"
+            assert not any(_is_within(module, top) for top in front_ends), f"{path.name} imports {module}"
+    assert checked > 0, "callbacks/ should import the core (cadence.Callback at least)"
+
+
+def test_the_import_parser_sees_what_the_rules_forbid(tmp_path: Path) -> None:
+    """The rules above pass only if the parser can see the imports they forbid: nested, relative, private."""
+    package = tmp_path / "pkg"
+    package.mkdir()
+    source = package / "mod.py"
+    source.write_text(
+        "import cadence.callbacks\n"
+        "def lazy():\n    from cadence.accelerate import Accelerator\n"
+        "from ..callbacks import progress\n"
+        "from cadence.engine import _private\n"
+    )
+    assert set(_imports(source, "cadence.pkg.mod")) == {
+        ("cadence.callbacks", None),
+        ("cadence.accelerate", "Accelerator"),
+        ("cadence.callbacks", "progress"),
+        ("cadence.engine", "_private"),
+    }
