@@ -109,8 +109,9 @@ class State:
         default=None,
         metadata=_doc(
             "When set, gradients are divided by it after unscaling and before ``BEFORE_OPTIMIZER_STEP`` (item-count "
-            "normalisation). Written by callbacks before a sync step's ``optimizer.step()``; reset by the engine "
-            "after each step."
+            "normalisation), by every prepared optimizer that steps. Written by callbacks before a sync step's "
+            "``optimizer.step()``. The engine never resets it, so it holds for every optimizer of that step: the "
+            "callback that set it clears it (``GradientAccumulation`` does at each window's first ``BATCH_START``)."
         ),
     )
 
