@@ -6,8 +6,12 @@ and its collectives behave as if every rank held the same tensor.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+import weakref
 from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -102,6 +106,16 @@ class FakeEngine(Engine):
 
     ``fire(event)`` runs one event's hooks; ``run(steps=N)`` trains N batches for real (on ``TinyStep`` and
     ``tiny_dataloader`` unless a step and data are given).
+
+    A test should leave the process as it found it, so by default a FakeEngine writes nowhere but a fresh
+    temporary directory and touches no process-wide RNG:
+
+    - ``project_dir``: where checkpoints and logs go. None (the default): a new directory from
+      ``tempfile.mkdtemp()`` (under the system's temporary folder, named ``cadence-fake-engine-*``) that this
+      FakeEngine owns and removes when it is garbage-collected or the interpreter exits; keep the FakeEngine alive
+      while you read its files, or pass a directory of your own (``project_dir=tmp_path``), which is never removed.
+    - ``seed``: None (the default) seeds nothing; an int seeds python, numpy and torch and the prepared
+      dataloaders' shuffling, exactly as ``Engine(seed=...)`` does.
     """
 
     def __init__(
@@ -110,16 +124,23 @@ class FakeEngine(Engine):
         *,
         rank: int = 0,
         world_size: int = 1,
-        seed: int | None = 0,
-        project_dir: str = ".",
+        seed: int | None = None,
+        project_dir: str | Path | None = None,
     ) -> None:
-        super().__init__(
-            strategy=FakeStrategy(rank, world_size),
-            callbacks=callbacks,
-            seed=seed,
-            project_dir=project_dir,
-            progress_bar=False,
-        )
+        strategy = FakeStrategy(rank, world_size)  # checks rank and world_size before a directory is made
+        owns_directory = project_dir is None
+        directory = tempfile.mkdtemp(prefix="cadence-fake-engine-") if project_dir is None else project_dir
+        try:
+            super().__init__(
+                strategy=strategy, callbacks=callbacks, seed=seed, project_dir=directory, progress_bar=False
+            )
+        except BaseException:
+            if owns_directory:
+                shutil.rmtree(directory, ignore_errors=True)
+            raise
+        if owns_directory:
+            # Only the directory this FakeEngine made itself is ever removed.
+            weakref.finalize(self, shutil.rmtree, directory, ignore_errors=True)
 
     def fire(self, event: Event) -> None:
         """Run every callback's hook for ``event`` once, as the engine would at that point."""
