@@ -234,6 +234,9 @@ class DataCursor:
             self.loader.load_state_dict({})  # the sampler's start_sample carries the position
         else:
             self.loader.load_state_dict(state_dict["loader"] if state_dict["loader"] is not None else {})
+        # Kept for this cursor's own next state_dict(): a run resumed mid-epoch and saved again in the same epoch
+        # must save where the epoch's generator started, or its resume would draw other workers' seeds.
+        self._generator_at_epoch_start = state_dict["generator_at_epoch_start"]
         generator = self.loader.generator
         if generator is None or state_dict["generator"] is None:
             return
