@@ -1,4 +1,5 @@
-"""PreparedDataLoader refuses, before changing anything, a saved position its current data cannot continue."""
+"""PreparedDataLoader: which passes drive training, and a saved position its current data cannot continue is
+refused before anything changes."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import torch
 from torch.utils.data import DataLoader, SubsetRandomSampler, TensorDataset
 
 import cadence
-from cadence import CheckpointError
+from cadence import CheckpointError, Event
+from cadence.testing import RecordingCallback
 from cadence.wrappers import PreparedDataLoader
+from tests.helpers import make_model
 
 
 def ids(batch: Any) -> list[int]:
@@ -121,3 +124,33 @@ def test_a_state_missing_keys_is_refused() -> None:
     with pytest.raises(CheckpointError, match=r"lacks \['batches_done'.*PreparedDataLoader.state_dict"):
         data.load_state_dict({"epoch": 3})
     assert data.epoch == 0
+
+
+def recorded_pass(drives_training: bool | None, *, model_training: bool) -> list[Event]:
+    """The events one pass over a prepared loader fires, with a prepared model in the given mode."""
+    recorder = RecordingCallback()
+    engine = cadence.Engine(accelerator="cpu", seed=4, callbacks=[recorder], progress_bar=False)
+    model, data = engine.prepare(make_model(), DataLoader(TensorDataset(torch.arange(8)), batch_size=4))
+    model.train(model_training)
+    data.drives_training = drives_training
+    assert len(list(data)) == 2 and data.epoch == 1
+    return recorder.events
+
+
+def test_by_default_a_pass_drives_training_only_while_the_model_trains() -> None:
+    training = [Event.EPOCH_START, *[Event.BATCH_START, Event.BATCH_END] * 2, Event.EPOCH_END]
+    assert recorded_pass(None, model_training=True) == training
+    assert recorded_pass(None, model_training=False) == []
+
+
+def test_drives_training_set_explicitly_overrides_the_models_mode() -> None:
+    assert recorded_pass(False, model_training=True) == []
+    assert recorded_pass(True, model_training=False)[0] is Event.EPOCH_START
+
+
+def test_drives_training_refuses_anything_but_a_bool_or_none() -> None:
+    data = loader(8)
+    data.drives_training = False
+    with pytest.raises(TypeError, match=r"drives_training must be True, False or None; got 'no'.*= False"):
+        data.drives_training = "no"  # type: ignore[assignment]
+    assert data.drives_training is False

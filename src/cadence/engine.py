@@ -194,6 +194,11 @@ class Engine:
 
         Models go to the device (wrapped by the strategy); optimizers step only on sync steps; schedulers step
         only when their optimizer really stepped; dataloaders become resumable and yield batches on the device.
+
+        A prepared dataloader fires the epoch and batch events (and counts batches on the State) only for passes
+        that drive training. By default a pass drives training when, as it starts, no model is prepared yet or a
+        prepared model is in training mode: call ``model.eval()`` before an evaluation loop and it counts nothing.
+        To decide yourself, set ``loader.drives_training = True`` or ``False`` (``fit()`` does so for its loaders).
         """
         for obj in objects:
             if not _is_preparable(obj):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -10,8 +9,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from cadence.checkpoint.files import CheckpointError
-from cadence.data import ResumableBatchSampler
+from cadence.cursor import DataCursor
 from cadence.event import Event
 
 if TYPE_CHECKING:
@@ -174,39 +172,57 @@ class PreparedScheduler:
         return f"PreparedScheduler({self.scheduler!r})"
 
 
-_STATE_KEYS = ("epoch", "batches_done", "loader", "generator", "generator_at_epoch_start")
-"""What ``PreparedDataLoader.load_state_dict`` needs; ``samples_done`` and ``num_samples`` are optional (older
-states lack them)."""
-
-
 class PreparedDataLoader:
-    """Iterates a ``StatefulDataLoader``, moves each batch to the device, and, while it drives training, keeps
-    the State's epoch and batch position and fires the epoch and batch events.
+    """Iterates a ``StatefulDataLoader`` and moves each batch to the device; while a pass drives training it also
+    fires the epoch and batch events and writes the State's epoch and batch position. Where the passes stand (the
+    epoch, the position in it, what a checkpoint saves) is kept by its ``cursor``, a ``cadence.cursor.DataCursor``.
 
-    It drives training when ``drives_training`` is True, or, when that is ``None`` (the default), when a prepared
-    model is in training mode as iteration starts: an evaluation loop after ``model.eval()`` fires nothing.
+    Whether a pass drives training is decided once, when its first batch is asked for, by ``drives_training``:
+
+    - ``True`` or ``False``: set by you. ``fit()`` sets True on its training loader and False on its validation one.
+    - ``None`` (the default, for hand-written loops): the pass drives training when no model is prepared yet or a
+      prepared model is in training mode. So after ``model.eval()`` an evaluation loop fires no event and leaves
+      the State alone, as in an Accelerate-style loop, and one loader can serve training and evaluation passes.
+
+    A pass that does not drive training still moves batches, resumes, and marks its last batch (``in_last_batch``,
+    which ``engine.gather_for_metrics`` reads to drop padding).
     """
 
     def __init__(self, loader: Any, engine: Engine, mover: BatchMover) -> None:
         self.loader = loader
+        self.cursor = DataCursor(loader)
         self._engine = engine
         self._move = mover
-        self.drives_training: bool | None = None
-        self.epoch = 0
-        """Completed passes over the data; sets the sampler's epoch, so each epoch's shuffle differs."""
-        self._in_epoch = False
-        self._batches_done = 0
-        self._resume_batches = 0
-        self._resume_samples = 0
-        self._samples_at_start = 0
-        self._start_index = 0
-        self._resume_generator_state: torch.Tensor | None = None
-        self._generator_at_epoch_start: torch.Tensor | None = None
-        self._state_before_read_ahead: Any = None
-        self.empty_epoch = False
-        """True when the last full pass yielded no batch at all (an empty dataset)."""
-        self.in_last_batch = False
+        self._drives_training: bool | None = None
+
+    @property
+    def drives_training(self) -> bool | None:
+        """True or False to say whether passes drive training; ``None`` to follow the prepared model's mode."""
+        return self._drives_training
+
+    @drives_training.setter
+    def drives_training(self, value: bool | None) -> None:
+        if value is not None and not isinstance(value, bool):
+            raise TypeError(
+                f"drives_training must be True, False or None; got {value!r}. Set loader.drives_training = False "
+                "for a loader that must never count as training, or None to follow model.train()/model.eval()."
+            )
+        self._drives_training = value
+
+    @property
+    def epoch(self) -> int:
+        """Completed passes over the data."""
+        return self.cursor.epoch
+
+    @property
+    def empty_epoch(self) -> bool:
+        """True when the last whole pass yielded no batch at all (an empty dataset)."""
+        return self.cursor.empty_epoch
+
+    @property
+    def in_last_batch(self) -> bool:
         """True while the batch just yielded is the epoch's last (set for every pass, training or not)."""
+        return self.cursor.in_last_batch
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -222,289 +238,43 @@ class PreparedDataLoader:
     @property
     def padding(self) -> int:
         """Samples repeated in this epoch's last batch to even it out across ranks."""
-        sampler = self._sampler
+        sampler = self.cursor.sampler
         return sampler.padding if sampler is not None else 0
 
-    @property
-    def _sampler(self) -> ResumableBatchSampler | None:
-        sampler = self.loader.batch_sampler
-        return sampler if isinstance(sampler, ResumableBatchSampler) else None
-
-    def _samples_done(self) -> int:
-        sampler = self._sampler
-        if sampler is None:
-            return 0
-        done = self._samples_at_start + (self._batches_done - self._start_index) * sampler.global_batch_size
-        return min(done, sampler.num_samples)
-
     def state_dict(self) -> dict[str, Any]:
-        """Where this dataloader stands: completed epochs, position in the current one and its generator.
-
-        With cadence's ``ResumableBatchSampler`` the position is a count of global samples, which a run with
-        another number of ranks can continue from; with any other sampler it is the ``StatefulDataLoader``'s own
-        state (sampler position, workers), for the same number of ranks.
-        """
-        generator = self.loader.generator
-        elastic = self._sampler is not None
-        if self._in_epoch:
-            batches_done, samples_done = self._batches_done, self._samples_done()
-            loader_state = None if elastic else self._loader_state()
-            generator_state = None if generator is None else generator.get_state()
-        elif self._resume_batches or self._resume_samples:
-            # Paused mid-epoch (left early, or restored and not iterated yet): the position waiting to be used.
-            batches_done, samples_done = self._resume_batches, self._resume_samples
-            loader_state = None if elastic else self.loader.next_iter_state
-            generator_state = self._resume_generator_state
-        else:
-            batches_done, samples_done, loader_state = 0, 0, None
-            generator_state = None if generator is None else generator.get_state()
-        return {
-            "epoch": self.epoch,
-            "batches_done": batches_done,
-            "samples_done": samples_done,
-            "loader": loader_state,
-            "generator": generator_state,
-            "generator_at_epoch_start": self._generator_at_epoch_start if batches_done else None,
-            "num_samples": self._dataset_size(),
-        }
-
-    def _dataset_size(self) -> int | None:
-        """Samples in the dataset, ``None`` when it has no length."""
-        try:
-            return len(self.loader.dataset)
-        except TypeError:
-            return None
+        """Where this dataloader stands (see ``DataCursor.state_dict``)."""
+        return self.cursor.state_dict()
 
     def check_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Raise ``CheckpointError`` when this dataloader cannot continue from ``state_dict`` (a ``state_dict()``
-        of a run being resumed): keys missing, a position saved by another kind of sampler, or a position beyond
-        the end of the current data. Changes nothing, so a caller can check every dataloader before loading any.
-        """
-        missing = [key for key in _STATE_KEYS if key not in state_dict]
-        if missing:
-            raise CheckpointError(
-                f"The dataloader state lacks {missing}: it was not written by PreparedDataLoader.state_dict(). "
-                "Load a checkpoint saved by cadence (engine.save_state), or start a fresh run."
-            )
-        problem = self._position_problem(state_dict)
-        if problem is not None:
-            raise CheckpointError(
-                f"{problem} Resume with the dataset and dataloader the run was saved with, or start a fresh run "
-                "(without resume)."
-            )
-
-    def _position_problem(self, state_dict: dict[str, Any]) -> str | None:
-        epoch = int(state_dict["epoch"])
-        batches, samples = int(state_dict["batches_done"]), int(state_dict.get("samples_done", 0))
-        saved_size = state_dict.get("num_samples")
-        saved_over = "" if saved_size is None else f" (saved over {saved_size} samples)"
-        sampler = self._sampler
-        if batches or samples:
-            # Mid-epoch, the position is a sample count for cadence's sampler and the loader's own state otherwise;
-            # neither can be read as the other, and using the wrong one would restart the epoch mid-way.
-            saved_resumable = state_dict["loader"] is None
-            if saved_resumable != (sampler is not None):
-                saved_kind = "cadence's resumable sampler" if saved_resumable else "a sampler of the user's own"
-                current_kind = "cadence's resumable sampler" if sampler is not None else "a sampler of its own"
-                return (
-                    f"The checkpoint's dataloader position ({batches} batches into epoch {epoch}) was saved with "
-                    f"{saved_kind}, but this dataloader uses {current_kind}: it cannot continue that position."
-                )
-        if sampler is not None:
-            if samples > sampler.num_samples and not self._saved_epoch_finished(state_dict):
-                return (
-                    f"The checkpoint's dataloader position is {samples} samples into epoch {epoch}{saved_over}, but "
-                    f"the dataset now has {sampler.num_samples} samples: the position lies beyond its end."
-                )
-            return None
-        length = self._map_style_length()
-        if length is not None and batches > length:
-            return (
-                f"The checkpoint's dataloader position is {batches} batches into epoch {epoch}{saved_over}, but the "
-                f"dataloader now has {length} batches an epoch ({self._dataset_size()} samples): the position lies "
-                "beyond its end."
-            )
-        return None
-
-    def _saved_epoch_finished(self, state_dict: dict[str, Any]) -> bool:
-        """Whether a saved position had no batch left in its epoch (a run stopped on the epoch's last batch): the
-        resumed pass only ends the epoch, whatever the dataset's size now."""
-        sampler, saved_size = self._sampler, state_dict.get("num_samples")
-        if sampler is None or saved_size is None:
-            return False
-        return sampler.count_batches(saved_size - int(state_dict.get("samples_done", 0))) == 0
-
-    def _map_style_length(self) -> int | None:
-        """Batches an epoch for map-style data; ``None`` for an iterable dataset, whose length is only a hint."""
-        if self.loader._dataset_kind == 1:
-            return None
-        try:
-            return len(self.loader)
-        except TypeError:
-            return None
-
-    def _warn_if_resized(self, state_dict: dict[str, Any]) -> None:
-        saved_size, size = state_dict.get("num_samples"), self._dataset_size()
-        batches, samples = int(state_dict["batches_done"]), int(state_dict.get("samples_done", 0))
-        # Between epochs nothing of the saved epoch is continued: a new dataset simply starts a new epoch.
-        if saved_size is None or size is None or saved_size == size or not (batches or samples):
-            return
-        sampler = self._sampler
-        nothing_left_now = sampler is not None and sampler.count_batches(max(size - samples, 0)) == 0
-        if nothing_left_now and self._saved_epoch_finished(state_dict):
-            return  # neither run has a batch left in this epoch
-        position = f"{samples} samples" if sampler is not None else f"{batches} batches"
-        warnings.warn(
-            f"The dataset has {size} samples, but the checkpoint was saved over {saved_size}: the run resumes "
-            f"{position} into epoch {state_dict['epoch']}, and the rest of this epoch is not what the saved run "
-            "would have seen (samples may be repeated or skipped). Resume with the dataset the run was saved with "
-            "to continue it exactly.",
-            UserWarning,
-            stacklevel=3,
-        )
-
-    def _loader_state(self) -> Any:
-        if self._state_before_read_ahead is not None:
-            return self._state_before_read_ahead
-        return self.loader.state_dict()
+        """Raise ``CheckpointError``, changing nothing, when this dataloader cannot continue from ``state_dict``."""
+        self.cursor.check_state_dict(state_dict)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a ``state_dict()``; raises ``CheckpointError`` (see ``check_state_dict``) before changing
-        anything when this dataloader cannot continue from it."""
-        self.check_state_dict(state_dict)
-        self._warn_if_resized(state_dict)
-        self.epoch = int(state_dict["epoch"])
-        self._resume_batches = int(state_dict["batches_done"])
-        self._resume_samples = int(state_dict.get("samples_done", 0))
-        sampler = self._sampler
-        if sampler is not None:
-            # A finished epoch saved over more samples than there are now: its end is the end of the current data.
-            self._resume_samples = min(self._resume_samples, sampler.num_samples)
-        if sampler is None:
-            self.loader.load_state_dict(state_dict["loader"] if state_dict["loader"] is not None else {})
-        else:
-            self.loader.load_state_dict({})  # the sampler's start_sample carries the position
-        generator = self.loader.generator
-        if generator is None or state_dict["generator"] is None:
-            return
-        if state_dict["generator_at_epoch_start"] is None:
-            # Between epochs: the next pass draws its workers' seed from the generator as it was saved.
-            generator.set_state(state_dict["generator"])
-        else:
-            # Mid-epoch: reopening the epoch's iterator redraws what the interrupted one drew at its start; after
-            # that draw the generator is put back where it was, so later epochs draw what the uninterrupted run drew.
-            generator.set_state(state_dict["generator_at_epoch_start"])
-            self._resume_generator_state = state_dict["generator"]
-
-    def _set_sampler_epoch(self) -> None:
-        for sampler in (self.loader.batch_sampler, self.loader.sampler):
-            set_epoch = getattr(sampler, "set_epoch", None)
-            if set_epoch is not None:
-                set_epoch(self.epoch)
-                return
+        """Restore a ``state_dict()``, after ``check_state_dict`` accepted it."""
+        self.cursor.load_state_dict(state_dict)
 
     def __iter__(self) -> Iterator[Any]:
-        training = self.drives_training
+        training = self._drives_training
         if training is None:
             training = self._engine.is_training()
-        self._set_sampler_epoch()
-        sampler = self._sampler
-        if sampler is not None:
-            # Continue from a count of global samples: valid whatever the number of ranks that saved it.
-            sampler.start_sample = self._resume_samples
-            start = self._resume_samples // sampler.global_batch_size
-        else:
-            start = self._resume_batches
-        self._samples_at_start = self._resume_samples if sampler is not None else 0
-        self._start_index = start
-        batches = self._epoch_batches(start)
+        batches = self.cursor.epoch_batches()
         if training:
-            yield from self._training_batches(batches, start)
+            yield from self._training_batches(batches)
             return
         move = self._move
         for batch, _ in batches:
             yield move(batch)
 
-    def _num_batches(self) -> int | None:
-        """Batches in a whole epoch, ``None`` without a length."""
-        try:
-            length = len(self.loader)
-        except TypeError:
-            return None
-        # A resumable sampler counts only the batches left after its start_sample.
-        return length + self._start_index if self._sampler is not None else length
-
-    def _epoch_batches(self, start: int) -> Iterator[tuple[Any, bool]]:
-        """One epoch's ``(batch, is_last)`` pairs, tracking the position a checkpoint needs.
-
-        Without a length, the end is only known by reading one batch ahead; the loader's state is then taken
-        before each read-ahead, so a checkpoint resumes at the batch after the one being trained on.
-        """
-        # The pending position is consumed only now that the pass really starts (a stopped run keeps it).
-        self._resume_batches = self._resume_samples = 0
-        generator = self.loader.generator
-        if generator is not None and not start:
-            self._generator_at_epoch_start = generator.get_state()
-        iterator = iter(self.loader)
-        if self._resume_generator_state is not None and generator is not None:
-            generator.set_state(self._resume_generator_state)
-        self._resume_generator_state = None
-        self._in_epoch = True
-        self._batches_done = start
-        num_batches = self._num_batches()
-        finished = False
-        try:
-            if num_batches is not None:
-                for batch in iterator:
-                    self._batches_done += 1
-                    self.in_last_batch = self._batches_done == num_batches
-                    yield batch, self.in_last_batch
-            else:
-                for batch, is_last in self._read_ahead(iterator):
-                    self.in_last_batch = is_last
-                    yield batch, is_last
-            finished = True
-        finally:
-            self.in_last_batch = False
-            if not finished:
-                # Left mid-epoch (break, stop, exception): keep the position, so the next pass or a checkpoint
-                # taken now continues with the next batch instead of restarting the epoch.
-                self._resume_batches = self._batches_done
-                self._resume_samples = self._samples_done()
-                if self._sampler is None:
-                    self.loader.load_state_dict(self._loader_state())
-                self._resume_generator_state = None if generator is None else generator.get_state()
-            self._in_epoch = False
-            self._state_before_read_ahead = None
-        self.empty_epoch = start == 0 and self._batches_done == 0
-        self.epoch += 1
-
-    def _read_ahead(self, iterator: Iterator[Any]) -> Iterator[tuple[Any, bool]]:
-        try:
-            current = next(iterator)
-        except StopIteration:
-            return
-        while True:
-            self._batches_done += 1
-            self._state_before_read_ahead = self.loader.state_dict()
-            try:
-                upcoming = next(iterator)
-            except StopIteration:
-                yield current, True
-                return
-            yield current, False
-            current = upcoming
-
-    def _training_batches(self, batches: Iterator[tuple[Any, bool]], start: int) -> Iterator[Any]:
+    def _training_batches(self, batches: Iterator[tuple[Any, bool]]) -> Iterator[Any]:
         engine = self._engine
         state = engine.state
         fire = engine._fire
         move = self._move
-        state.num_batches = self._num_batches()
-        state.epoch = self.epoch
+        state.num_batches = self.cursor.num_batches()
+        state.epoch = self.cursor.epoch
         if state.should_stop:
             return
-        index = start - 1
+        index = self.cursor.start_index - 1
         state.batch_idx = index
         fire(Event.EPOCH_START)
         pending = False
