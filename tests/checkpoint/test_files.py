@@ -12,7 +12,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from cadence.checkpoint.files import CheckpointReader, CheckpointWriter, write_safetensors
+from cadence.checkpoint.files import CheckpointReader, CheckpointWriter
+from cadence.checkpoint.format import write_safetensors
 
 
 def expected_checksums(data: bytes) -> dict[str, str]:
