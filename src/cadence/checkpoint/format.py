@@ -2,9 +2,10 @@
 tensors as views into a file's bytes, and how a state's tensors are grouped into files (tied tensors stored once,
 large states split by size).
 
-The bytes are exactly those of ``safetensors.torch.save_file`` (same header, same order: widest dtype first, then
-by name), and every file loads with ``safetensors.torch.load_file``. The writer and reader here are cadence's own
-because the library's cost speed or a guarantee where this was measured (``write_safetensors``,
+Files are laid out as ``safetensors.torch.save_file`` lays them out (widest dtype first; the library breaks ties
+between dtypes of one width by dtype, cadence by name), so tensors of one dtype come out byte for byte as the
+library writes them, and every file loads with ``safetensors.torch.load_file``. The writer and reader here are
+cadence's own because the library's cost speed or a guarantee where this was measured (``write_safetensors``,
 ``tensors_from_safetensors``).
 """
 
@@ -42,7 +43,7 @@ def check_storable(tensors: dict[str, torch.Tensor]) -> None:
 def _layout(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> tuple[bytes, list[str]]:
     """The encoded header (length prefix included) and the order of the tensors' bytes after it.
 
-    Tensors are laid out as safetensors' own writer does (widest dtype first, then by name), so every tensor is
+    Widest dtype first, then by name (as safetensors' own writer, which breaks ties by dtype), so every tensor is
     aligned for its dtype.
     """
     order = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
