@@ -19,13 +19,9 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from cadence.checkpoint.files import (
-    CheckpointError,
-    deduplicate,
-    fsync_path,
-    split_by_size,
-    write_safetensors,
-)
+from cadence.checkpoint.commit import fsync_path
+from cadence.checkpoint.errors import CheckpointError
+from cadence.checkpoint.format import deduplicate, split_by_size, write_safetensors
 from cadence.checkpoint.matching import mismatch
 from cadence.wrappers import PreparedModule
 
@@ -119,6 +115,8 @@ def _export_files(
 
 def _shard_writer(shard: dict[str, torch.Tensor], safe_serialization: bool) -> Callable[[Path], object]:
     if safe_serialization:
+        # cadence's writer without checksums, not safetensors.save_file: the same bytes, 1.2-1.5x faster to durable
+        # where measured (write_safetensors says how).
         return lambda path: write_safetensors(path, shard, {"format": "pt"}, ())
     return lambda path: torch.save(shard, path)
 
