@@ -26,8 +26,8 @@ from cadence.checkpoint.checks import (
     warn_unmatched_callbacks,
 )
 from cadence.checkpoint.codec import encode
-from cadence.checkpoint.commit import check_replaceable, remove_abandoned, temporary_name
-from cadence.checkpoint.files import MANIFEST, CheckpointError, CheckpointReader, CheckpointWriter
+from cadence.checkpoint.errors import CheckpointError
+from cadence.checkpoint.files import MANIFEST, CheckpointReader, CheckpointWriter
 from cadence.checkpoint.rng import capture_rng_states, restore_rng_states
 from cadence.checkpoint.schema import check_rank, check_run_fields, check_shared
 
@@ -58,7 +58,7 @@ def save_engine_state(engine: Engine, target: Path | None, number: int) -> tuple
     final = target if target is not None else engine.checkpoints.path(number)
     prepared: tuple[Path | None, str | None] = (None, None)
     if main:
-        prepared = _prepare_target(engine, target, final)
+        prepared = engine.checkpoints.claim(target, final)
     temporary, refusal = strategy.broadcast_object(prepared)
     if refusal is not None:
         raise CheckpointError(refusal)
@@ -76,7 +76,10 @@ def save_engine_state(engine: Engine, target: Path | None, number: int) -> tuple
         files = strategy.all_gather_object(writer.finish())
         outcome: tuple[Path | None, int, str | None] = (None, number, None)
         if main:
-            outcome = _commit(engine, writer, {name: entry for table in files for name, entry in table.items()}, target)
+            every_file = {name: entry for table in files for name, entry in table.items()}
+            outcome = engine.checkpoints.commit(
+                writer, every_file, target, step=engine.state.step, world_size=engine.world_size
+            )
         committed, number, failure = strategy.broadcast_object(outcome)
         if failure is not None:
             raise CheckpointError(failure)
@@ -85,39 +88,6 @@ def save_engine_state(engine: Engine, target: Path | None, number: int) -> tuple
         if main:
             writer.abort()
         raise
-
-
-def _prepare_target(engine: Engine, target: Path | None, final: Path) -> tuple[Path | None, str | None]:
-    """On the main rank: refuse a target cadence may not replace, clear what killed saves left beside it, and
-    create the temporary directory. Returns it, or the refusal every rank raises."""
-    try:
-        if target is not None:
-            check_replaceable(target)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        remove_abandoned(final.parent)
-        temporary = temporary_name(final)
-        temporary.mkdir()
-    except CheckpointError as error:
-        return None, str(error)
-    except OSError as error:
-        return None, f"save_state() cannot create a checkpoint beside {final}: {error}"
-    return temporary, None
-
-
-def _commit(
-    engine: Engine, writer: CheckpointWriter, files: dict[str, dict[str, Any]], target: Path | None
-) -> tuple[Path | None, int, str | None]:
-    manifest = {"step": engine.state.step, "world_size": engine.world_size}
-    try:
-        if target is None:
-            committed, number = writer.commit_numbered(
-                files, engine.checkpoints.path, engine.checkpoints.next_number(), **manifest
-            )
-            return committed, number, None
-        number = engine.checkpoints.next_number()
-        return writer.commit(files, checkpoint_number=number, **manifest), number, None
-    except CheckpointError as error:
-        return None, -1, str(error)
 
 
 def _owner(engine: Engine, optimizer: PreparedOptimizer) -> nn.Module | None:
