@@ -16,12 +16,12 @@ from torch import nn
 import cadence
 from cadence import CheckpointError
 from cadence.checkpoint.files import CheckpointReader, CheckpointWriter
-from cadence.strategies import SingleDevice
+from cadence.strategies import SingleDevice, Strategy
 from cadence.strategies.checkpoint_state import Apply
 from tests.helpers import RegressionStep, assert_bitwise_equal, loader, make_model, parameters
 
 
-def engine(tmp_path: Path, strategy: str | cadence.Strategy = "single") -> cadence.Engine:
+def engine(tmp_path: Path, strategy: str | Strategy = "single") -> cadence.Engine:
     return cadence.Engine(accelerator="cpu", strategy=strategy, progress_bar=False, project_dir=tmp_path, seed=3)
 
 
@@ -52,7 +52,7 @@ class Recording(SingleDevice):
     def read_model(self, module: nn.Module, reader: CheckpointReader, index: int, entry: dict[str, Any]) -> Apply:
         self.calls.append(f"read_model {index}")
         apply = super().read_model(module, reader, index, entry)
-        return lambda: (self.calls.append(f"apply_model {index}"), apply())[1]
+        return self._recorded(f"apply_model {index}", apply)
 
     def read_optimizer(
         self,
@@ -64,10 +64,17 @@ class Recording(SingleDevice):
     ) -> Apply:
         self.calls.append(f"read_optimizer {index}")
         apply = super().read_optimizer(module, optimizer, reader, index, entry)
-        return lambda: (self.calls.append(f"apply_optimizer {index}"), apply())[1]
+        return self._recorded(f"apply_optimizer {index}", apply)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         self.calls.append("prepare_optimizer")
+
+    def _recorded(self, label: str, apply: Apply) -> Apply:
+        def recorded() -> None:
+            self.calls.append(label)
+            apply()
+
+        return recorded
 
 
 def test_the_checkpoint_layout_is_the_one_earlier_versions_wrote(tmp_path: Path) -> None:
