@@ -132,6 +132,7 @@ class Strategy(ABC):
         """Like ``read_model``, for what ``save_optimizer`` returned (its tensors restored)."""
         return checkpoint_state.read_optimizer(self, module, optimizer, reader, index, entry)
 
+    # --- full state dicts: what the full-state layout above is made of (collectives where the state is sharded).
     def model_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """The user module's full state dict (also what ``engine.save_model`` exports)."""
         return module.state_dict()
