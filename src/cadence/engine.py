@@ -80,7 +80,6 @@ class Engine:
         self._fit_loaders: list[tuple[Any, PreparedDataLoader]] = []
         """The (given, prepared) dataloaders of the last ``fit()``, which the next ``fit()`` reuses or releases."""
         self._registered: list[Any] = []
-        self._replaced_parameters: dict[int, nn.Parameter] = {}
         self.checkpoint_total_limit = checkpoint_total_limit
         self.checkpoints = CheckpointDirectory(self.project_dir / "checkpoints")
         """The automatically named checkpoints: ``checkpoint_{n}`` under ``project_dir/checkpoints``."""
@@ -219,7 +218,7 @@ class Engine:
         if isinstance(obj, nn.Module):
             return self._prepare_model(obj)
         if isinstance(obj, Optimizer):
-            self._repoint_parameters(obj)
+            self.strategy.prepare_optimizer(obj)
             optimizer = PreparedOptimizer(obj, self)
             self._optimizers.append(optimizer)
             return optimizer
@@ -241,28 +240,12 @@ class Engine:
         """Stop saving and restoring ``loader`` with the engine (a dataloader an earlier ``fit()`` used)."""
         self._dataloaders = [prepared for prepared in self._dataloaders if prepared is not loader]
 
-    def _repoint_parameters(self, optimizer: Optimizer) -> None:
-        """After a strategy replaced a model's parameters (FSDP2), point an optimizer built earlier at them."""
-        if not self._replaced_parameters:
-            return
-        if optimizer.state:
-            raise RuntimeError(
-                f"The optimizer already has state, but strategy {self.strategy.name!r} replaced the model's "
-                "parameters. Prepare the model and a fresh optimizer together: engine.prepare(model, optimizer)."
-            )
-        for group in optimizer.param_groups:
-            group["params"] = [self._replaced_parameters.get(id(p), p) for p in group["params"]]
-
     def _prepare_model(self, model: nn.Module) -> nn.Module:
         if any(model is existing for existing in self._models):
             return model  # already the prepared object (one device, full precision: the model itself)
         if any(model is self.unwrap_model(existing) for existing in self._models):
             raise ValueError("This model was already prepared; use the object the first prepare() returned.")
-        before = dict(model.named_parameters()) if self.strategy.replaces_parameters else {}
         wrapped = self.strategy.setup_module(model)
-        for name, parameter in self.strategy.unwrap_module(wrapped).named_parameters():
-            if name in before and before[name] is not parameter:
-                self._replaced_parameters[id(before[name])] = parameter
         if self._precision.wraps_forward:
             wrapped = PreparedModule(wrapped, self)
         self._models.append(wrapped)

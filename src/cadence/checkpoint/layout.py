@@ -5,8 +5,13 @@ from __future__ import annotations
 import re
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from cadence.checkpoint.commit import is_checkpoint, remove_abandoned
+from cadence.checkpoint.commit import check_replaceable, is_checkpoint, remove_abandoned, temporary_name
+from cadence.checkpoint.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from cadence.checkpoint.files import CheckpointWriter
 
 _NAME = re.compile(r"^checkpoint_(\d+)$")
 
@@ -37,6 +42,37 @@ class CheckpointDirectory:
     def advance(self, number: int) -> None:
         """Record that checkpoint ``number`` was saved or loaded: the next save gets ``number + 1``."""
         self._next = number + 1
+
+    def claim(self, target: Path | None, final: Path) -> tuple[Path | None, str | None]:
+        """On the main rank, before a save to ``final`` (``target``, or one of this directory's names): refuse a
+        target cadence may not replace, clear what killed saves left beside it, and create the temporary
+        directory. Returns it, or the refusal every rank raises."""
+        try:
+            if target is not None:
+                check_replaceable(target)
+            final.parent.mkdir(parents=True, exist_ok=True)
+            remove_abandoned(final.parent)
+            temporary = temporary_name(final)
+            temporary.mkdir()
+        except CheckpointError as error:
+            return None, str(error)
+        except OSError as error:
+            return None, f"save_state() cannot create a checkpoint beside {final}: {error}"
+        return temporary, None
+
+    def commit(
+        self, writer: CheckpointWriter, files: dict[str, dict[str, Any]], target: Path | None, **manifest: Any
+    ) -> tuple[Path | None, int, str | None]:
+        """On the main rank: commit ``writer``'s directory at ``target``, or at the first free name of this
+        directory. Returns the path and number, or the refusal every rank raises."""
+        try:
+            if target is None:
+                committed, number = writer.commit_numbered(files, self.path, self.next_number(), **manifest)
+                return committed, number, None
+            number = self.next_number()
+            return writer.commit(files, checkpoint_number=number, **manifest), number, None
+        except CheckpointError as error:
+            return None, -1, str(error)
 
     def prune(self, keep: int) -> None:
         """Delete all but the newest ``keep`` checkpoints (only ``checkpoint_{n}`` directories with a manifest:

@@ -5,12 +5,17 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
 
+from cadence.strategies import checkpoint_state
+from cadence.strategies.checkpoint_state import Apply
 from cadence.strategies.optimizer_state import indexed_optimizer_state, named_optimizer_state
+
+if TYPE_CHECKING:
+    from cadence.checkpoint.files import CheckpointReader, CheckpointWriter
 
 ReduceOp = Literal["mean", "sum", "max", "min"]
 
@@ -19,12 +24,6 @@ class Strategy(ABC):
     """One backend. Siblings implement it; nothing outside ``strategies/`` branches on which one is active."""
 
     name: str
-    shards_checkpoints = False
-    """True when every rank writes its own part of the model and optimizer state (DCP) instead of the main rank
-    writing full state dicts."""
-    replaces_parameters = False
-    """True when ``setup_module`` swaps the module's parameters for new ones (FSDP2), so optimizers built before
-    must be re-pointed at them."""
 
     @property
     @abstractmethod
@@ -53,6 +52,10 @@ class Strategy(ABC):
     def unwrap_module(self, module: nn.Module) -> nn.Module:
         """The user's module inside whatever ``setup_module`` wrapped it in."""
         return module
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:  # noqa: B027 - most strategies need none
+        """Called by ``engine.prepare`` for every optimizer, after the models prepared before it: a strategy whose
+        ``setup_module`` replaced parameters (FSDP2) points an optimizer built earlier at the new ones here."""
 
     @abstractmethod
     def no_backward_sync(self, module: nn.Module) -> AbstractContextManager[Any]:
@@ -86,9 +89,52 @@ class Strategy(ABC):
     @abstractmethod
     def barrier(self) -> None: ...
 
-    # --- checkpoints: every rank calls these (they may be collectives); the main rank writes what they return.
+    # --- checkpoints: every rank calls these, in the same order (they may be collectives).
+    def save_model(self, module: nn.Module, writer: CheckpointWriter, index: int) -> dict[str, Any]:
+        """Write the user module's state (model ``index`` of the engine) through ``writer``; returns its entry
+        for state.json, which the main rank records (other ranks' entries are not used).
+
+        Here: the main rank writes the full state dict, and any gradients accumulated mid-window."""
+        weights, grads = self.model_state_dict(module), self.gradients(module)
+        if self.rank != 0:
+            return {}
+        return checkpoint_state.write_full_model(writer, index, weights, grads)
+
+    def read_model(self, module: nn.Module, reader: CheckpointReader, index: int, entry: dict[str, Any]) -> Apply:
+        """Read model ``index``'s state as ``entry`` (what ``save_model`` returned, of any strategy) describes and
+        check it against ``module``, changing nothing: ``CheckpointCorrupted`` for damage, ``CheckpointError`` for
+        a model it does not fit. Returns the step that loads it into ``module``."""
+        return checkpoint_state.read_model(self, module, reader, index, entry)
+
+    def model_files(self, index: int) -> list[str]:
+        """The files ``read_model`` reads for model ``index``, for the caller to start reading ahead (names a
+        checkpoint lacks are skipped); their tensors are only copied out, so they may be read as mappings."""
+        return [checkpoint_state.model_file(index)]
+
+    def save_optimizer(
+        self, module: nn.Module | None, optimizer: torch.optim.Optimizer, writer: CheckpointWriter, index: int
+    ) -> dict[str, Any]:
+        """Write optimizer ``index``'s state; ``module`` is the user model whose parameters it updates (``None``
+        when they span several). Returns its entry for state.json: JSON values and tensors (the checkpoint stores
+        those beside state.json).
+
+        Here: the full state, keyed by parameter name, or by position without a single model."""
+        return checkpoint_state.full_optimizer_entry(self, module, optimizer)
+
+    def read_optimizer(
+        self,
+        module: nn.Module | None,
+        optimizer: torch.optim.Optimizer,
+        reader: CheckpointReader,
+        index: int,
+        entry: dict[str, Any],
+    ) -> Apply:
+        """Like ``read_model``, for what ``save_optimizer`` returned (its tensors restored)."""
+        return checkpoint_state.read_optimizer(self, module, optimizer, reader, index, entry)
+
+    # --- full state dicts: what the full-state layout above is made of (collectives where the state is sharded).
     def model_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
-        """The user module's full state dict."""
+        """The user module's full state dict (also what ``engine.save_model`` exports)."""
         return module.state_dict()
 
     def load_model_state_dict(self, module: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:

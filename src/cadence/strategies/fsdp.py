@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -19,25 +19,34 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from cadence.strategies.distributed import DistributedStrategy
+from cadence.strategies.distributed import DEFAULT_TIMEOUT, DistributedStrategy
+from cadence.strategies.fsdp_checkpoint import save_sharded_model, save_sharded_optimizer
+
+if TYPE_CHECKING:
+    from datetime import timedelta
+
+    from cadence.checkpoint.files import CheckpointWriter
 
 
 class FSDPStrategy(DistributedStrategy):
     """Shards each child module that holds parameters, then the root, over a 1-D mesh of all ranks.
 
     ``fully_shard`` replaces the module's parameters with sharded ones, so optimizers must be built on them:
-    ``engine.prepare(model, optimizer)`` re-points an optimizer made earlier (``replaces_parameters``).
-    Checkpoints are sharded: every rank writes its part through DCP (``cadence.checkpoint.sharded``), and any
-    number of ranks, or one process, reads them back resharded. A full-state checkpoint (from one process or DDP)
-    loads through ``load_model_state_dict`` / ``load_optimizer_state_dict``.
+    ``engine.prepare(model, optimizer)`` re-points an optimizer made earlier (``prepare_optimizer``).
+    Checkpoints are sharded: every rank writes its part through DCP (``fsdp_checkpoint``), and any number of
+    ranks, or one process, reads them back resharded. A full-state checkpoint (from one process or DDP) loads
+    through ``load_model_state_dict`` / ``load_optimizer_state_dict``.
     """
 
     name = "fsdp"
-    replaces_parameters = True
-    shards_checkpoints = True
     mixed_precision: MixedPrecisionPolicy | None = None
     """Set from ``MixedPrecision("bf16")``: parameters are all-gathered and computed in bf16, gradients reduced
     in fp32, which halves the all-gather traffic that autocast alone would leave in fp32."""
+
+    def __init__(self, device_type: str, timeout: timedelta = DEFAULT_TIMEOUT) -> None:
+        super().__init__(device_type, timeout)
+        self._replaced: dict[int, nn.Parameter] = {}
+        """``id(parameter before fully_shard) -> its sharded replacement``, for optimizers built before."""
 
     def configure_precision(self, precision: Any) -> None:
         if getattr(precision, "dtype", None) == torch.bfloat16 and not hasattr(precision, "scaler"):
@@ -45,13 +54,28 @@ class FSDPStrategy(DistributedStrategy):
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         mesh = init_device_mesh(self.device.type, (self.world_size,))
+        before = dict(module.named_parameters())
         module = module.to(self.device)
         policy = self.mixed_precision or MixedPrecisionPolicy()
         for child in module.children():
             if any(True for _ in child.parameters()):
                 fully_shard(child, mesh=mesh, mp_policy=policy)
         fully_shard(module, mesh=mesh, mp_policy=policy)
+        for name, parameter in module.named_parameters():
+            if name in before and before[name] is not parameter:
+                self._replaced[id(before[name])] = parameter
         return module
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        if not self._replaced:
+            return
+        if optimizer.state:
+            raise RuntimeError(
+                f"The optimizer already has state, but strategy {self.name!r} replaced the model's "
+                "parameters. Prepare the model and a fresh optimizer together: engine.prepare(model, optimizer)."
+            )
+        for group in optimizer.param_groups:
+            group["params"] = [self._replaced.get(id(p), p) for p in group["params"]]
 
     def no_backward_sync(self, module: nn.Module) -> AbstractContextManager[Any]:
         return _without_gradient_sync(module)
@@ -84,12 +108,30 @@ class FSDPStrategy(DistributedStrategy):
         set_optimizer_state_dict(module, optimizer, state_dict, options=_FULL)
 
     def gradients(self, module: nn.Module) -> dict[str, torch.Tensor]:
-        if any(p.grad is not None for p in module.parameters()):
-            raise RuntimeError(
-                "An FSDP checkpoint is taken between optimizer steps, but gradients are accumulated (mid-window). "
-                "Save at a step boundary: Checkpoint(every_n_steps=...) does."
-            )
+        _refuse_accumulated_gradients(module)
         return {}
+
+    def save_model(self, module: nn.Module, writer: CheckpointWriter, index: int) -> dict[str, Any]:
+        _refuse_accumulated_gradients(module)
+        return save_sharded_model(module, writer, index, main=self.rank == 0)
+
+    def save_optimizer(
+        self, module: nn.Module | None, optimizer: torch.optim.Optimizer, writer: CheckpointWriter, index: int
+    ) -> dict[str, Any]:
+        if module is not None and not optimizer.state:
+            # Before the first step there is nothing to shard (and DCP's functions would first take a step to
+            # create it): the full, empty state serves.
+            return super().save_optimizer(module, optimizer, writer, index)
+        return save_sharded_optimizer(module, optimizer, writer, index, main=self.rank == 0)
+
+
+def _refuse_accumulated_gradients(module: nn.Module) -> None:
+    """FSDP checkpoints hold no gradients (sharded ones would need the same sharding to load)."""
+    if any(p.grad is not None for p in module.parameters()):
+        raise RuntimeError(
+            "An FSDP checkpoint is taken between optimizer steps, but gradients are accumulated (mid-window). "
+            "Save at a step boundary: Checkpoint(every_n_steps=...) does."
+        )
 
 
 _FULL = StateDictOptions(full_state_dict=True)

@@ -1,5 +1,6 @@
-"""Sharded model and optimizer state through ``torch.distributed.checkpoint`` (DCP): every rank writes its own
-shards, and any number of ranks, or one process, reads them back resharded.
+"""FSDP's checkpoint layout: model and optimizer state sharded through ``torch.distributed.checkpoint`` (DCP).
+Every rank writes its own shards under ``model_{i}.shards/`` and ``optimizer_{i}.shards/``, and any number of
+ranks, or one process, reads them back resharded.
 
 DCP's Hugging Face storage layer is used: shards are safetensors files whose headers carry the sharding, so
 reading a checkpoint never unpickles anything (DCP's default layer pickles its ``.metadata`` file).
@@ -8,8 +9,9 @@ reading a checkpoint never unpickles anything (DCP's default layer pickles its `
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -17,6 +19,12 @@ from torch.distributed.checkpoint import state_dict as dcp_state
 from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from cadence.checkpoint.errors import CheckpointError
+from cadence.strategies.checkpoint_state import SHARDED_MODEL, SHARDS, check_model_shapes
+
+if TYPE_CHECKING:
+    from cadence.checkpoint.files import CheckpointReader, CheckpointWriter
 
 # torch types these state dicts as unions of every value a state dict may hold; here they are plain dicts.
 get_model_state_dict: Any = dcp_state.get_model_state_dict
@@ -100,3 +108,55 @@ def load_optimizer_shards(
     for name, entries in rest["scalars"].items():
         state.setdefault(name, {}).update(entries)
     set_optimizer_state_dict(module, optimizer, {"state": state, "param_groups": rest["param_groups"]})
+
+
+def _shard_directory(kind: str, index: int) -> str:
+    return f"{kind}_{index}.shards"
+
+
+def save_sharded_model(module: nn.Module, writer: CheckpointWriter, index: int, main: bool) -> dict[str, Any]:
+    """Every rank writes its shards of model ``index`` (a collective); the main rank lists them in the manifest
+    (DCP returns only once every rank's files are written) and returns the state.json entry."""
+    shards = _shard_directory("model", index)
+    save_model_shards(module, writer.directory / shards)
+    if main:
+        writer.record_tree(shards)
+    return {"format": SHARDED_MODEL, "aliases": {}, "grads": False}
+
+
+def read_sharded_model(module: nn.Module, reader: CheckpointReader, index: int) -> Callable[[], None]:
+    shards = _shard_directory("model", index)
+    reader.verify_tree(shards)
+    check_model_shapes(index, model_shapes(module), saved_shapes(reader.directory / shards))
+
+    def apply() -> None:
+        load_model_shards(module, reader.directory / shards)
+        for parameter in module.parameters():
+            parameter.grad = None  # a sharded checkpoint is taken at a step boundary: no gradients
+
+    return apply
+
+
+def save_sharded_optimizer(
+    module: nn.Module | None, optimizer: torch.optim.Optimizer, writer: CheckpointWriter, index: int, main: bool
+) -> dict[str, Any]:
+    """Every rank writes its shards of optimizer ``index``'s tensors (a collective); returns the state.json entry
+    with the rest (param groups, scalars)."""
+    if module is None:
+        raise CheckpointError(
+            "A sharded checkpoint saves each optimizer with the model it updates, but this optimizer's parameters "
+            "span several models: give each model its own optimizer."
+        )
+    shards = _shard_directory("optimizer", index)
+    rest = save_optimizer_shards(module, optimizer, writer.directory / shards)
+    if main:
+        writer.record_tree(shards)
+    return {"keyed_by": SHARDS, "state": rest}
+
+
+def read_sharded_optimizer(
+    module: nn.Module, optimizer: torch.optim.Optimizer, reader: CheckpointReader, index: int, rest: dict[str, Any]
+) -> Callable[[], None]:
+    shards = _shard_directory("optimizer", index)
+    reader.verify_tree(shards)
+    return lambda: load_optimizer_shards(module, optimizer, reader.directory / shards, rest)

@@ -1,0 +1,134 @@
+"""How model and optimizer state sits in a checkpoint: the full-state layout every strategy but FSDP writes, and
+reading any saved layout back.
+
+Each state.json entry names the layout that wrote it (``format`` for a model, ``keyed_by`` for an optimizer; the
+names are the on-disk ones of earlier cadence versions). A strategy chooses how it writes, but reads every layout:
+checkpoints move between strategies (an FSDP run resumes from a DDP checkpoint, one process reads FSDP shards), so
+reading follows the entry, not the strategy. The sharded layout's code (DCP) is imported only when one is read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from cadence.checkpoint.errors import CheckpointError
+from cadence.checkpoint.matching import mismatch
+from cadence.checkpoint.schema import check_optimizer_state
+from cadence.strategies.optimizer_state import indexed_optimizer_state
+
+if TYPE_CHECKING:
+    from cadence.checkpoint.files import CheckpointReader, CheckpointWriter
+    from cadence.strategies.base import Strategy
+
+Apply = Callable[[], None]
+"""The second half of a two-phase load: everything was read and checked; this changes the live objects."""
+
+FULL_MODEL = "safetensors"
+SHARDED_MODEL = "sharded"
+BY_INDEX = "index"
+"""Optimizer state as ``optimizer.state_dict()`` (its parameters span several models, so have no names)."""
+BY_NAME = "name"
+"""Optimizer state keyed by parameter name, so any sharding of the same model can load it."""
+SHARDS = "shards"
+
+
+def model_file(index: int) -> str:
+    return f"model_{index}.safetensors"
+
+
+def grad_file(index: int) -> str:
+    return f"model_{index}.grad.safetensors"
+
+
+def check_model_shapes(index: int, expected: dict[str, tuple[int, ...]], saved: dict[str, tuple[int, ...]]) -> None:
+    problem = mismatch(expected, saved)
+    if problem:
+        raise CheckpointError(
+            f"Model {index} does not match the checkpoint ({problem}). It was saved from a different "
+            "architecture: build the same model as the run that saved it."
+        )
+
+
+def write_full_model(
+    writer: CheckpointWriter, index: int, weights: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]
+) -> dict[str, Any]:
+    aliases = writer.write_tensors(model_file(index), weights)
+    if grads:
+        writer.write_tensors(grad_file(index), grads)
+    return {"format": FULL_MODEL, "aliases": aliases, "grads": bool(grads)}
+
+
+def read_model(
+    strategy: Strategy, module: nn.Module, reader: CheckpointReader, index: int, entry: dict[str, Any]
+) -> Apply:
+    if entry["format"] == SHARDED_MODEL:
+        from cadence.strategies.fsdp_checkpoint import read_sharded_model
+
+        return read_sharded_model(module, reader, index)
+    weights = reader.tensors(model_file(index), entry["aliases"])
+    expected = {name: tuple(tensor.shape) for name, tensor in module.state_dict().items()}
+    check_model_shapes(index, expected, {name: tuple(tensor.shape) for name, tensor in weights.items()})
+    grads = reader.tensors(grad_file(index)) if entry["grads"] else {}
+
+    def apply() -> None:
+        strategy.load_model_state_dict(module, weights)
+        # A checkpoint taken mid-accumulation-window carries the gradients so far; any other clears them.
+        for name, parameter in module.named_parameters():
+            parameter.grad = grads[name].to(parameter.device) if name in grads else None
+
+    return apply
+
+
+def full_optimizer_entry(
+    strategy: Strategy, module: nn.Module | None, optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
+    if module is None:
+        return {"keyed_by": BY_INDEX, "state": optimizer.state_dict()}
+    return {"keyed_by": BY_NAME, "state": strategy.optimizer_state_dict(module, optimizer)}
+
+
+def read_optimizer(
+    strategy: Strategy,
+    module: nn.Module | None,
+    optimizer: torch.optim.Optimizer,
+    reader: CheckpointReader,
+    index: int,
+    entry: dict[str, Any],
+) -> Apply:
+    if entry["keyed_by"] == SHARDS:
+        from cadence.strategies.fsdp_checkpoint import read_sharded_optimizer
+
+        return read_sharded_optimizer(_named_owner(index, module), optimizer, reader, index, entry["state"])
+    state = check_optimizer_state(entry["state"], str(reader.directory), f"optimizers[{index}].state")
+    if entry["keyed_by"] == BY_INDEX:
+        _check_group_sizes(index, optimizer, state)
+        return lambda: optimizer.load_state_dict(state)
+    owner = _named_owner(index, module)
+    try:
+        indexed_optimizer_state(owner, optimizer, state)
+    except ValueError as error:
+        raise CheckpointError(f"Optimizer {index} does not match the checkpoint: {error}") from error
+    return lambda: strategy.load_optimizer_state_dict(owner, optimizer, state)
+
+
+def _named_owner(index: int, module: nn.Module | None) -> nn.Module:
+    if module is None:
+        raise CheckpointError(
+            f"The checkpoint keys optimizer {index}'s state by parameter name, but its parameters now span several "
+            "models; prepare the optimizers as the run that saved it did."
+        )
+    return module
+
+
+def _check_group_sizes(index: int, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    saved = [len(group["params"]) for group in state["param_groups"]]
+    current = [len(group["params"]) for group in optimizer.param_groups]
+    if saved != current:
+        raise CheckpointError(
+            f"Optimizer {index} does not match the checkpoint: its parameter groups hold {current} parameters, "
+            f"the saved ones {saved}. Build the optimizer as the run that saved it did."
+        )
