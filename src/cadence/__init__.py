@@ -3,8 +3,9 @@
 from cadence.callback import Callback
 from cadence.checkpoint.export import load_checkpoint_in_model
 from cadence.checkpoint.files import CheckpointError
-from cadence.engine import Engine, seed_everything
+from cadence.engine import Engine
 from cadence.event import Event
+from cadence.inputs import seed_everything
 from cadence.state import State
 from cadence.step import TrainingStep
 

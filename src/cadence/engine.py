@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
-import random
-import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
@@ -16,16 +13,15 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 from torch.optim import Optimizer
-from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from torch.utils.data import DataLoader
 
 from cadence.callback import Callback, Dispatcher
 from cadence.checkpoint.engine_state import load_engine_state, save_engine_state
-from cadence.checkpoint.errors import CheckpointCorrupted, CheckpointError
 from cadence.checkpoint.export import save_weights
 from cadence.checkpoint.layout import CheckpointDirectory
 from cadence.data import check_shardable, draw_seed, make_batch_mover, to_stateful
 from cadence.event import Event
+from cadence.inputs import PREPARABLE, check_engine_arguments, check_loss, is_preparable, is_scheduler, seed_everything
 from cadence.loop import run_fit
 from cadence.precision import Precision
 from cadence.state import State
@@ -33,8 +29,6 @@ from cadence.step import TrainingStep
 from cadence.strategies import ReduceOp, Strategy, resolve_strategy
 from cadence.strategies.distributed import DEFAULT_TIMEOUT
 from cadence.wrappers import PreparedDataLoader, PreparedModule, PreparedOptimizer, PreparedScheduler
-
-_PREPARABLE = "torch.nn.Module, torch.optim.Optimizer, torch.utils.data.DataLoader, or an LR scheduler"
 
 
 class Engine:
@@ -65,7 +59,7 @@ class Engine:
         checkpoint_total_limit: int | None = None,
         timeout: timedelta = DEFAULT_TIMEOUT,
     ) -> None:
-        _check_engine_arguments(seed, project_dir, progress_bar, checkpoint_total_limit, timeout)
+        check_engine_arguments(seed, project_dir, progress_bar, checkpoint_total_limit, timeout)
         self.strategy = resolve_strategy(strategy, accelerator, timeout)
         self.state = State()
         self.seed = seed
@@ -179,7 +173,10 @@ class Engine:
         """Detach a callback; its hooks are not called again."""
         self._dispatcher.detach(callback)
 
-    def _fire(self, event: Event) -> None:
+    def fire(self, event: Event) -> None:
+        """Call every attached callback's hook for ``event``, in order. The engine, its prepared objects and
+        ``fit()`` fire every event at its documented point (``cadence.event``); a hand-written loop never needs
+        to, and a callback must not (firing from inside a hook re-enters the dispatch)."""
         self._dispatcher.fire(event, self)
 
     def is_training(self) -> bool:
@@ -200,14 +197,14 @@ class Engine:
         To decide yourself, set ``loader.drives_training = True`` or ``False`` (``fit()`` does so for its loaders).
         """
         for obj in objects:
-            if not _is_preparable(obj):
+            if not is_preparable(obj):
                 raise TypeError(
                     f"engine.prepare() got a {type(obj).__module__}.{type(obj).__qualname__}; it accepts "
-                    f"{_PREPARABLE}. Pass the PyTorch objects themselves."
+                    f"{PREPARABLE}. Pass the PyTorch objects themselves."
                 )
         prepared: list[Any] = [None] * len(objects)
         # Schedulers last: they need their optimizer prepared, wherever it stands in the argument list.
-        order = sorted(range(len(objects)), key=lambda index: _is_scheduler(objects[index]))
+        order = sorted(range(len(objects)), key=lambda index: is_scheduler(objects[index]))
         for index in order:
             prepared[index] = self._prepare_one(objects[index])
         return prepared[0] if len(prepared) == 1 else tuple(prepared)
@@ -280,18 +277,18 @@ class Engine:
                 "engine.backward() was called before any model was prepared. Call "
                 "`model, optimizer = engine.prepare(model, optimizer)` first and train the returned model."
             )
-        _check_loss(loss)
+        check_loss(loss)
         state = self.state
         state.loss = loss.detach()
         state.watch_loss(state.loss)
         state.num_items = num_items
         state.loss_divisor = 1
-        self._fire(Event.BEFORE_BACKWARD)
+        self.fire(Event.BEFORE_BACKWARD)
         divisor = state.loss_divisor
         if not (type(divisor) is int and divisor == 1):
             loss = loss / divisor
         self.strategy.backward(self._precision.scale_loss(loss))
-        self._fire(Event.AFTER_BACKWARD)
+        self.fire(Event.AFTER_BACKWARD)
 
     def autocast(self) -> AbstractContextManager[Any]:
         """The precision's autocast, for computations outside the prepared model (a loss function)."""
@@ -408,7 +405,7 @@ class Engine:
         if path is None and self.checkpoint_total_limit is not None and self.is_main_process:
             self.checkpoints.prune(keep=self.checkpoint_total_limit)
         self.state.checkpoint_dir = committed
-        self._fire(Event.SAVE_STATE)
+        self.fire(Event.SAVE_STATE)
         return committed
 
     def load_state(self, path: str | Path | None = None) -> Path:
@@ -419,11 +416,11 @@ class Engine:
             directory = Path(path)
             manifest = load_engine_state(self, directory)
         else:
-            directory, manifest = self._load_latest()
+            directory, manifest = self.checkpoints.load_latest(lambda path: load_engine_state(self, path))
         self.checkpoints.advance(int(manifest["checkpoint_number"]))
         self.state.checkpoint_dir = directory
         self.print(f"Resumed from {directory} at step {self.state.step} (epoch {self.state.epoch}).")
-        self._fire(Event.LOAD_STATE)
+        self.fire(Event.LOAD_STATE)
         return directory
 
     def save_model(
@@ -441,19 +438,6 @@ class Engine:
         if not self.is_main_process:
             return []
         return save_weights(state_dict, save_directory, max_shard_size, safe_serialization)
-
-    def _load_latest(self) -> tuple[Path, dict[str, Any]]:
-        # Every file is checked before anything is applied, so a damaged checkpoint leaves the engine untouched
-        # and the next older one can be tried.
-        problems = []
-        for _, directory in self.checkpoints.numbered():
-            try:
-                return directory, load_engine_state(self, directory)
-            except CheckpointCorrupted as error:
-                problems.append(str(error))
-                warnings.warn(f"Skipping {directory.name}: {error}", UserWarning, stacklevel=3)
-        detail = f" Checked: {' | '.join(problems)}" if problems else ""
-        raise CheckpointError(f"No valid checkpoint in {self.checkpoints.root}.{detail}")
 
     # --- metrics -------------------------------------------------------------------------------------------
     def log(self, name: str, value: Any) -> None:
@@ -486,61 +470,3 @@ class Engine:
             self, step, train_dataloader, max_epochs=max_epochs, max_steps=max_steps,
             val_dataloader=val_dataloader, resume=resume,
         )  # fmt: skip
-
-
-def seed_everything(seed: int) -> None:
-    """Seed python's, numpy's (when installed) and torch's global generators (every device)."""
-    random.seed(seed)
-    try:
-        import numpy
-    except ImportError:
-        pass
-    else:
-        numpy.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def _check_engine_arguments(
-    seed: Any, project_dir: Any, progress_bar: Any, checkpoint_total_limit: Any, timeout: Any
-) -> None:
-    def refuse(name: str, expected: str, value: Any) -> None:
-        raise TypeError(f"Engine({name}=...) must be {expected}; got {type(value).__name__} {value!r}.")
-
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-        refuse("seed", "an int or None (e.g. seed=42)", seed)
-    if not isinstance(project_dir, (str, os.PathLike)):
-        refuse("project_dir", "a path (str or pathlib.Path)", project_dir)
-    if not isinstance(progress_bar, bool):
-        refuse("progress_bar", "True or False", progress_bar)
-    if checkpoint_total_limit is not None:
-        if not isinstance(checkpoint_total_limit, int) or isinstance(checkpoint_total_limit, bool):
-            refuse("checkpoint_total_limit", "an int or None (e.g. checkpoint_total_limit=3)", checkpoint_total_limit)
-        if checkpoint_total_limit < 1:
-            raise ValueError(f"checkpoint_total_limit must be at least 1 or None; got {checkpoint_total_limit}.")
-    if not isinstance(timeout, timedelta):
-        refuse("timeout", "a datetime.timedelta (e.g. timedelta(minutes=10))", timeout)
-
-
-def _is_scheduler(obj: Any) -> bool:
-    return isinstance(obj, (LRScheduler, ReduceLROnPlateau, PreparedScheduler))
-
-
-def _is_preparable(obj: Any) -> bool:
-    return isinstance(obj, (nn.Module, Optimizer, DataLoader, PreparedDataLoader, PreparedScheduler)) or _is_scheduler(
-        obj
-    )
-
-
-def _check_loss(loss: Any) -> None:
-    if not isinstance(loss, torch.Tensor):
-        raise TypeError(f"backward() needs the loss tensor; got {type(loss).__name__}.")
-    if loss.numel() != 1:
-        raise ValueError(
-            f"backward() needs a scalar loss; got shape {tuple(loss.shape)}. Reduce it first, e.g. `loss.mean()`."
-        )
-    if not loss.requires_grad:
-        raise ValueError(
-            "The loss does not require grad, so backward() would update nothing. It was computed under "
-            "torch.no_grad(), detached (.item()/.detach()), or from a model whose parameters are all frozen: "
-            "compute it from the prepared model's output with grad enabled."
-        )

@@ -1,8 +1,8 @@
 """``fit()``: the managed loop. Each batch goes through the engine's public imperative API (``prepare``,
 ``accumulate``, ``backward``, the prepared optimizer's ``step``/``zero_grad``; see ``cadence.Event``), so a
-callback behaves the same here as in a hand-written loop. Not everything here is public API: the loop-level events
-(``FIT_START``, ``EXCEPTION``, ``FIT_END``, ``VALIDATION_START``/``_END``) fire through the engine's private
-``_fire``, and the loaders a previous ``fit()`` prepared are tracked in private engine fields."""
+callback behaves the same here as in a hand-written loop; the loop-level events (``FIT_START``, ``EXCEPTION``,
+``FIT_END``, ``VALIDATION_START``/``_END``) go through ``engine.fire``. One thing is not public: the loaders a
+previous ``fit()`` prepared are tracked in private engine fields, because only ``fit()`` reuses or releases them."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def run_fit(
             f"This run already reached {_limits(max_epochs, max_steps)} (step {state.step}, {train_loader.epoch} "
             "epoch(s) done): nothing left to train. Raise max_epochs/max_steps to train further."
         )
-    engine._fire(Event.FIT_START)
+    engine.fire(Event.FIT_START)
     try:
         while not state.should_stop and (max_epochs is None or train_loader.epoch < max_epochs):
             model.train()
@@ -85,10 +85,10 @@ def run_fit(
                 _validate(engine, step, model, val_loader)
     except BaseException as error:
         state.exception = error
-        engine._fire(Event.EXCEPTION)
+        engine.fire(Event.EXCEPTION)
         raise
     finally:
-        engine._fire(Event.FIT_END)
+        engine.fire(Event.FIT_END)
         state.exception = None
     if state.non_finite_steps:
         warnings.warn(
@@ -182,7 +182,7 @@ def _unpack_training_output(engine: Engine, output: Any) -> tuple[torch.Tensor, 
 
 
 def _validate(engine: Engine, step: TrainingStep, model: nn.Module, loader: PreparedDataLoader) -> None:
-    engine._fire(Event.VALIDATION_START)
+    engine.fire(Event.VALIDATION_START)
     model.eval()
     sums: dict[str, torch.Tensor] = {}
     batches = 0
@@ -197,7 +197,7 @@ def _validate(engine: Engine, step: TrainingStep, model: nn.Module, loader: Prep
     if batches:
         engine.log_dict({f"val/{name}": engine.reduce(total / batches).item() for name, total in sums.items()})
     model.train()
-    engine._fire(Event.VALIDATION_END)
+    engine.fire(Event.VALIDATION_END)
 
 
 def _default_progress_bar(engine: Engine) -> Callback | None:

@@ -14,14 +14,14 @@ from cadence.event import Event
 
 if TYPE_CHECKING:
     from cadence.data import BatchMover
-    from cadence.engine import Engine
+    from cadence.surface import RunSurface
 
 
 class PreparedModule(nn.Module):
     """Runs the wrapped module's forward under the precision's autocast. Used only when the precision needs it,
     so a full-precision model costs no extra call."""
 
-    def __init__(self, module: nn.Module, engine: Engine) -> None:
+    def __init__(self, module: nn.Module, engine: RunSurface) -> None:
         super().__init__()
         self.module = module
         self._engine = engine
@@ -48,7 +48,7 @@ class PreparedOptimizer(Optimizer):
     skip on overflow), records the outcome and fires ``AFTER_OPTIMIZER_STEP``.
     """
 
-    def __init__(self, optimizer: Optimizer, engine: Engine) -> None:
+    def __init__(self, optimizer: Optimizer, engine: RunSurface) -> None:
         # Optimizer.__init__ is deliberately not called: this object owns no parameters, it forwards to `optimizer`.
         self.optimizer = optimizer
         self._engine = engine
@@ -102,7 +102,7 @@ class PreparedOptimizer(Optimizer):
             return None
         self.ready_gradients()
         state.optimizer = self
-        engine._fire(Event.BEFORE_OPTIMIZER_STEP)
+        engine.fire(Event.BEFORE_OPTIMIZER_STEP)
         reason = state.take_veto()
         reason = engine.precision.step(self.optimizer, closure, skip_reason=reason)
         self.gradients_ready = False
@@ -113,7 +113,7 @@ class PreparedOptimizer(Optimizer):
             state.record_update()
         else:
             state.record_skip(reason)
-        engine._fire(Event.AFTER_OPTIMIZER_STEP)
+        engine.fire(Event.AFTER_OPTIMIZER_STEP)
         state.optimizer = None
         return None
 
@@ -188,7 +188,7 @@ class PreparedDataLoader:
     which ``engine.gather_for_metrics`` reads to drop padding).
     """
 
-    def __init__(self, loader: Any, engine: Engine, mover: BatchMover) -> None:
+    def __init__(self, loader: Any, engine: RunSurface, mover: BatchMover) -> None:
         self.loader = loader
         self.cursor = DataCursor(loader)
         self._engine = engine
@@ -268,7 +268,7 @@ class PreparedDataLoader:
     def _training_batches(self, batches: Iterator[tuple[Any, bool]]) -> Iterator[Any]:
         engine = self._engine
         state = engine.state
-        fire = engine._fire
+        fire = engine.fire
         move = self._move
         state.num_batches = self.cursor.num_batches()
         state.epoch = self.cursor.epoch

@@ -13,7 +13,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -32,8 +32,42 @@ from cadence.checkpoint.rng import capture_rng_states, restore_rng_states
 from cadence.checkpoint.schema import check_rank, check_run_fields, check_shared
 
 if TYPE_CHECKING:
-    from cadence.engine import Engine
-    from cadence.wrappers import PreparedOptimizer
+    from collections.abc import Sequence
+
+    from cadence.callback import Callback
+    from cadence.checkpoint.layout import CheckpointDirectory
+    from cadence.state import State
+    from cadence.strategies.base import Strategy
+    from cadence.wrappers import PreparedDataLoader, PreparedOptimizer, PreparedScheduler
+
+
+class Checkpointed(Protocol):
+    """What a checkpoint saves and restores, as ``Engine`` exposes it publicly (so this module needs no engine)."""
+
+    strategy: Strategy
+    state: State
+    checkpoints: CheckpointDirectory
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def is_main_process(self) -> bool: ...
+    @property
+    def models(self) -> Sequence[nn.Module]: ...
+    @property
+    def optimizers(self) -> Sequence[PreparedOptimizer]: ...
+    @property
+    def schedulers(self) -> Sequence[PreparedScheduler]: ...
+    @property
+    def callbacks(self) -> Sequence[Callback]: ...
+    @property
+    def registered(self) -> Sequence[Any]: ...
+    @property
+    def dataloaders(self) -> Sequence[PreparedDataLoader]: ...
+    def unwrap_model(self, model: nn.Module) -> nn.Module: ...
+
 
 SHARED_JSON = "state.json"
 SHARED_TENSORS = "state.safetensors"
@@ -43,7 +77,7 @@ def _rank_files(rank: int) -> tuple[str, str]:
     return f"rank_{rank}.json", f"rank_{rank}.safetensors"
 
 
-def save_engine_state(engine: Engine, target: Path | None, number: int) -> tuple[Path, int]:
+def save_engine_state(engine: Checkpointed, target: Path | None, number: int) -> tuple[Path, int]:
     """Write the engine's complete state as a committed checkpoint at ``target``, or, when ``target`` is None, at
     the first free ``checkpoint_{n}`` of ``engine.checkpoints`` from ``n = number`` on; returns the directory and
     its number.
@@ -90,7 +124,7 @@ def save_engine_state(engine: Engine, target: Path | None, number: int) -> tuple
         raise
 
 
-def _owner(engine: Engine, optimizer: PreparedOptimizer) -> nn.Module | None:
+def _owner(engine: Checkpointed, optimizer: PreparedOptimizer) -> nn.Module | None:
     """The prepared model whose parameters this optimizer updates (``None`` when they span several)."""
     wanted = {id(p) for group in optimizer.param_groups for p in group["params"]}
     for model in engine.models:
@@ -101,7 +135,7 @@ def _owner(engine: Engine, optimizer: PreparedOptimizer) -> nn.Module | None:
 
 
 def _write_shared(
-    engine: Engine, writer: CheckpointWriter, models: list[dict[str, Any]], optimizers: list[dict[str, Any]]
+    engine: Checkpointed, writer: CheckpointWriter, models: list[dict[str, Any]], optimizers: list[dict[str, Any]]
 ) -> None:
     tensors: dict[str, torch.Tensor] = {}
     shared = {
@@ -119,7 +153,7 @@ def _write_shared(
     writer.write_json(SHARED_JSON, shared)
 
 
-def _write_rank(engine: Engine, writer: CheckpointWriter) -> None:
+def _write_rank(engine: Checkpointed, writer: CheckpointWriter) -> None:
     tensors: dict[str, torch.Tensor] = {}
     per_rank = {
         "rng": encode(capture_rng_states(), tensors, "rng"),
@@ -130,7 +164,7 @@ def _write_rank(engine: Engine, writer: CheckpointWriter) -> None:
     writer.write_json(rank_json, per_rank)
 
 
-def load_engine_state(engine: Engine, directory: Path) -> dict[str, Any]:
+def load_engine_state(engine: Checkpointed, directory: Path) -> dict[str, Any]:
     """Restore the engine from a committed checkpoint; returns its manifest.
 
     Every file is read and checked against the manifest, every document's structure is checked, every value is
@@ -213,7 +247,7 @@ def load_engine_state(engine: Engine, directory: Path) -> dict[str, Any]:
 
 
 def _read_optimizers(
-    engine: Engine, reader: CheckpointReader, saved: list[Any], tensors: dict[str, torch.Tensor]
+    engine: Checkpointed, reader: CheckpointReader, saved: list[Any], tensors: dict[str, torch.Tensor]
 ) -> list[Callable[[], None]]:
     origin = reader.directory / SHARED_JSON
     entries = [decoded(entry, tensors, origin, f"optimizer {index}") for index, entry in enumerate(saved)]

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import re
 import shutil
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cadence.checkpoint.commit import check_replaceable, is_checkpoint, remove_abandoned, temporary_name
-from cadence.checkpoint.errors import CheckpointError
+from cadence.checkpoint.errors import CheckpointCorrupted, CheckpointError
 
 if TYPE_CHECKING:
     from cadence.checkpoint.files import CheckpointWriter
@@ -73,6 +75,21 @@ class CheckpointDirectory:
             return writer.commit(files, checkpoint_number=number, **manifest), number, None
         except CheckpointError as error:
             return None, -1, str(error)
+
+    def load_latest(self, load: Callable[[Path], dict[str, Any]]) -> tuple[Path, dict[str, Any]]:
+        """``load(directory)`` of the newest checkpoint it accepts, and its manifest. ``load`` checks every file and
+        structure before it applies anything, so a damaged or malformed checkpoint (``CheckpointCorrupted``)
+        leaves the run untouched and is skipped with a warning for the next older one; any other refusal (a
+        checkpoint that does not fit this run) stops the search."""
+        problems = []
+        for _, directory in self.numbered():
+            try:
+                return directory, load(directory)
+            except CheckpointCorrupted as error:
+                problems.append(str(error))
+                warnings.warn(f"Skipping {directory.name}: {error}", UserWarning, stacklevel=3)
+        detail = f" Checked: {' | '.join(problems)}" if problems else ""
+        raise CheckpointError(f"No valid checkpoint in {self.root}.{detail}")
 
     def prune(self, keep: int) -> None:
         """Delete all but the newest ``keep`` checkpoints (only ``checkpoint_{n}`` directories with a manifest:

@@ -20,7 +20,6 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from cadence.callback import Callback
 from cadence.engine import Engine
-from cadence.event import Event
 from cadence.state import State
 from cadence.step import TrainingStep
 from cadence.strategies.base import ReduceOp, Strategy
@@ -141,10 +140,6 @@ class FakeEngine(Engine):
         if owns_directory:
             # Only the directory this FakeEngine made itself is ever removed.
             weakref.finalize(self, shutil.rmtree, directory, ignore_errors=True)
-
-    def fire(self, event: Event) -> None:
-        """Run every callback's hook for ``event`` once, as the engine would at that point."""
-        self._fire(event)
 
     def run(
         self,

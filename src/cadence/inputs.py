@@ -1,0 +1,77 @@
+"""What users hand the engine, checked before anything changes: the Engine's arguments, objects to prepare, a
+loss to backpropagate; and ``seed_everything``."""
+
+from __future__ import annotations
+
+import os
+import random
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+from torch.utils.data import DataLoader
+
+from cadence.wrappers import PreparedDataLoader, PreparedScheduler
+
+PREPARABLE = "torch.nn.Module, torch.optim.Optimizer, torch.utils.data.DataLoader, or an LR scheduler"
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python's, numpy's (when installed) and torch's global generators (every device)."""
+    random.seed(seed)
+    try:
+        import numpy
+    except ImportError:
+        pass
+    else:
+        numpy.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def check_engine_arguments(
+    seed: Any, project_dir: Any, progress_bar: Any, checkpoint_total_limit: Any, timeout: Any
+) -> None:
+    def refuse(name: str, expected: str, value: Any) -> None:
+        raise TypeError(f"Engine({name}=...) must be {expected}; got {type(value).__name__} {value!r}.")
+
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        refuse("seed", "an int or None (e.g. seed=42)", seed)
+    if not isinstance(project_dir, (str, os.PathLike)):
+        refuse("project_dir", "a path (str or pathlib.Path)", project_dir)
+    if not isinstance(progress_bar, bool):
+        refuse("progress_bar", "True or False", progress_bar)
+    if checkpoint_total_limit is not None:
+        if not isinstance(checkpoint_total_limit, int) or isinstance(checkpoint_total_limit, bool):
+            refuse("checkpoint_total_limit", "an int or None (e.g. checkpoint_total_limit=3)", checkpoint_total_limit)
+        if checkpoint_total_limit < 1:
+            raise ValueError(f"checkpoint_total_limit must be at least 1 or None; got {checkpoint_total_limit}.")
+    if not isinstance(timeout, timedelta):
+        refuse("timeout", "a datetime.timedelta (e.g. timedelta(minutes=10))", timeout)
+
+
+def is_scheduler(obj: Any) -> bool:
+    return isinstance(obj, (LRScheduler, ReduceLROnPlateau, PreparedScheduler))
+
+
+def is_preparable(obj: Any) -> bool:
+    return isinstance(obj, (nn.Module, Optimizer, DataLoader, PreparedDataLoader, PreparedScheduler)) or is_scheduler(
+        obj
+    )
+
+
+def check_loss(loss: Any) -> None:
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"backward() needs the loss tensor; got {type(loss).__name__}.")
+    if loss.numel() != 1:
+        raise ValueError(
+            f"backward() needs a scalar loss; got shape {tuple(loss.shape)}. Reduce it first, e.g. `loss.mean()`."
+        )
+    if not loss.requires_grad:
+        raise ValueError(
+            "The loss does not require grad, so backward() would update nothing. It was computed under "
+            "torch.no_grad(), detached (.item()/.detach()), or from a model whose parameters are all frozen: "
+            "compute it from the prepared model's output with grad enabled."
+        )
