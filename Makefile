@@ -1,12 +1,13 @@
 # Two commands for a fresh machine with Python 3.10+ and make:
 #   make demo   install into .venv and run the quickstart example
 #   make test   install into .venv and run lint, type checks and the whole test suite
+# While working: make test-fast (lint, then the tests not marked slow: under a minute, no subprocesses).
 VENV := .venv
 PYTHON := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 SYSTEM_PYTHON ?= python3
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test test-fast lint bench clean
 
 $(INSTALLED): pyproject.toml constraints.txt
 	$(SYSTEM_PYTHON) -m venv $(VENV)
@@ -23,6 +24,11 @@ lint: $(INSTALLED)
 
 test: lint
 	$(PYTHON) -m pytest -q
+
+test-fast: $(INSTALLED)
+	$(VENV)/bin/ruff check src callbacks tests examples benchmarks
+	$(VENV)/bin/ruff format --check src callbacks tests examples benchmarks
+	$(PYTHON) -m pytest -q -m "not slow"
 
 bench: $(INSTALLED)
 	$(PYTHON) -m pip install --quiet --constraint constraints.txt --editable ".[dev,bench]"

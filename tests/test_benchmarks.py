@@ -6,7 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # each test starts Python in a subprocess
 
 
 def run_checkpoint_benchmark(directory: Path, *arguments: str) -> str:

@@ -45,6 +45,7 @@ def test_resumable_sampler_order_depends_on_seed_and_epoch_only() -> None:
         ResumableBatchSampler(10, 0, shuffle=False, drop_last=False, seed=0)
 
 
+@pytest.mark.slow  # iterating starts two worker processes
 def test_conversion_keeps_batching_workers_and_collation() -> None:
     def collate(items: list[Any]) -> list[int]:
         return [int(item[0]) for item in items]
@@ -62,7 +63,7 @@ def test_custom_samplers_are_kept() -> None:
 
 
 @pytest.mark.parametrize("loader_class", [DataLoader, StatefulDataLoader])
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])  # 2: worker processes
 def test_mid_epoch_state_resumes_with_exactly_the_remaining_batches(workers: int, loader_class: type) -> None:
     def prepared() -> Any:
         return engine().prepare(loader_class(ids_dataset(), batch_size=4, shuffle=True, num_workers=workers))

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # each test starts Python in a subprocess
 
 
 def run_example(name: str, *args: str) -> str:

@@ -4,7 +4,6 @@ padding, collectives are real."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,20 +16,50 @@ from cadence.data import ResumableBatchSampler
 from cadence.testing.spawn import spawn
 from tests.distributed import workers
 
-pytestmark = pytest.mark.slow
+STEPS, PER_RANK = 4, 4  # the gradient comparison
+GLOBAL_BATCH = 8  # the checkpoints moved between world sizes
 
 
-def test_collectives_are_real() -> None:
-    results = spawn(2, workers.collectives)
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Any]]:
+    """Every 2-rank job of this module, run in one start of 2 ranks, and the single-process runs the checkpoint
+    test pairs with them; each job's results in rank order, by name."""
+    root = tmp_path_factory.mktemp("ddp")
+    saved_with_1, saved_with_2 = str(root / "saved_with_1"), str(root / "saved_with_2")
+    single = {"saved with 1": [workers.train_and_save(saved_with_1, 3, GLOBAL_BATCH, "single")]}
+    ranks = spawn(
+        2,
+        workers.run_jobs,
+        [
+            ("collectives", workers.collectives, ()),
+            ("gradients", workers.ddp_gradients, (STEPS, PER_RANK)),
+            ("accumulate with no_sync", workers.accumulate, (True,)),
+            ("accumulate syncing always", workers.accumulate, (False,)),
+            ("saved with 2", workers.train_and_save, (saved_with_2, 3, GLOBAL_BATCH // 2)),
+            ("2 resumed from 2", workers.resume, (saved_with_2, GLOBAL_BATCH // 2)),
+            ("2 resumed from 1", workers.resume, (saved_with_1, GLOBAL_BATCH // 2)),
+            ("uneven", workers.evaluate_uneven, (11, 3)),  # 11 samples: global batches of 6, then 5 (+1 padding)
+            ("item count", workers.item_count_accumulation, (2,)),
+        ],
+        timeout=600.0,
+    )
+    single["1 resumed from 2"] = [workers.resume(saved_with_2, GLOBAL_BATCH, "single")]
+    return {**workers.results_by_job(ranks), **single}
+
+
+@pytest.mark.slow
+def test_collectives_are_real(jobs: dict[str, list[Any]]) -> None:
+    results = jobs["collectives"]
     assert [r["gather"] for r in results] == [[0, 0, 1, 1]] * 2
     assert [(r["mean"], r["sum"], r["max"]) for r in results] == [(0.5, 1.0, 1.0)] * 2
     assert [r["broadcast"] for r in results] == [{"from": 0}] * 2
     assert [r["main"] for r in results] == [True, False]
 
 
-def test_ddp_gradients_equal_a_single_process_at_every_step() -> None:
-    steps, per_rank = 4, 4
-    results = spawn(2, workers.ddp_gradients, steps, per_rank)
+@pytest.mark.slow
+def test_ddp_gradients_equal_a_single_process_at_every_step(jobs: dict[str, list[Any]]) -> None:
+    steps, per_rank = STEPS, PER_RANK
+    results = jobs["gradients"]
     # Ground truth: one process on the same global batches (the sampler's order, 2 x 4 samples a step).
     sampler = ResumableBatchSampler(workers.SAMPLES, per_rank * 2, shuffle=True, drop_last=False, seed=0)
     net = workers.model()
@@ -47,9 +76,10 @@ def test_ddp_gradients_equal_a_single_process_at_every_step() -> None:
         optimizer.zero_grad()
 
 
-def test_accumulation_with_no_sync_equals_syncing_every_micro_step() -> None:
-    with_no_sync = spawn(2, workers.accumulate, True)
-    always_sync = spawn(2, workers.accumulate, False)
+@pytest.mark.slow
+def test_accumulation_with_no_sync_equals_syncing_every_micro_step(jobs: dict[str, list[Any]]) -> None:
+    with_no_sync = jobs["accumulate with no_sync"]
+    always_sync = jobs["accumulate syncing always"]
     for rank in range(2):
         for a, b in zip(with_no_sync[rank], always_sync[rank], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
@@ -57,14 +87,14 @@ def test_accumulation_with_no_sync_equals_syncing_every_micro_step() -> None:
         assert torch.equal(a, b)  # replicas stay identical
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("saved_with", "resumed_with"), [(2, 2), (2, 1), (1, 2)])
 def test_checkpoint_resumes_the_global_sample_order_across_world_sizes(
-    tmp_path: Path, saved_with: int, resumed_with: int
+    jobs: dict[str, list[Any]], saved_with: int, resumed_with: int
 ) -> None:
-    directory = str(tmp_path / "checkpoint")
-    global_batch = 8
-    saved = run(saved_with, workers.train_and_save, directory, 3, global_batch // saved_with)
-    resumed = run(resumed_with, workers.resume, directory, global_batch // resumed_with)
+    global_batch = GLOBAL_BATCH
+    saved = jobs[f"saved with {saved_with}"]
+    resumed = jobs[f"{resumed_with} resumed from {saved_with}"]
     assert resumed[0]["after"] == saved[0]["after"], "the resumed run saw another sample order"
     assert len(saved[0]["after"]) == 2 * workers.SAMPLES - 3 * global_batch  # no sample repeated or skipped
     for rank in range(resumed_with):
@@ -72,14 +102,9 @@ def test_checkpoint_resumes_the_global_sample_order_across_world_sizes(
             assert torch.equal(a, b)
 
 
-def run(world_size: int, fn: Any, *args: Any) -> list[Any]:
-    if world_size == 1:
-        return [fn(*args, "single")]
-    return spawn(world_size, fn, *args)
-
-
-def test_gather_for_metrics_drops_the_padding_of_an_uneven_last_batch() -> None:
-    results = spawn(2, workers.evaluate_uneven, 11, 3)  # 11 samples: global batches of 6, then 5 (+1 padding)
+@pytest.mark.slow
+def test_gather_for_metrics_drops_the_padding_of_an_uneven_last_batch(jobs: dict[str, list[Any]]) -> None:
+    results = jobs["uneven"]
     assert results[0] == results[1] == list(range(11))
 
 
@@ -101,9 +126,10 @@ def test_a_sampler_cadence_cannot_shard_is_refused() -> None:
         check_shardable(DataLoader(workers.dataset(4), batch_size=2, sampler=sampler))
 
 
-def test_item_count_accumulation_sums_items_across_ranks() -> None:
+@pytest.mark.slow
+def test_item_count_accumulation_sums_items_across_ranks(jobs: dict[str, list[Any]]) -> None:
     # 16 sequences, 2 per rank per micro-batch, 2 ranks, windows of 2: each step covers 8 sequences.
-    results = spawn(2, workers.item_count_accumulation, 2)
+    results = jobs["item count"]
     net = workers.token_model()
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
     tokens, mask = workers.token_data().tensors

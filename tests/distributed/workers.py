@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,28 @@ from cadence.callbacks import GradientAccumulation, GradientClipping
 from cadence.strategies.ddp import DDPStrategy
 
 SAMPLES = 32
+Job = tuple[str, Callable[..., Any], tuple[Any, ...]]
+
+
+def run_jobs(jobs: list[Job]) -> dict[str, Any]:
+    """Run a test module's jobs one after another on this rank, returning each job's result by its name.
+
+    Starting the ranks (a Python with torch each, then the process group) costs far more than any job here, so a
+    module starts them once. Every rank runs the same jobs in the same order, so their collectives pair up; each
+    job builds its own engine, model and data, and the first job to fail names itself in the error.
+    """
+    results: dict[str, Any] = {}
+    for name, fn, args in jobs:
+        try:
+            results[name] = fn(*args)
+        except Exception as error:
+            raise RuntimeError(f"distributed job {name!r} failed") from error
+    return results
+
+
+def results_by_job(ranks: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    """``run_jobs``' per-rank results regrouped as each job's results in rank order, as ``spawn`` returns them."""
+    return {name: [rank[name] for rank in ranks] for name in ranks[0]}
 
 
 def dataset(samples: int = SAMPLES) -> TensorDataset:
