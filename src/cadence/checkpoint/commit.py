@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import functools
 import hashlib
 import json
 import os
@@ -109,7 +110,9 @@ def check_replaceable(path: Path, caller: str = "save_state()") -> None:
         )
 
 
+@functools.cache
 def _libc_renameat2() -> Callable[..., int] | None:
+    """libc's ``renameat2``, looked up once per process: ``find_library`` runs ``ldconfig`` in a subprocess."""
     name = ctypes.util.find_library("c")
     if name is None:
         return None
