@@ -142,10 +142,12 @@ class RichProgressBar(Callback):
         if now >= self._next_draw_at:
             self._draw(engine, now)
             self._next_draw_at = now + self._interval
-        # Guess from the recent rate how many batches fill half the time left, so the clock is read a few times
-        # per redraw instead of at every batch, and a slowing loop is looked at again before it is late.
-        rate = self._planned / max(now - self._checked_at, 1e-9)
-        self._restart_countdown(max(1, math.ceil(rate * (self._next_draw_at - now) / 2)), now)
+        # Guess from the recent rate how many batches fill half the time left, but at most twice as many as last
+        # time: the clock is read a few times per redraw instead of at every batch, a slowing loop is looked at
+        # again before it is late, and a coarse clock that did not tick (nothing elapsed) cannot inflate the guess.
+        elapsed = now - self._checked_at
+        guess = self._planned * (self._next_draw_at - now) / (2 * elapsed) if elapsed > 0 else math.inf
+        self._restart_countdown(max(1, math.ceil(min(guess, 2 * self._planned))), now)
 
     def _restart_countdown(self, batches: int, now: float) -> None:
         self._countdown = self._planned = batches

@@ -4,6 +4,7 @@ batch costs it a countdown, not a clock read, a loss read or any formatting."""
 from __future__ import annotations
 
 import io
+import itertools
 import re
 import subprocess
 import sys
@@ -128,6 +129,24 @@ def test_the_clock_is_read_a_few_times_per_line_not_at_every_batch(clock: FakeCl
     engine.fit(TimedStep(clock, 2**-7), tiny_dataloader(batches=4000), max_epochs=1)
     assert drawn_positions(output.getvalue()) == [1, 1025, 2049, 3073, 4000]  # every 1,024 batches (8 s), the last
     assert clock.reads < 100  # about log2(1024) reads per line: the countdown halves towards the next line
+
+
+def test_a_coarse_clock_that_does_not_tick_every_batch_keeps_the_budget(clock: FakeClock) -> None:
+    class TicksEveryTenBatches(TimedStep):
+        batches = 0
+
+        def training_step(self, batch: Any) -> torch.Tensor:
+            self.batches += 1
+            self.seconds = 0.25 if self.batches % 10 == 0 else 0.0  # like a 15.6 ms clock under 1.5 ms batches
+            return super().training_step(batch)
+
+    output = io.StringIO()
+    bar = RichProgressBar(refresh_every_s=1.0, console=Console(file=output, force_terminal=False))
+    engine = Engine(accelerator="cpu", callbacks=[bar])
+    engine.fit(TicksEveryTenBatches(clock, 0.0), tiny_dataloader(batches=200), max_epochs=1)
+    times = [position // 10 * 0.25 for position in drawn_positions(output.getvalue())]
+    # 5 s of training: a line every second, not one at the start and one at the end.
+    assert len(times) == 6 and all(later - earlier >= 1.0 for earlier, later in itertools.pairwise(times[:-1]))
 
 
 class LossReads:
