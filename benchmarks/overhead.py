@@ -341,11 +341,12 @@ def plain_seconds_per_step(size: Size) -> float:
 
 def run_instrumented(name: str, size: Size, steps: int, native_step_s: float) -> None:
     """Child of ``--instructions``: count instructions only while ``steps`` steps of variant ``name`` run."""
-    slowdown = plain_seconds_per_step(size) / native_step_s
-    run = available_variants(live_refresh_s=LIVE_REFRESH_S * slowdown)[name]
-    run(size, 20)  # first-call costs stay out of the count
     control = ["callgrind_control", "--instr=on", str(os.getpid())]
     subprocess.run(control, check=True, capture_output=True)
+    # Timed while instrumented, as the measured steps run; its instructions are the same in both runs of the slope.
+    slowdown = plain_seconds_per_step(size) / native_step_s
+    run = available_variants(live_refresh_s=LIVE_REFRESH_S * slowdown)[name]
+    run(size, 20)  # first-call costs cancel out of the slope
     run(size, steps)
     subprocess.run([*control[:1], "--instr=off", str(os.getpid())], check=True, capture_output=True)
 
