@@ -1,23 +1,30 @@
 """Per-step overhead of cadence against a plain PyTorch loop (and Accelerate / Lightning Fabric when installed).
 
 Every variant trains the same MLP on the same synthetic data from a torch ``DataLoader(shuffle=True)``; the
-variants run interleaved, round after round, so machine noise hits them alike. Each is timed in CPU time of
-the thread (``time.thread_time``): with one torch thread and ``num_workers=0`` all of a step's work runs there,
-and time the hypervisor steals from a shared machine is not counted. Reported: the median µs per step
-over rounds is the best of the rounds, and its ratio to its baseline's best in the same run (the plain loop; for
-the feature row, the hand-written loop with the same features).
+variants run interleaved, round after round, so machine noise hits them alike. Each is timed in CPU time of the
+process (``time.process_time``): with one torch thread and ``num_workers=0`` a step's work runs in the main
+thread, any helper thread a variant starts (a display's refresh thread) is counted too, and time the hypervisor
+steals from a shared machine is not. Reported: the best of the rounds in µs per step, and its ratio to its
+baseline's best in the same run (the plain loop; for the feature row, the hand-written loop with the same features).
 
-    python benchmarks/overhead.py [--rounds 15] [--steps 150] [--threads 1] [--only tiny|medium]
+``fit()`` appears as a user gets it, with its default progress bar, both off a terminal (plain lines) and on one
+(the live bar, on a forced-terminal console writing to ``os.devnull``), next to ``Engine(progress_bar=False)``.
+
+    python benchmarks/overhead.py [--rounds 15] [--steps 150] [--threads 1] [--only tiny|medium] [--variant NAME]
     python benchmarks/overhead.py --instructions     # deterministic: instructions per step under callgrind
 
 ``--instructions`` runs each variant under ``valgrind --tool=callgrind`` at two step counts and reports the
 slope, instructions per step: the same on every run of the same machine and build, so a 1% overhead is visible
-where timings on a shared machine swing by 10%.
+where timings on a shared machine swing by 10%. The live bar redraws on a time budget, and a program under
+callgrind runs some 50x slower, so there its budget is stretched by the slowdown measured on the plain loop: it
+redraws as often per step as it would natively.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import os
 import re
 import subprocess
@@ -33,7 +40,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import cadence
-from cadence.callbacks import GradientAccumulation, GradientClipping, MixedPrecision
+from cadence.callbacks import GradientAccumulation, GradientClipping, MixedPrecision, RichProgressBar
+from cadence.callbacks.progress import LIVE_REFRESH_S
 from cadence.data import ResumableBatchSampler
 
 warnings.filterwarnings("ignore", message=".*set_vital.*")
@@ -72,14 +80,14 @@ def plain(size: Size, steps: int) -> float:
     model = make_model(size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loader = make_loader(size, steps)
-    start = time.thread_time()
+    start = time.process_time()
     for inputs, targets in loader:
         outputs = model(inputs)
         loss = nn.functional.mse_loss(outputs, targets)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-    return time.thread_time() - start
+    return time.process_time() - start
 
 
 def plain_same_sampler(size: Size, steps: int) -> float:
@@ -89,14 +97,14 @@ def plain_same_sampler(size: Size, steps: int) -> float:
     dataset = make_loader(size, steps).dataset
     sampler = ResumableBatchSampler(len(dataset), size.batch_size, shuffle=True, drop_last=False, seed=0)  # type: ignore[arg-type]
     loader = DataLoader(dataset, batch_sampler=sampler)
-    start = time.thread_time()
+    start = time.process_time()
     for inputs, targets in loader:
         outputs = model(inputs)
         loss = nn.functional.mse_loss(outputs, targets)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-    return time.thread_time() - start
+    return time.process_time() - start
 
 
 def cadence_loop(size: Size, steps: int) -> float:
@@ -104,7 +112,7 @@ def cadence_loop(size: Size, steps: int) -> float:
     model = make_model(size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loader = make_loader(size, steps)
-    start = time.thread_time()
+    start = time.process_time()
     model, optimizer, loader = engine.prepare(model, optimizer, loader)
     for inputs, targets in loader:
         with engine.accumulate(model):
@@ -112,7 +120,7 @@ def cadence_loop(size: Size, steps: int) -> float:
             engine.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
-    return time.thread_time() - start
+    return time.process_time() - start
 
 
 class RegressionStep(cadence.TrainingStep):
@@ -129,9 +137,34 @@ def cadence_fit(size: Size, steps: int) -> float:
     engine = cadence.Engine(accelerator="cpu", progress_bar=False)
     step = RegressionStep(size)
     loader = make_loader(size, steps)
-    start = time.thread_time()
+    start = time.process_time()
     engine.fit(step, loader, max_epochs=1)
-    return time.thread_time() - start
+    return time.process_time() - start
+
+
+def cadence_fit_default_bar(size: Size, steps: int) -> float:
+    """``fit()`` as a user gets it, stdout not a terminal: the default bar prints plain lines (to ``os.devnull``)."""
+    engine = cadence.Engine(accelerator="cpu")
+    step = RegressionStep(size)
+    loader = make_loader(size, steps)
+    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+        start = time.process_time()
+        engine.fit(step, loader, max_epochs=1)
+        return time.process_time() - start
+
+
+def cadence_fit_terminal_bar(size: Size, steps: int, refresh_every_s: float = LIVE_REFRESH_S) -> float:
+    """``fit()`` with the live bar a terminal gets (a forced-terminal console on ``os.devnull``)."""
+    from rich.console import Console
+
+    with open(os.devnull, "w") as sink:
+        bar = RichProgressBar(refresh_every_s=refresh_every_s, console=Console(file=sink, force_terminal=True))
+        engine = cadence.Engine(accelerator="cpu", callbacks=[bar])
+        step = RegressionStep(size)
+        loader = make_loader(size, steps)
+        start = time.process_time()
+        engine.fit(step, loader, max_epochs=1)
+        return time.process_time() - start
 
 
 def accelerate_loop(size: Size, steps: int) -> float:
@@ -141,14 +174,14 @@ def accelerate_loop(size: Size, steps: int) -> float:
     model = make_model(size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loader = make_loader(size, steps)
-    start = time.thread_time()
+    start = time.process_time()
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     for inputs, targets in loader:
         loss = nn.functional.mse_loss(model(inputs), targets)
         accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
-    return time.thread_time() - start
+    return time.process_time() - start
 
 
 def fabric_loop(size: Size, steps: int) -> float:
@@ -158,7 +191,7 @@ def fabric_loop(size: Size, steps: int) -> float:
     model = make_model(size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loader = make_loader(size, steps)
-    start = time.thread_time()
+    start = time.process_time()
     model, optimizer = fabric.setup(model, optimizer)
     loader = fabric.setup_dataloaders(loader)
     for inputs, targets in loader:
@@ -166,7 +199,7 @@ def fabric_loop(size: Size, steps: int) -> float:
         fabric.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
-    return time.thread_time() - start
+    return time.process_time() - start
 
 
 ACCUMULATION = 4
@@ -181,7 +214,7 @@ def plain_features(size: Size, steps: int) -> float:
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.99)
     scaler = torch.amp.GradScaler("cpu")
     loader = make_loader(size, steps)
-    start = time.thread_time()
+    start = time.process_time()
     batches = len(loader)
     for index, (inputs, targets) in enumerate(loader):
         window_start = index - index % ACCUMULATION
@@ -199,7 +232,7 @@ def plain_features(size: Size, steps: int) -> float:
             if scaler.get_scale() >= scale:
                 scheduler.step()
             optimizer.zero_grad()
-    return time.thread_time() - start
+    return time.process_time() - start
 
 
 class FeatureStep(RegressionStep):
@@ -216,17 +249,25 @@ def cadence_features(size: Size, steps: int) -> float:
     )
     step = FeatureStep(size)
     loader = make_loader(size, steps)
-    start = time.thread_time()
+    start = time.process_time()
     engine.fit(step, loader, max_epochs=1)
-    return time.thread_time() - start
+    return time.process_time() - start
 
 
-def available_variants() -> dict[str, Callable[[Size, int], float]]:
+FIT_NO_BAR = "cadence fit(), progress_bar=False"
+FIT_PLAIN_LINES = "cadence fit(), default bar, not a terminal"
+FIT_LIVE_BAR = "cadence fit(), default bar, on a terminal"
+
+
+def available_variants(live_refresh_s: float = LIVE_REFRESH_S) -> dict[str, Callable[[Size, int], float]]:
+    """Every variant; the live bar redraws every ``live_refresh_s`` seconds (stretched under callgrind)."""
     variants: dict[str, Callable[[Size, int], float]] = {
         "plain PyTorch": plain,
         "plain PyTorch, cadence's sampler": plain_same_sampler,
-        "cadence loop": cadence_loop,
-        "cadence fit()": cadence_fit,
+        "cadence imperative loop": cadence_loop,
+        FIT_NO_BAR: cadence_fit,
+        FIT_PLAIN_LINES: cadence_fit_default_bar,
+        FIT_LIVE_BAR: functools.partial(cadence_fit_terminal_bar, refresh_every_s=live_refresh_s),
         FEATURES_BASELINE: plain_features,
         "cadence fit() + the same 3 callbacks": cadence_features,
     }
@@ -250,40 +291,71 @@ def baseline_of(name: str) -> str:
     return FEATURES_BASELINE if "3 callbacks" in name else "plain PyTorch"
 
 
-def measure(size: Size, rounds: int, steps: int) -> dict[str, tuple[float, float]]:
+def measure(size: Size, rounds: int, steps: int, names: list[str] | None) -> dict[str, tuple[float, float]]:
     """Best-of-rounds µs/step per variant, and its ratio to its baseline's best.
 
-    Even in thread CPU time, the same loop's rounds spread by about 10% on a shared machine; the minimum over many
-    short interleaved rounds is the most repeatable estimate of a loop's own cost (as ``timeit`` uses).
+    Even in CPU time, the same loop's rounds spread by about 10% on a shared machine; the minimum over many short
+    interleaved rounds is the most repeatable estimate of a loop's own cost (as ``timeit`` uses). Each round starts
+    one variant later than the previous one, so no variant always runs right after the same neighbour.
     """
-    variants = available_variants()
+    variants = selected(available_variants(), names)
     for run in variants.values():  # warm-up: imports, allocator, first-call costs
         run(size, min(steps, 20))
+    order = list(variants)
     samples: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(rounds):
-        for name, run in variants.items():
-            samples[name].append(run(size, steps) / steps * 1e6)
+    for round_index in range(rounds):
+        shift = round_index % len(order)
+        for name in order[shift:] + order[:shift]:
+            samples[name].append(variants[name](size, steps) / steps * 1e6)
     best = {name: min(values) for name, values in samples.items()}
     return {name: (micros, micros / best[baseline_of(name)]) for name, micros in best.items()}
 
 
-INSTRUCTION_VARIANTS = ("plain PyTorch", "cadence fit()", FEATURES_BASELINE, "cadence fit() + the same 3 callbacks")
+def selected(variants: dict[str, Callable[[Size, int], float]], names: list[str] | None) -> dict[str, Any]:
+    """The variants named (with the baselines they are compared to), or all of them."""
+    if not names:
+        return variants
+    unknown = [name for name in names if name not in variants]
+    if unknown:
+        raise SystemExit(f"unknown --variant {unknown}; choose from {list(variants)}")
+    wanted = set(names) | {baseline_of(name) for name in names}
+    return {name: run for name, run in variants.items() if name in wanted}
 
 
-def run_instrumented(name: str, size: Size, steps: int) -> None:
+INSTRUCTION_VARIANTS = (
+    "plain PyTorch",
+    "cadence imperative loop",
+    FIT_NO_BAR,
+    FIT_PLAIN_LINES,
+    FIT_LIVE_BAR,
+    FEATURES_BASELINE,
+    "cadence fit() + the same 3 callbacks",
+)
+
+
+def plain_seconds_per_step(size: Size) -> float:
+    """The plain loop's best CPU time per step here (natively, or under callgrind in a child)."""
+    plain(size, 20)
+    return min(plain(size, 40) for _ in range(3)) / 40
+
+
+def run_instrumented(name: str, size: Size, steps: int, native_step_s: float) -> None:
     """Child of ``--instructions``: count instructions only while ``steps`` steps of variant ``name`` run."""
-    run = available_variants()[name]
-    run(size, 20)  # first-call costs stay out of the count
     control = ["callgrind_control", "--instr=on", str(os.getpid())]
     subprocess.run(control, check=True, capture_output=True)
+    # Timed while instrumented, as the measured steps run; its instructions are the same in both runs of the slope.
+    slowdown = plain_seconds_per_step(size) / native_step_s
+    run = available_variants(live_refresh_s=LIVE_REFRESH_S * slowdown)[name]
+    run(size, 20)  # first-call costs cancel out of the slope
     run(size, steps)
     subprocess.run([*control[:1], "--instr=off", str(os.getpid())], check=True, capture_output=True)
 
 
-def count_instructions(name: str, size: Size, steps: int) -> int:
+def count_instructions(name: str, size: Size, steps: int, native_step_s: float) -> int:
     command = [
         "valgrind", "--tool=callgrind", "--instr-atstart=no", "--callgrind-out-file=/dev/null",
         sys.executable, __file__, "--child", name, "--only", size.name, "--steps", str(steps),
+        "--native-step-s", repr(native_step_s),
     ]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, check=True)
     match = re.search(r"Collected : (\d+)", result.stderr)
@@ -292,10 +364,13 @@ def count_instructions(name: str, size: Size, steps: int) -> int:
     return int(match.group(1))
 
 
-def instructions_table(size: Size, low: int, high: int) -> None:
+def instructions_table(size: Size, low: int, high: int, names: list[str] | None) -> None:
+    native_step_s = plain_seconds_per_step(size)
+    wanted = [name for name in INSTRUCTION_VARIANTS if name in selected(available_variants(), names)]
     per_step = {
-        name: (count_instructions(name, size, high) - count_instructions(name, size, low)) / (high - low)
-        for name in INSTRUCTION_VARIANTS
+        name: (count_instructions(name, size, high, native_step_s) - count_instructions(name, size, low, native_step_s))
+        / (high - low)
+        for name in wanted
     }
     label = f"{size.name} MLP {'-'.join(map(str, size.widths))}, batch {size.batch_size}"
     print(f"instructions per step (callgrind, slope between {low} and {high} steps)")
@@ -310,23 +385,25 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--only", choices=[size.name for size in SIZES])
+    parser.add_argument("--variant", action="append", help="measure only this variant (and its baseline); repeatable")
     parser.add_argument("--instructions", action="store_true", help="count instructions under callgrind")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--native-step-s", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     sizes = {size.name: size for size in SIZES}
     if args.child:
-        run_instrumented(args.child, sizes[args.only or "tiny"], args.steps)
+        run_instrumented(args.child, sizes[args.only or "tiny"], args.steps, args.native_step_s)
         return
     if args.instructions:
-        instructions_table(sizes[args.only or "tiny"], low=50, high=150)
+        instructions_table(sizes[args.only or "tiny"], low=50, high=150, names=args.variant)
         return
     print(f"torch {torch.__version__}, {args.threads} thread(s), {args.rounds} rounds x {args.steps} steps, best round")
     print("| model | variant | µs/step | vs its baseline |\n|---|---|---:|---:|")
     for size in SIZES:
         if args.only and size.name != args.only:
             continue
-        results = measure(size, args.rounds, max(int(args.steps * size.steps_scale), 10))
+        results = measure(size, args.rounds, max(int(args.steps * size.steps_scale), 10), args.variant)
         label = f"{size.name} MLP {'-'.join(map(str, size.widths))}, batch {size.batch_size}"
         for name, (micros, ratio) in results.items():
             print(f"| {label} | {name} | {micros:,.0f} | {ratio:.3f}x |", flush=True)

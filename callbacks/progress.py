@@ -1,98 +1,121 @@
-"""``RichProgressBar``: epoch, step, loss, it/s and ETA on the main process."""
+"""``RichProgressBar``: epoch, batch, step, loss, it/s and ETA on the main process, for nearly nothing per batch.
+
+Between two redraws a batch costs the bar one integer decrement and one comparison: a countdown of batches runs
+to the next moment worth looking at (the n-th batch, or a clock check), and only then is the clock read, the loss
+fetched from the device and the line formatted. ``rich`` is imported when a fit first needs a console.
+"""
 
 from __future__ import annotations
 
+import math
 import sys
-import time
+from time import monotonic
 from typing import TYPE_CHECKING, Any
-
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
 
 from cadence import Callback
 
 if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.live import Live
+    from rich.text import Text
+
     from cadence import Engine
+
+LIVE_REFRESH_S = 0.1
+"""Default time between two redraws of the live bar: 10 redraws a second look continuous."""
+
+PLAIN_REFRESH_S = 10.0
+"""Default time between two plain lines off a terminal: a log file grows by a line every 10 seconds."""
+
+BAR_CELLS = 40
+"""Width of the live bar, in characters."""
+
+NEVER = -1
+"""A countdown that never reaches 0 (it only decreases): a bar on another rank, or one whose epoch has not begun."""
 
 
 class RichProgressBar(Callback):
-    """A live bar when stdout is a terminal; a plain line every ``refresh_every_n_batches`` batches otherwise
-    (CI logs, files). Ranks other than the main process show nothing.
+    """A live bar when stdout is a terminal; plain lines otherwise (CI logs, files). Ranks other than the main
+    process show nothing.
 
-    The loss is read (a device sync on GPUs) only when the display refreshes, never on every batch.
+    Each display shows the epoch, the batch within the epoch (``i/N``, counted from the epoch's start, also in a
+    resumed epoch), the optimizer step, the loss, the epoch's rate in batches per second and its ETA. The fit's
+    last position is shown when it ends (unless it raised), and validation metrics on a line of their own.
+
+    Args:
+        refresh_every_n_batches: draw at every n-th batch of an epoch (counted from the epoch's start) and at its
+            last batch: deterministic output, for logs compared across runs and for tests.
+        refresh_every_s: otherwise, draw at most once every this many seconds (the first batch of a fit is always
+            drawn). Default: ``LIVE_REFRESH_S`` (10 redraws/s) on a terminal, ``PLAIN_REFRESH_S`` off one.
+        console: the ``rich.console.Console`` to draw on; by default one on ``sys.stdout``, made when a fit starts.
+
+    The loss is read (a device sync on accelerators) only when drawing, never on every batch.
     """
 
     shows_progress = True
 
-    def __init__(self, refresh_every_n_batches: int = 20, console: Console | None = None) -> None:
-        if refresh_every_n_batches < 1:
-            raise ValueError(f"refresh_every_n_batches must be at least 1; got {refresh_every_n_batches}.")
+    def __init__(
+        self,
+        refresh_every_n_batches: int | None = None,
+        refresh_every_s: float | None = None,
+        console: Console | None = None,
+    ) -> None:
+        _check_refresh(refresh_every_n_batches, refresh_every_s)
         self.refresh_every_n_batches = refresh_every_n_batches
-        self.console = console if console is not None else Console(file=sys.stdout)
-        self._progress: Progress | None = None
-        self._task: TaskID | None = None
+        self.refresh_every_s = refresh_every_s
+        self.console = console
         self._active = False
+        self._live: Live | None = None
+        self._interval = PLAIN_REFRESH_S if refresh_every_s is None else refresh_every_s
+        self._countdown = NEVER
+        self._planned = 1
+        """The batches the countdown last started from: those run since the last clock check when it hits 0."""
+        self._next_draw_at = 0.0
+        self._checked_at = 0.0
         self._epoch_started = 0.0
-        self._batches = 0
+        self._epoch_start_position = 0
+        self._drawn_at: tuple[int, int] | None = None
 
     def setup(self, engine: Engine) -> None:
         self._active = engine.is_main_process
 
     def on_fit_start(self, engine: Engine) -> None:
-        if self._active and self.console.is_terminal:
-            self._progress = Progress(
-                TextColumn("[bold]epoch {task.fields[epoch]}"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("step {task.fields[step]}"),
-                TextColumn("loss {task.fields[loss]}"),
-                TextColumn("{task.fields[rate]} it/s"),
-                TimeRemainingColumn(),
-                console=self.console,
-            )
-            self._progress.start()
+        if not self._active:
+            return
+        console = self._console()
+        if console.is_terminal:
+            self._live = _live_display(console)
+            self._live.start()
+        if self.refresh_every_s is not None:
+            self._interval = self.refresh_every_s
+        else:
+            self._interval = LIVE_REFRESH_S if self._live is not None else PLAIN_REFRESH_S
+        self._countdown = NEVER  # set when the first epoch starts: a new fit draws its first batch again
+        self._drawn_at = (engine.state.epoch, engine.state.batch_idx)  # a fit that runs no batch draws nothing
 
     def on_epoch_start(self, engine: Engine) -> None:
         if not self._active:
             return
-        self._epoch_started = time.perf_counter()
-        self._batches = 0
-        if self._progress is not None:
-            if self._task is not None:
-                self._progress.remove_task(self._task)
-            state = engine.state
-            # A resumed epoch starts part-way: the bar shows the position within the epoch, not this process's count.
-            self._task = self._progress.add_task(
-                "train",
-                total=state.num_batches,
-                completed=state.batch_idx + 1,
-                epoch=state.epoch,
-                step=0,
-                loss="-",
-                rate="-",
-            )
+        state = engine.state
+        now = monotonic()
+        # A resumed epoch starts part-way: positions and the rate count from where this process started it.
+        self._epoch_started = now
+        self._epoch_start_position = position = state.batch_idx + 1
+        if self.refresh_every_n_batches is not None:
+            self._countdown = self.refresh_every_n_batches - position % self.refresh_every_n_batches
+        elif self._countdown == NEVER:  # the fit's first epoch (or a hand-written loop's): draw its first batch
+            self._restart_countdown(1, now)
+            self._next_draw_at = now
 
     def on_batch_end(self, engine: Engine) -> None:
-        if not self._active:
-            return
-        self._batches += 1
-        state = engine.state
-        position = state.batch_idx + 1
-        if position % self.refresh_every_n_batches and not state.is_last_batch:
-            if self._progress is not None and self._task is not None:
-                self._progress.advance(self._task)
-            return
-        fields = self._fields(engine)
-        if self._progress is not None and self._task is not None:
-            self._progress.update(self._task, completed=position, **fields)
-        else:
-            total = "?" if state.num_batches is None else str(state.num_batches)
-            self.console.print(
-                f"epoch {fields['epoch']} | batch {position}/{total} | step {fields['step']} | "
-                f"loss {fields['loss']} | {fields['rate']} it/s | ETA {fields['eta']}",
-                highlight=False,
-                soft_wrap=True,
-            )
+        # This decrement and comparison are all a batch costs until a draw or a clock check is due.
+        self._countdown -= 1
+        if not self._countdown:
+            self._countdown_reached(engine)
+
+    def on_epoch_end(self, engine: Engine) -> None:
+        if self._active and self.refresh_every_n_batches is not None and not self._drawn(engine):
+            self._draw(engine, monotonic())
 
     def on_validation_end(self, engine: Engine) -> None:
         if not self._active:
@@ -100,22 +123,108 @@ class RichProgressBar(Callback):
         shown = ", ".join(
             f"{name} {value:.4f}" for name, value in engine.state.metrics.items() if name.startswith("val/")
         )
-        self.console.print(f"epoch {engine.state.epoch} validation: {shown}", highlight=False, soft_wrap=True)
+        self._console().print(f"epoch {engine.state.epoch} validation: {shown}", highlight=False, soft_wrap=True)
 
     def on_fit_end(self, engine: Engine) -> None:
-        if self._progress is not None:
-            self._progress.stop()
-            self._progress = None
-            self._task = None
+        # After an exception the loss may not be readable (a failed device): the last display stays as it was.
+        if self._active and engine.state.exception is None and not self._drawn(engine):
+            self._draw(engine, monotonic())
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
 
-    def _fields(self, engine: Engine) -> dict[str, Any]:
+    def _countdown_reached(self, engine: Engine) -> None:
+        now = monotonic()
+        if self.refresh_every_n_batches is not None:
+            self._draw(engine, now)
+            self._countdown = self.refresh_every_n_batches
+            return
+        if now >= self._next_draw_at:
+            self._draw(engine, now)
+            self._next_draw_at = now + self._interval
+        # Guess from the recent rate how many batches fill half the time left, but at most twice as many as last
+        # time: the clock is read a few times per redraw instead of at every batch, a slowing loop is looked at
+        # again before it is late, and a coarse clock that did not tick (nothing elapsed) cannot inflate the guess.
+        elapsed = now - self._checked_at
+        guess = self._planned * (self._next_draw_at - now) / (2 * elapsed) if elapsed > 0 else math.inf
+        self._restart_countdown(max(1, math.ceil(min(guess, 2 * self._planned))), now)
+
+    def _restart_countdown(self, batches: int, now: float) -> None:
+        self._countdown = self._planned = batches
+        self._checked_at = now
+
+    def _drawn(self, engine: Engine) -> bool:
+        return self._drawn_at == (engine.state.epoch, engine.state.batch_idx)
+
+    def _draw(self, engine: Engine, now: float) -> None:
         state = engine.state
+        self._drawn_at = (state.epoch, state.batch_idx)
+        position = state.batch_idx + 1
         # The rate counts only the batches this process ran; the batches left count from the epoch's position.
-        elapsed = max(time.perf_counter() - self._epoch_started, 1e-9)
-        rate = self._batches / elapsed
+        rate = (position - self._epoch_start_position) / max(now - self._epoch_started, 1e-9)
         eta = "?"
         if state.num_batches is not None and rate > 0:
-            remaining = (state.num_batches - state.batch_idx - 1) / rate
-            eta = time.strftime("%H:%M:%S", time.gmtime(max(remaining, 0.0)))
-        loss = "-" if state.loss is None else f"{state.loss.item():.4f}"
-        return {"epoch": state.epoch, "step": state.step, "loss": loss, "rate": f"{rate:.1f}", "eta": eta}
+            eta = _clock_time((state.num_batches - position) / rate)
+        current_loss = state.loss
+        loss = "-" if current_loss is None else f"{current_loss.item():.4f}"
+        total = "?" if state.num_batches is None else str(state.num_batches)
+        counts = f"{position}/{total} | step {state.step} | loss {loss} | {rate:.1f} it/s | ETA {eta}"
+        if self._live is not None:
+            self._live.update(_bar_line(state.epoch, position, state.num_batches, counts), refresh=True)
+        else:
+            self._console().print(f"epoch {state.epoch} | batch {counts}", highlight=False, soft_wrap=True)
+
+    def _console(self) -> Console:
+        if self.console is None:
+            from rich.console import Console
+
+            self.console = Console(file=sys.stdout)
+        return self.console
+
+
+def _check_refresh(every_n_batches: int | None, every_s: float | None) -> None:
+    if every_n_batches is not None and every_s is not None:
+        raise ValueError(
+            f"Give RichProgressBar one refresh rule, not both (refresh_every_n_batches={every_n_batches}, "
+            f"refresh_every_s={every_s}): refresh_every_n_batches for deterministic lines, refresh_every_s for a "
+            "time budget."
+        )
+    if every_n_batches is not None and not (_is_number(every_n_batches, int) and every_n_batches >= 1):
+        raise ValueError(
+            f"refresh_every_n_batches must be an integer of at least 1; got {every_n_batches!r}. "
+            "Pass e.g. RichProgressBar(refresh_every_n_batches=20)."
+        )
+    if every_s is not None and not (_is_number(every_s, int | float) and math.isfinite(every_s) and every_s >= 0):
+        raise ValueError(
+            f"refresh_every_s must be a finite number of seconds, at least 0; got {every_s!r}. "
+            "Pass e.g. RichProgressBar(refresh_every_s=0.5), or refresh_every_n_batches=N for a line every N batches."
+        )
+
+
+def _is_number(value: object, kind: Any) -> bool:
+    return isinstance(value, kind) and not isinstance(value, bool)
+
+
+def _live_display(console: Console) -> Live:
+    from rich.live import Live
+
+    # It redraws only when the callback asks: no refresh thread competes with training for the interpreter.
+    return Live(console=console, auto_refresh=False)
+
+
+def _bar_line(epoch: int, position: int, total: int | None, counts: str) -> Text:
+    """One styled line: rendering it costs a fraction of a rich ``Progress`` table's layout."""
+    from rich.text import Text
+
+    if total is None:  # a dataloader without a length: counts only, no bar to fill
+        return Text.assemble((f"epoch {epoch} ", "bold"), counts)
+    done = BAR_CELLS if total == 0 else min(BAR_CELLS, BAR_CELLS * position // total)
+    return Text.assemble(
+        (f"epoch {epoch} ", "bold"), ("━" * done, "bar.complete"), ("━" * (BAR_CELLS - done), "bar.back"), f" {counts}"
+    )
+
+
+def _clock_time(seconds: float) -> str:
+    """``HH:MM:SS``, hours unbounded: an ETA of days must not wrap around to a few hours."""
+    whole = int(max(seconds, 0.0))
+    return f"{whole // 3600:02d}:{whole // 60 % 60:02d}:{whole % 60:02d}"

@@ -38,3 +38,21 @@ def test_checkpoint_benchmark_loads_mode_compares_the_three_loads(tmp_path: Path
     for name in ("cadence load_state", "accelerate load_state", "torch.load mmap + clone every tensor"):
         assert f"| {name} | " in output
     assert "as fast as Accelerate in" in output and list(tmp_path.iterdir()) == []
+
+
+def test_overhead_benchmark_compares_fit_with_and_without_its_default_bar() -> None:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "overhead.py"), "--only", "tiny", "--rounds", "1", "--steps", "10"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    rows = {line.split(" | ")[1]: line.split(" | ")[-1] for line in result.stdout.splitlines() if "tiny MLP" in line}
+    for name in (
+        "plain PyTorch",
+        "cadence imperative loop",
+        "cadence fit(), progress_bar=False",
+        "cadence fit(), default bar, not a terminal",
+        "cadence fit(), default bar, on a terminal",
+    ):
+        assert rows[name].endswith("x |"), rows  # measured, with its ratio to the plain loop of the same run
+    assert rows["plain PyTorch"] == "1.000x |"

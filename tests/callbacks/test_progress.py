@@ -1,9 +1,16 @@
-"""RichProgressBar: plain periodic lines off a terminal, a live bar on one, silence on other ranks."""
+"""RichProgressBar: plain periodic lines off a terminal, a live bar on one, silence on other ranks; between draws a
+batch costs it a countdown, not a clock read, a loss read or any formatting."""
 
 from __future__ import annotations
 
 import io
+import itertools
+import re
+import subprocess
+import sys
+import threading
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -11,7 +18,7 @@ import torch
 from rich.console import Console
 
 from cadence import Engine, Event
-from cadence.callbacks import Checkpoint, RichProgressBar
+from cadence.callbacks import Checkpoint, RichProgressBar, progress
 from cadence.testing import FakeEngine, TinyStep, tiny_dataloader
 from tests.helpers import RegressionStep, loader
 
@@ -52,9 +59,199 @@ def test_validation_line_lists_val_metrics() -> None:
     assert output.getvalue() == "epoch 0 validation: val/loss 0.5000\n"
 
 
-def test_bad_refresh_interval() -> None:
-    with pytest.raises(ValueError, match="at least 1"):
-        RichProgressBar(refresh_every_n_batches=0)
+@pytest.mark.parametrize("every_n", [0, -3, 1.5, True, "4"])
+def test_bad_refresh_interval(every_n: Any) -> None:
+    with pytest.raises(ValueError, match=r"integer of at least 1.*refresh_every_n_batches=20"):
+        RichProgressBar(refresh_every_n_batches=every_n)
+
+
+@pytest.mark.parametrize("seconds", [-0.5, float("nan"), float("inf"), False, "1"])
+def test_bad_refresh_seconds(seconds: Any) -> None:
+    with pytest.raises(ValueError, match=r"finite number of seconds, at least 0.*refresh_every_s=0.5"):
+        RichProgressBar(refresh_every_s=seconds)
+
+
+def test_two_refresh_rules_are_refused() -> None:
+    with pytest.raises(ValueError, match="one refresh rule, not both"):
+        RichProgressBar(refresh_every_n_batches=10, refresh_every_s=1.0)
+
+
+class FakeClock:
+    """Stands in for the bar's ``monotonic``: time moves only when a batch says so; it counts its reads."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.reads = 0
+
+    def __call__(self) -> float:
+        self.reads += 1
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    fake = FakeClock()
+    monkeypatch.setattr(progress, "monotonic", fake)
+    return fake
+
+
+class TimedStep(TinyStep):
+    """A training step that takes ``seconds`` on the fake clock."""
+
+    def __init__(self, clock: FakeClock, seconds: float) -> None:
+        super().__init__()
+        self.clock = clock
+        self.seconds = seconds
+
+    def training_step(self, batch: Any) -> torch.Tensor:
+        self.clock.now += self.seconds
+        return super().training_step(batch)
+
+
+def drawn_positions(text: str) -> list[int]:
+    """The batch positions the lines (plain or live) of ``text`` show, in order."""
+    return [int(position) for position in re.findall(r"(\d+)/(?:\d+|\?) \| step ", text)]
+
+
+def test_plain_lines_follow_the_time_budget(clock: FakeClock) -> None:
+    output = io.StringIO()
+    bar = RichProgressBar(refresh_every_s=1.0, console=Console(file=output, force_terminal=False))
+    engine = Engine(accelerator="cpu", callbacks=[bar])
+    engine.fit(TimedStep(clock, 0.25), tiny_dataloader(batches=22), max_epochs=1)
+    # The first batch, then the first batch at least 1 s (4 batches) after the previous line, then the fit's end.
+    assert drawn_positions(output.getvalue()) == [1, 5, 9, 13, 17, 21, 22]
+
+
+def test_the_clock_is_read_a_few_times_per_line_not_at_every_batch(clock: FakeClock) -> None:
+    output = io.StringIO()
+    bar = RichProgressBar(refresh_every_s=8.0, console=Console(file=output, force_terminal=False))
+    engine = Engine(accelerator="cpu", callbacks=[bar])
+    engine.fit(TimedStep(clock, 2**-7), tiny_dataloader(batches=4000), max_epochs=1)
+    assert drawn_positions(output.getvalue()) == [1, 1025, 2049, 3073, 4000]  # every 1,024 batches (8 s), the last
+    assert clock.reads < 100  # about log2(1024) reads per line: the countdown halves towards the next line
+
+
+def test_a_coarse_clock_that_does_not_tick_every_batch_keeps_the_budget(clock: FakeClock) -> None:
+    class TicksEveryTenBatches(TimedStep):
+        batches = 0
+
+        def training_step(self, batch: Any) -> torch.Tensor:
+            self.batches += 1
+            self.seconds = 0.25 if self.batches % 10 == 0 else 0.0  # like a 15.6 ms clock under 1.5 ms batches
+            return super().training_step(batch)
+
+    output = io.StringIO()
+    bar = RichProgressBar(refresh_every_s=1.0, console=Console(file=output, force_terminal=False))
+    engine = Engine(accelerator="cpu", callbacks=[bar])
+    engine.fit(TicksEveryTenBatches(clock, 0.0), tiny_dataloader(batches=200), max_epochs=1)
+    times = [position // 10 * 0.25 for position in drawn_positions(output.getvalue())]
+    # 5 s of training: a line every second, not one at the start and one at the end.
+    assert len(times) == 6 and all(later - earlier >= 1.0 for earlier, later in itertools.pairwise(times[:-1]))
+
+
+class LossReads:
+    """An engine the bar can drive by hand whose ``state.loss`` counts how often it is read."""
+
+    def __init__(self, num_batches: int) -> None:
+        self.reads = 0
+        self.is_main_process = True
+        self.state = SimpleNamespace(epoch=0, batch_idx=-1, step=0, num_batches=num_batches, exception=None)
+        engine = self
+
+        class CountingState(SimpleNamespace):
+            @property
+            def loss(self) -> torch.Tensor:
+                engine.reads += 1
+                return torch.tensor(0.25)
+
+        self.state = CountingState(**vars(self.state))
+
+    def train(self, bar: RichProgressBar, clock: FakeClock, batches: int, seconds: float) -> None:
+        bar.setup(self)  # type: ignore[arg-type]
+        bar.on_fit_start(self)  # type: ignore[arg-type]
+        bar.on_epoch_start(self)  # type: ignore[arg-type]
+        for _ in range(batches):
+            clock.now += seconds
+            self.state.batch_idx += 1
+            self.state.step += 1
+            bar.on_batch_end(self)  # type: ignore[arg-type]
+        bar.on_fit_end(self)  # type: ignore[arg-type]
+
+
+def test_the_loss_is_read_only_when_drawing(clock: FakeClock) -> None:
+    output = io.StringIO()
+    engine = LossReads(num_batches=300)
+    bar = RichProgressBar(refresh_every_s=1.0, console=Console(file=output, force_terminal=False))
+    engine.train(bar, clock, batches=300, seconds=0.1)
+    lines = output.getvalue().splitlines()
+    assert len(lines) == 31 and engine.reads == len(lines)  # batch 1, every 10th after it, and the last
+    assert all("loss 0.2500" in line for line in lines)
+
+
+def test_an_eta_of_days_does_not_wrap_around(clock: FakeClock) -> None:
+    output = io.StringIO()
+    bar = RichProgressBar(refresh_every_n_batches=1, console=Console(file=output, force_terminal=False))
+    LossReads(num_batches=10_001).train(bar, clock, batches=1, seconds=100.0)
+    assert output.getvalue().rstrip().endswith("| ETA 277:46:40")  # 10,000 batches left at 100 s each
+
+
+def test_default_refresh_is_10_per_second_on_a_terminal_and_every_10_seconds_off_it(clock: FakeClock) -> None:
+    shown = {}
+    for terminal in (True, False):
+        output = io.StringIO()
+        bar = RichProgressBar(console=Console(file=output, force_terminal=terminal, width=120))
+        Engine(accelerator="cpu", callbacks=[bar]).fit(TimedStep(clock, 1 / 32), tiny_dataloader(40), max_epochs=1)
+        # Stopping the live display renders its last line once more, in place.
+        shown[terminal] = list(dict.fromkeys(drawn_positions(output.getvalue())))
+    # Batches of 31.25 ms: 0.1 s after a redraw falls in the 4th batch, so every 4th is drawn; and the last one.
+    assert shown[True] == [1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 40]
+    assert shown[False] == [1, 40]
+
+
+def test_the_live_bar_starts_no_refresh_thread(clock: FakeClock) -> None:
+    threads = threading.active_count()
+    seen: list[int] = []
+
+    class CountsThreads(TimedStep):
+        def training_step(self, batch: Any) -> torch.Tensor:
+            seen.append(threading.active_count())
+            return super().training_step(batch)
+
+    console = Console(file=io.StringIO(), force_terminal=True, width=120)
+    Engine(accelerator="cpu", callbacks=[RichProgressBar(console=console)]).fit(
+        CountsThreads(clock, 0.05), tiny_dataloader(batches=4), max_epochs=1
+    )
+    assert seen == [threads] * 4
+
+
+def test_a_stop_mid_epoch_shows_the_last_position(tmp_path: Path) -> None:
+    output = io.StringIO()
+    bar = RichProgressBar(refresh_every_n_batches=4, console=Console(file=output, force_terminal=False))
+    Engine(accelerator="cpu", callbacks=[bar], project_dir=str(tmp_path)).fit(
+        TinyStep(), tiny_dataloader(batches=8), max_steps=6
+    )
+    lines = output.getvalue().splitlines()
+    assert [line.split(" | ")[1] for line in lines] == ["batch 4/8", "batch 6/8"]
+
+
+def test_a_dataloader_without_a_length_still_gets_its_epochs_last_line() -> None:
+    class Unsized(torch.utils.data.IterableDataset[Any]):
+        def __iter__(self) -> Any:
+            return iter(tiny_dataloader(batches=5))
+
+    output = io.StringIO()
+    bar = RichProgressBar(refresh_every_n_batches=2, console=Console(file=output, force_terminal=False))
+    Engine(accelerator="cpu", callbacks=[bar]).fit(
+        TinyStep(), torch.utils.data.DataLoader(Unsized(), batch_size=None), max_epochs=2
+    )
+    batches = [line.split(" | ")[:2] for line in output.getvalue().splitlines()]
+    assert batches == [[f"epoch {epoch}", f"batch {position}/?"] for epoch in (0, 1) for position in (2, 4, 5)]
+
+
+def test_importing_the_callbacks_does_not_import_rich() -> None:
+    code = "import sys, cadence.callbacks; print(sorted(m for m in sys.modules if m.split('.')[0] == 'rich'))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert result.stdout.strip() == "[]"
 
 
 def test_fit_uses_a_given_progress_bar_instead_of_the_default() -> None:
