@@ -26,6 +26,7 @@ def make_batch_mover(device: torch.device) -> BatchMover:
     Flat tuples and lists of tensors, the common case, skip the generic walk.
     """
     non_blocking = device.type == "cuda"
+    on_cpu = device.type == "cpu"
 
     def to_device(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(device, non_blocking=non_blocking)
@@ -35,6 +36,8 @@ def make_batch_mover(device: torch.device) -> BatchMover:
         if kind is torch.Tensor:
             return batch.to(device, non_blocking=non_blocking)
         if (kind is tuple or kind is list) and all(type(item) is torch.Tensor for item in batch):
+            if on_cpu and all(item.is_cpu for item in batch):
+                return batch  # already there: rebuilding the tuple was most of a CPU step's data overhead
             return kind(item.to(device, non_blocking=non_blocking) for item in batch)
         return apply_to_collection(batch, torch.Tensor, to_device)
 

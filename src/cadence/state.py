@@ -185,7 +185,7 @@ class State:
         On the CPU the value is read at once (cheap); on an accelerator the check stays on the device, so training
         never waits for it.
         """
-        if loss.device.type == "cpu":
+        if loss.is_cpu:  # not loss.device.type: building a torch.device costs more than the check itself
             if not math.isfinite(loss.item()):
                 self._window_non_finite = True
             return

@@ -248,6 +248,7 @@ def test_a_dataloader_without_a_length_still_gets_its_epochs_last_line() -> None
     assert batches == [[f"epoch {epoch}", f"batch {position}/?"] for epoch in (0, 1) for position in (2, 4, 5)]
 
 
+@pytest.mark.slow  # a fresh interpreter: the test process has rich imported already
 def test_importing_the_callbacks_does_not_import_rich() -> None:
     code = "import sys, cadence.callbacks; print(sorted(m for m in sys.modules if m.split('.')[0] == 'rich'))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
