@@ -25,8 +25,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import importlib.util
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -379,6 +381,34 @@ def instructions_table(size: Size, low: int, high: int, names: list[str] | None)
         print(f"| {label} | {name} | {count:,.0f} | {count / per_step[baseline_of(name)]:.4f}x |", flush=True)
 
 
+IMPORTS = {"torch": "import torch", "cadence": "import cadence", "accelerate": "import accelerate"}
+
+
+def import_seconds(statement: str) -> float:
+    """Wall time of a fresh interpreter running ``statement``: what every script, test subprocess and
+    ``cadence`` command pays before it does anything."""
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-c", statement], check=True)
+    return time.perf_counter() - started
+
+
+def import_table(runs: int) -> None:
+    """Median import time of torch, cadence (and accelerate when installed), taking turns so load changes hit
+    every library alike; cadence's ratio is to torch, which it cannot be faster than."""
+    available = {name: statement for name, statement in IMPORTS.items() if importlib.util.find_spec(name)}
+    samples: dict[str, list[float]] = {name: [] for name in available}
+    for round_index in range(runs):
+        names = list(available)
+        for name in names[round_index % len(names) :] + names[: round_index % len(names)]:
+            samples[name].append(import_seconds(available[name]))
+    torch_median = statistics.median(samples["torch"])
+    print(f"import time, fresh interpreter, median of {runs} (taking turns)")
+    print("| import | seconds | vs import torch |\n|---|---:|---:|")
+    for name, values in samples.items():
+        median = statistics.median(values)
+        print(f"| {IMPORTS[name]} | {median:.2f} | {median / torch_median:.2f}x |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
@@ -387,6 +417,7 @@ def main() -> None:
     parser.add_argument("--only", choices=[size.name for size in SIZES])
     parser.add_argument("--variant", action="append", help="measure only this variant (and its baseline); repeatable")
     parser.add_argument("--instructions", action="store_true", help="count instructions under callgrind")
+    parser.add_argument("--imports", type=int, metavar="RUNS", help="time `import cadence` against `import torch`")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--native-step-s", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -394,6 +425,9 @@ def main() -> None:
     sizes = {size.name: size for size in SIZES}
     if args.child:
         run_instrumented(args.child, sizes[args.only or "tiny"], args.steps, args.native_step_s)
+        return
+    if args.imports:
+        import_table(args.imports)
         return
     if args.instructions:
         instructions_table(sizes[args.only or "tiny"], low=50, high=150, names=args.variant)

@@ -56,3 +56,13 @@ def test_overhead_benchmark_compares_fit_with_and_without_its_default_bar() -> N
     ):
         assert rows[name].endswith("x |"), rows  # measured, with its ratio to the plain loop of the same run
     assert rows["plain PyTorch"] == "1.000x |"
+
+
+def test_overhead_benchmark_times_import_cadence_against_import_torch() -> None:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "overhead.py"), "--imports", "1"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    rows = {line.split(" | ")[0].removeprefix("| "): line for line in result.stdout.splitlines() if "| import" in line}
+    assert rows["import torch"].endswith("| 1.00x |") and "import cadence" in rows
