@@ -4,6 +4,7 @@ checkpoint as a blocking save; one save at a time; failures raised on the traini
 from __future__ import annotations
 
 import json
+import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -260,3 +261,23 @@ def test_save_state_event_fires_only_after_the_commit(tmp_path: Path, gate: Gate
     gate.open()
     path = pending.result()
     assert loop.engine.state.checkpoint_dir == path and events == [Event.SAVE_STATE]
+
+
+def test_a_background_save_starts_no_subprocess(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A subprocess started from the save's thread while the training thread forks DataLoader workers hangs: the
+    # forked worker inherits the pipe that subprocess waits on (the commit once ran ldconfig to find libc).
+    from cadence.checkpoint import commit
+
+    commit._libc_renameat2.cache_clear()
+    started: list[list[str]] = []
+    original = subprocess.Popen.__init__
+
+    def popen(self: subprocess.Popen[Any], args: Any, *rest: Any, **kwargs: Any) -> None:
+        started.append(list(args))
+        original(self, args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", popen)
+    loop = Loop(tmp_path)
+    loop.steps(1)
+    loop.engine.save_state(blocking=False).result()
+    assert started == []

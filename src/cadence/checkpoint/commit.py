@@ -13,8 +13,8 @@ place in one step that never replaces what cadence did not write.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
+import functools
 import hashlib
 import json
 import os
@@ -109,12 +109,13 @@ def check_replaceable(path: Path, caller: str = "save_state()") -> None:
         )
 
 
+@functools.cache
 def _libc_renameat2() -> Callable[..., int] | None:
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
+    # The process's own symbols (libc among them), not ctypes.util.find_library: that runs ldconfig in a
+    # subprocess, and a subprocess started from a background save's thread while the training thread forks
+    # DataLoader workers hangs (the forked worker inherits the pipe the subprocess module waits on).
     try:
-        function: Callable[..., int] | None = getattr(ctypes.CDLL(name, use_errno=True), "renameat2", None)
+        function: Callable[..., int] | None = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
     except OSError:
         return None
     return function
