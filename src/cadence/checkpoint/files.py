@@ -83,8 +83,10 @@ class CheckpointWriter:
             directory.mkdir()
         self.directory = directory
         self.files: dict[str, dict[str, Any]] = {}
-        # One thread per core writes and hashes; one more lets a file's fsync wait without idling a core.
-        self._pool = ThreadPoolExecutor(max_workers=(os.cpu_count() or 1) + 1)
+        # One thread per core writes and hashes; one more lets a file's fsync wait without idling a core. A snapshot
+        # is written while training goes on: it takes half the cores, so training keeps the other half.
+        cores = os.cpu_count() or 1
+        self._pool = ThreadPoolExecutor(max_workers=cores + 1 if buffers is None else max(1, cores // 2))
         self._hashes: dict[str, Future[dict[str, str]]] = {}
         self._buffers = buffers
         self._deferred: list[tuple[str, Callable[[Path], dict[str, str]]]] | None = None
