@@ -27,9 +27,17 @@ most one (~1.2 GB) at a time.
 ``ratio`` is the time an operation took over the time its reference would take for the same bytes (the
 reference's MB/s over the operation's): 1.00 runs at the reference's speed, 2.00 at half of it.
 
-    python benchmarks/checkpoint.py [--params 100_000_000] [--repeats 5] [--dir PATH] [--loads]
+    python benchmarks/checkpoint.py [--params 100_000_000] [--repeats 5] [--dir PATH] [--loads | --background]
+        [--threads N]
 
 ``--loads`` times only the three full loads, taking turns round after round, from checkpoints saved once.
+
+``--background`` measures background saves (``save_state(blocking=False)``) while the same model trains (AdamW,
+batches of ``BACKGROUND_BATCH``): the training stall per checkpoint (the time ``save_state`` takes to return, plus
+what the next step takes beyond a step's median, as the write competes for the cores) against the time of a blocking
+``save_state`` of the same state; and the wall time of a run of ``4 N`` steps that saves after every ``N`` (``N``
+chosen so that ``N`` steps take longer than one blocking save), with background saves and with blocking ones,
+against the same run without checkpoints. The three runs take turns, in a rotated order, round after round.
 """
 
 from __future__ import annotations
@@ -535,6 +543,105 @@ def run_loads(root: Path, params: int, repeats: int) -> None:
     print(f"cadence was at least as fast as Accelerate in {faster} of {repeats} rounds.")
 
 
+# --- background saves ------------------------------------------------------------------------------------------
+BACKGROUND_BATCH = 256
+
+
+def run_background(root: Path, params: int, repeats: int) -> None:
+    torch.manual_seed(0)
+    model = make_model(params)
+    engine = cadence.Engine(accelerator="cpu", progress_bar=False, project_dir=root, checkpoint_total_limit=1)
+    prepared, optimizer = engine.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+    batch = torch.randn(BACKGROUND_BATCH, model[0].in_features)
+
+    def train_step() -> float:
+        start = time.perf_counter()
+        engine.backward(prepared(batch).square().mean())
+        optimizer.step()
+        optimizer.zero_grad()
+        return time.perf_counter() - start
+
+    for _ in range(3):
+        train_step()  # warm-up; AdamW's state exists from here on
+    engine.save_state(blocking=False).result()  # warm-up: allocates the host buffers the next saves reuse
+    steps = [train_step() for _ in range(5)]
+    blocking: list[float] = []
+    returned: list[float] = []
+    next_step_extra: list[float] = []
+    for _ in range(repeats):
+        settle()
+        start = time.perf_counter()
+        engine.save_state()
+        blocking.append(time.perf_counter() - start)
+        steps.extend(train_step() for _ in range(2))
+        settle()
+        start = time.perf_counter()
+        pending = engine.save_state(blocking=False)
+        returned.append(time.perf_counter() - start)
+        after = train_step()
+        pending.result()
+        steps.extend(train_step() for _ in range(2))
+        next_step_extra.append(max(0.0, after - statistics.median(steps)))
+    step_time = statistics.median(steps)
+    save_time = statistics.median(blocking)
+    every = max(2, math.ceil(1.5 * save_time / step_time))
+    total_steps = 4 * every
+
+    def run_without() -> None:
+        for _ in range(total_steps):
+            train_step()
+
+    def run_saving(blocking: bool) -> None:
+        for index in range(1, total_steps + 1):
+            train_step()
+            if index % every == 0 and index < total_steps:
+                engine.save_state(blocking=blocking)
+        engine.wait_for_checkpoint()
+
+    runs: dict[str, Callable[[], None]] = {
+        "no checkpoints": run_without,
+        f"background save every {every} steps": lambda: run_saving(False),
+        f"blocking save every {every} steps": lambda: run_saving(True),
+    }
+    seconds: dict[str, list[float]] = {name: [] for name in runs}
+    names = list(runs)
+    for round_index in range(repeats):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            settle()
+            start = time.perf_counter()
+            runs[name]()
+            seconds[name].append(time.perf_counter() - start)
+
+    state_bytes = size_of(engine.wait_for_checkpoint() or engine.checkpoints.numbered()[0][1])
+    stalls = [r + e for r, e in zip(returned, next_step_extra, strict=True)]
+    print(f"disk:   {describe_disk(root)}")
+    print(
+        f"model:  {LAYERS} x Linear({model[0].in_features}, {model[0].out_features}) + AdamW, "
+        f"{state_bytes / MB:,.0f} MB checkpoint; batch {BACKGROUND_BATCH}; {os.cpu_count()} CPUs, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {repeats} rounds"
+    )
+    print()
+    print("| measurement | median s | ratio | ratio to |\n|---|---:|---:|---|")
+    print(f"| training step | {step_time:.3f} | | |")
+    print(f"| blocking save_state | {save_time:.3f} | 1.00 | blocking save_state |")
+    for name, values in (
+        ("save_state(blocking=False) returns", returned),
+        ("next step's extra time", next_step_extra),
+        ("stall per checkpoint (the two above)", stalls),
+    ):
+        print(
+            f"| {name} | {statistics.median(values):.3f} | {statistics.median(values) / save_time:.2f} | "
+            "blocking save_state |"
+        )
+    reference = statistics.median(seconds["no checkpoints"])
+    for name, values in seconds.items():
+        print(
+            f"| run of {total_steps} steps, {name} | {statistics.median(values):.2f} | "
+            f"{statistics.median(values) / reference:.2f} | no checkpoints |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--params", type=int, default=100_000_000, help="model parameters (default 100M)")
@@ -546,17 +653,31 @@ def main() -> None:
         help="where the checkpoints are written (a temporary directory inside it, deleted at the end); "
         "default .bench-tmp in the repository",
     )
-    parser.add_argument(
+    modes = parser.add_mutually_exclusive_group()
+    modes.add_argument(
         "--loads", action="store_true", help="only the cold loads of cadence, Accelerate and torch, taking turns"
     )
+    modes.add_argument(
+        "--background", action="store_true", help="background saves: training stall and run time (see above)"
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch's intra-op threads (default: torch's choice); with --background, fewer threads than cores "
+        "leave the writer a core, as training on an accelerator does",
+    )
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     if args.params < LAYERS or args.repeats < 1:
         parser.error("--params must be at least 6 and --repeats at least 1")
     created = not args.dir.exists()
     args.dir.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="checkpoint-", dir=args.dir))
     try:
-        (run_loads if args.loads else run)(root, args.params, args.repeats)
+        mode = run_loads if args.loads else run_background if args.background else run
+        mode(root, args.params, args.repeats)
     finally:
         shutil.rmtree(root, ignore_errors=True)
         if created:

@@ -25,6 +25,11 @@ class Checkpoint(Callback):
 
     Resume with ``engine.fit(..., resume="latest")``.
 
+    ``async_save=True`` makes the periodic saves (steps, epochs) background saves (``save_state(blocking=False)``):
+    training stops only while the state is copied to host memory, and continues while the files are written and
+    committed. A save waits for the one before it; ``fit()`` waits for the last one and raises its failure. The
+    saves when ``fit()`` ends or fails block as before: no training is left to overlap them with.
+
     What an ``on_exception`` checkpoint holds, and why its resume is not bit-exact: the save happens after the
     batch that raised was taken from the dataloader, so that batch counts as consumed and the resumed run starts
     at the batch after it; the failed batch is never trained on. Whatever the failed batch did before raising
@@ -40,6 +45,7 @@ class Checkpoint(Callback):
         every_n_epochs: int | None = None,
         on_exception: bool = False,
         save_last: bool = True,
+        async_save: bool = False,
     ) -> None:
         for name, value in (("every_n_steps", every_n_steps), ("every_n_epochs", every_n_epochs)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
@@ -49,22 +55,25 @@ class Checkpoint(Callback):
                 "Checkpoint needs a trigger: every_n_steps=..., every_n_epochs=..., on_exception=True and/or "
                 "save_last=True."
             )
+        if not isinstance(async_save, bool):
+            raise TypeError(f"async_save must be True or False; got {type(async_save).__name__} {async_save!r}.")
         self.every_n_steps = every_n_steps
         self.every_n_epochs = every_n_epochs
         self.on_exception_save = on_exception
         self.save_last = save_last
+        self.async_save = async_save
         self._last_saved_step = -1
         self._saving = False
 
-    def _save(self, engine: Engine, reason: str | None = None) -> None:
+    def _save(self, engine: Engine, reason: str | None = None, periodic: bool = False) -> None:
         self._saving = True
         try:
             self._last_saved_step = engine.state.step
-            path = engine.save_state()
+            saved = engine.save_state(blocking=not (periodic and self.async_save))
         finally:
             self._saving = False
         if reason is not None:
-            engine.print(f"Saved checkpoint {path} at step {engine.state.step} ({reason}).")
+            engine.print(f"Saved checkpoint {saved} at step {engine.state.step} ({reason}).")
 
     def on_batch_end(self, engine: Engine) -> None:
         state = engine.state
@@ -74,11 +83,11 @@ class Checkpoint(Callback):
             and state.step % self.every_n_steps == 0
             and state.step != self._last_saved_step
         ):
-            self._save(engine)
+            self._save(engine, periodic=True)
 
     def on_epoch_end(self, engine: Engine) -> None:
         if self.every_n_epochs is not None and (engine.state.epoch + 1) % self.every_n_epochs == 0:
-            self._save(engine)
+            self._save(engine, periodic=True)
 
     def on_exception(self, engine: Engine) -> None:
         if not self.on_exception_save or self._saving:

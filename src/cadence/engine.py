@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -16,7 +16,8 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
 from cadence.callback import Callback, Dispatcher
-from cadence.checkpoint.engine_state import load_engine_state, save_engine_state
+from cadence.checkpoint.background import CheckpointSaves, PendingCheckpoint
+from cadence.checkpoint.engine_state import load_engine_state
 from cadence.checkpoint.export import save_weights
 from cadence.checkpoint.layout import CheckpointDirectory
 from cadence.data import check_shardable, draw_seed, make_batch_mover, to_stateful
@@ -77,6 +78,7 @@ class Engine:
         self.checkpoint_total_limit = checkpoint_total_limit
         self.checkpoints = CheckpointDirectory(self.project_dir / "checkpoints")
         """The automatically named checkpoints: ``checkpoint_{n}`` under ``project_dir/checkpoints``."""
+        self._saves = CheckpointSaves()
         self._move_batch = make_batch_mover(self.strategy.device)
         if seed is not None:
             seed_everything(seed)
@@ -359,8 +361,12 @@ class Engine:
         return 0
 
     def close(self) -> None:
-        """Release the strategy's resources (the process group it created). The engine is unusable after."""
-        self.strategy.teardown()
+        """Wait for a checkpoint still saving in the background (raising its failure), then release the strategy's
+        resources (the process group it created). The engine is unusable after."""
+        try:
+            self._saves.close(self)
+        finally:
+            self.strategy.teardown()
 
     def __enter__(self) -> Engine:
         """``with Engine(...) as engine:`` closes the engine (and the process group it created) on leaving the
@@ -388,7 +394,13 @@ class Engine:
                 )
             self._registered.append(obj)
 
-    def save_state(self, path: str | Path | None = None) -> Path:
+    @overload
+    def save_state(self, path: str | Path | None = None, *, blocking: Literal[True] = True) -> Path: ...
+    @overload
+    def save_state(self, path: str | Path | None = None, *, blocking: Literal[False]) -> PendingCheckpoint: ...
+    @overload
+    def save_state(self, path: str | Path | None = None, *, blocking: bool) -> Path | PendingCheckpoint: ...
+    def save_state(self, path: str | Path | None = None, *, blocking: bool = True) -> Path | PendingCheckpoint:
         """Save everything needed to continue this run exactly, and return the checkpoint directory.
 
         With no path it goes to ``project_dir/checkpoints/checkpoint_{n}``, the first number no other save has
@@ -396,22 +408,25 @@ class Engine:
         it is complete (written aside, fsynced, moved into place). An existing directory at ``path`` is replaced,
         in one step, only when it is a cadence checkpoint or empty: anything else raises ``CheckpointError``
         before anything is written.
+
+        ``blocking=False`` returns once the state is copied to host memory; the files are written and committed
+        in the background, the same files with the same guarantees, and a ``PendingCheckpoint`` is returned
+        (``.result()`` waits and gives the directory). One save runs at a time: the next save, ``load_state``,
+        ``wait_for_checkpoint()``, the end of ``fit()`` and ``close()`` wait for it, raise its failure, and then
+        fire ``Event.SAVE_STATE`` for it (on this thread, never the background one).
         """
-        target = Path(path) if path is not None else None
-        # The main rank names the checkpoint and alone deletes old ones: every rank must agree on one directory.
-        number = self.strategy.broadcast_object(self.checkpoints.next_number())
-        committed, number = save_engine_state(self, target, number)
-        self.checkpoints.advance(number)
-        if path is None and self.checkpoint_total_limit is not None and self.is_main_process:
-            self.checkpoints.prune(keep=self.checkpoint_total_limit)
-        self.state.checkpoint_dir = committed
-        self.fire(Event.SAVE_STATE)
-        return committed
+        return self._saves.save(self, Path(path) if path is not None else None, blocking)
+
+    def wait_for_checkpoint(self) -> Path | None:
+        """Wait for the checkpoint saving in the background (``save_state(blocking=False)``) to commit; its
+        directory, or None when none is in flight. Raises the save's failure."""
+        return self._saves.wait(self)
 
     def load_state(self, path: str | Path | None = None) -> Path:
         """Restore a checkpoint written by ``save_state``; with no path, the newest valid one in
         ``project_dir/checkpoints`` (an incomplete, corrupted or malformed newer one is skipped with a warning).
         Every file and structure is checked before anything changes. Prints where the run resumes from."""
+        self._saves.wait(self)
         if path is not None:
             directory = Path(path)
             manifest = load_engine_state(self, directory)

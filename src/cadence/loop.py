@@ -88,7 +88,12 @@ def run_fit(
         engine.fire(Event.EXCEPTION)
         raise
     finally:
+        # A background save commits, and its SAVE_STATE fires, while callbacks are still live; one started at
+        # FIT_END is waited for too: fit() never returns with a save in flight.
+        save_failure = _finish_background_save(engine)
         engine.fire(Event.FIT_END)
+        save_failure = _finish_background_save(engine) or save_failure
+        _raise_save_failure(save_failure, failing=state.exception)
         state.exception = None
     if state.non_finite_steps:
         warnings.warn(
@@ -98,6 +103,28 @@ def run_fit(
             stacklevel=3,
         )
     return state
+
+
+def _finish_background_save(engine: Engine) -> Exception | None:
+    try:
+        engine.wait_for_checkpoint()
+    except Exception as failure:
+        return failure
+    return None
+
+
+def _raise_save_failure(failure: Exception | None, failing: BaseException | None) -> None:
+    """A failed background save fails ``fit()``; when ``fit()`` is failing already, that error is the one raised and
+    the save's is reported beside it."""
+    if failure is None:
+        return
+    if failing is None:
+        raise failure
+    warnings.warn(
+        f"A checkpoint saving in the background failed too: {type(failure).__name__}: {failure}",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def _limits(max_epochs: int | None, max_steps: int | None) -> str:

@@ -4,6 +4,10 @@ Accumulation 4, bf16, clipping, dropout (so the RNG matters) and a shuffled data
 batch's loss is appended to ``losses.jsonl`` as an exact float (hex), keyed by (epoch, batch index).
 
     python -m tests.checkpoint.resume_worker PROJECT_DIR [--resume] [--kill-at-batch N] [--kill-in-save N]
+        [--async-save] [--kill-in-background-write N]
+
+``--async-save`` saves in the background (``save_state(blocking=False)``); ``--kill-in-background-write N`` SIGKILLs
+the process while the background thread of the Nth save writes its files, as training goes on.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import argparse
 import json
 import os
 import signal
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +54,13 @@ class LossLog(cadence.Callback):
 
 
 class SaveMidWindow(cadence.Callback):
+    def __init__(self, blocking: bool) -> None:
+        self.blocking = blocking
+
     def on_batch_end(self, engine: cadence.Engine) -> None:
         if global_batch(engine) == MID_WINDOW_SAVE:
             assert not engine.state.sync_gradients  # really mid-window: gradients are half accumulated
-            engine.save_state()
+            engine.save_state(blocking=self.blocking)
 
 
 class KillAt(cadence.Callback):
@@ -77,6 +85,23 @@ def kill_during_save(save_number: int) -> None:
         original(self, name, value)
 
     files.CheckpointWriter.write_json = write_json  # type: ignore[method-assign]
+
+
+def kill_during_background_write(save_number: int) -> None:
+    """SIGKILL the process from the thread writing the given save's (counting from 1) files, training meanwhile."""
+    original = files.write_safetensors
+    saves = {"count": 0}
+
+    def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], **kwargs: Any) -> dict[str, str]:
+        if path.name == "state.safetensors":
+            saves["count"] += 1
+            if saves["count"] == save_number:
+                if threading.current_thread() is threading.main_thread():
+                    raise RuntimeError("the write runs on the training thread: the save is not in the background")
+                os.kill(os.getpid(), signal.SIGKILL)
+        return original(path, tensors, **kwargs)
+
+    files.write_safetensors = write_safetensors
 
 
 class Step(cadence.TrainingStep):
@@ -104,17 +129,21 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--kill-at-batch", type=int)
     parser.add_argument("--kill-in-save", type=int)
+    parser.add_argument("--async-save", action="store_true")
+    parser.add_argument("--kill-in-background-write", type=int)
     args = parser.parse_args()
     args.project_dir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
     if args.kill_in_save:
         kill_during_save(args.kill_in_save)
+    if args.kill_in_background_write:
+        kill_during_background_write(args.kill_in_background_write)
     callbacks: list[cadence.Callback] = [
         GradientAccumulation(4),
         MixedPrecision("bf16"),
         GradientClipping(max_norm=0.5),
-        Checkpoint(every_n_steps=2),
-        SaveMidWindow(),
+        Checkpoint(every_n_steps=2, async_save=args.async_save),
+        SaveMidWindow(blocking=not args.async_save),
         LossLog(args.project_dir / ("losses_resumed.jsonl" if args.resume else "losses.jsonl")),
     ]
     if args.kill_at_batch is not None:

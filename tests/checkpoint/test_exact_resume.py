@@ -92,3 +92,28 @@ def test_sigkill_during_save_keeps_the_previous_checkpoint(uninterrupted: Path, 
     assert (after_resume[0]["epoch"], after_resume[0]["batch"]) == (0, 16)  # checkpoint_1: after step 4
     expected = {(row["epoch"], row["batch"]): row["loss"] for row in losses(uninterrupted / "losses.jsonl")}
     assert all(expected[(row["epoch"], row["batch"])] == row["loss"] for row in after_resume)
+
+
+def test_sigkill_during_a_background_write_keeps_the_previous_checkpoint_and_resumes_bitwise(
+    uninterrupted: Path, tmp_path: Path
+) -> None:
+    # Background saves at step 2 (checkpoint_0), step 4 (checkpoint_1); the third dies while its thread writes
+    # and training goes on. The third began only after the second committed (one save in flight at a time).
+    killed = worker(tmp_path, "--async-save", "--kill-in-background-write", "3")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    checkpoints = tmp_path / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir() if not p.name.startswith(".")) == [
+        "checkpoint_0",
+        "checkpoint_1",
+    ]
+    assert [p for p in checkpoints.iterdir() if ".partial-" in p.name], "the interrupted save left no partial dir"
+    resumed = worker(tmp_path, "--async-save", "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    after_resume = losses(tmp_path / "losses_resumed.jsonl")
+    assert (after_resume[0]["epoch"], after_resume[0]["batch"]) == (0, 16)  # checkpoint_1: after step 4
+    expected = {(row["epoch"], row["batch"]): row["loss"] for row in losses(uninterrupted / "losses.jsonl")}
+    assert len(after_resume) == len(expected) - 16
+    assert all(expected[(row["epoch"], row["batch"])] == row["loss"] for row in after_resume)
+    reference, ours = load_file(uninterrupted / "final.safetensors"), load_file(tmp_path / "final.safetensors")
+    assert reference.keys() == ours.keys()
+    assert all(torch.equal(reference[key], ours[key]) for key in reference)

@@ -4,6 +4,7 @@ padding, collectives are real."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -98,6 +99,20 @@ def test_checkpoint_resumes_the_global_sample_order_across_world_sizes(
     assert resumed[0]["after"] == saved[0]["after"], "the resumed run saw another sample order"
     assert len(saved[0]["after"]) == 2 * workers.SAMPLES - 3 * global_batch  # no sample repeated or skipped
     for rank in range(resumed_with):
+        for a, b in zip(resumed[rank]["weights"], saved[0]["weights"], strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.slow
+def test_a_background_save_commits_while_ddp_trains_and_resumes_exactly(tmp_path: Path) -> None:
+    # The save's all_gather and broadcast run on their own gloo group while training's all-reduces run on the
+    # default one; on one group they would interleave differently on each rank and hang.
+    directory = str(tmp_path / "checkpoint")
+    saved = spawn(2, workers.train_and_save, directory, 3, 4, "ddp", False)
+    assert [result["committed"] for result in saved] == [directory, directory]  # waited at the end, every rank
+    resumed = spawn(2, workers.resume, directory, 4)
+    assert resumed[0]["after"] == saved[0]["after"], "the resumed run saw another sample order"
+    for rank in range(2):
         for a, b in zip(resumed[rank]["weights"], saved[0]["weights"], strict=True):
             assert torch.equal(a, b)
 

@@ -112,9 +112,11 @@ def accumulate(no_sync: bool) -> list[torch.Tensor]:
     return [p.detach().clone() for p in engine.unwrap_model(net).parameters()]
 
 
-def train_and_save(directory: str, save_after: int, batch_size: int, strategy: str = "auto") -> dict[str, Any]:
+def train_and_save(
+    directory: str, save_after: int, batch_size: int, strategy: str = "auto", blocking: bool = True
+) -> dict[str, Any]:
     """Train, saving after ``save_after`` optimizer steps; return the global sample ids seen after the save and
-    the weights at the save."""
+    the weights at the save. ``blocking=False``: training (DDP's all-reduces) goes on while the save commits."""
     engine = cadence.Engine(accelerator="cpu", strategy=strategy, seed=5, progress_bar=False)
     net = model()
     net, optimizer, data = engine.prepare(
@@ -128,9 +130,10 @@ def train_and_save(directory: str, save_after: int, batch_size: int, strategy: s
             if weights:
                 after.extend(engine.gather(ids).tolist())
             if engine.state.step == save_after and not weights:
-                engine.save_state(directory)
+                engine.save_state(directory, blocking=blocking)
                 weights = full_weights(engine, net)
-    return {"after": after, "weights": weights}
+    committed = engine.wait_for_checkpoint()
+    return {"after": after, "weights": weights, "committed": str(committed) if committed else None}
 
 
 def full_weights(engine: cadence.Engine, net: nn.Module) -> list[torch.Tensor]:

@@ -13,7 +13,6 @@ place in one step that never replaces what cadence did not write.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import functools
 import hashlib
@@ -112,12 +111,12 @@ def check_replaceable(path: Path, caller: str = "save_state()") -> None:
 
 @functools.cache
 def _libc_renameat2() -> Callable[..., int] | None:
-    """libc's ``renameat2``, looked up once per process: ``find_library`` runs ``ldconfig`` in a subprocess."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
+    """libc's ``renameat2``, looked up once per process."""
+    # The process's own symbols (libc among them), not ctypes.util.find_library: that runs ldconfig in a
+    # subprocess, and a subprocess started from a background save's thread while the training thread forks
+    # DataLoader workers hangs (the forked worker inherits the pipe the subprocess module waits on).
     try:
-        function: Callable[..., int] | None = getattr(ctypes.CDLL(name, use_errno=True), "renameat2", None)
+        function: Callable[..., int] | None = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
     except OSError:
         return None
     return function

@@ -36,8 +36,9 @@ if TYPE_CHECKING:
 
     from cadence.callback import Callback
     from cadence.checkpoint.layout import CheckpointDirectory
+    from cadence.checkpoint.snapshot import HostBuffers
     from cadence.state import State
-    from cadence.strategies.base import Strategy
+    from cadence.strategies.base import ObjectCollectives, Strategy
     from cadence.wrappers import PreparedDataLoader, PreparedOptimizer, PreparedScheduler
 
 
@@ -87,6 +88,16 @@ def save_engine_state(engine: Checkpointed, target: Path | None, number: int) ->
     files are durable, the main rank writes the manifest listing all of them and moves the directory into place.
     A target that is not cadence's to replace is refused on every rank before anything is written.
     """
+    return begin_engine_save(engine, target, number).complete(engine.strategy)
+
+
+def begin_engine_save(
+    engine: Checkpointed, target: Path | None, number: int, buffers: HostBuffers | None = None
+) -> EngineSave:
+    """The part of ``save_engine_state`` that must run on the training thread, on every rank: claim the temporary
+    directory and hand every file's content to a writer. With ``buffers``, tensors are copied into them (a
+    snapshot: training may go on once this returns, and ``complete`` may run on another thread); without, the
+    writer starts writing the live tensors at once and ``complete`` must follow before they change."""
     strategy = engine.strategy
     main = engine.is_main_process
     final = target if target is not None else engine.checkpoints.path(number)
@@ -96,7 +107,7 @@ def save_engine_state(engine: Checkpointed, target: Path | None, number: int) ->
     temporary, refusal = strategy.broadcast_object(prepared)
     if refusal is not None:
         raise CheckpointError(refusal)
-    writer = CheckpointWriter(final, temporary)
+    writer = CheckpointWriter(final, temporary, buffers)
     try:
         # Every rank calls the strategy (its saves may be collectives); the main rank's entries go into state.json.
         models = [strategy.save_model(engine.unwrap_model(m), writer, i) for i, m in enumerate(engine.models)]
@@ -107,21 +118,43 @@ def save_engine_state(engine: Checkpointed, target: Path | None, number: int) ->
         if main:
             _write_shared(engine, writer, models, optimizers)
         _write_rank(engine, writer)
-        files = strategy.all_gather_object(writer.finish())
-        outcome: tuple[Path | None, int, str | None] = (None, number, None)
-        if main:
-            every_file = {name: entry for table in files for name, entry in table.items()}
-            outcome = engine.checkpoints.commit(
-                writer, every_file, target, step=engine.state.step, world_size=engine.world_size
-            )
-        committed, number, failure = strategy.broadcast_object(outcome)
-        if failure is not None:
-            raise CheckpointError(failure)
-        return committed, number
+        writer.seal()
     except BaseException:
         if main:
             writer.abort()
         raise
+    return EngineSave(engine, writer, target, number)
+
+
+class EngineSave:
+    """A save whose files were handed to its writer: ``complete`` waits until every rank's are durable, and the
+    main rank commits. What the manifest records (step, world size) was read when the save began."""
+
+    def __init__(self, engine: Checkpointed, writer: CheckpointWriter, target: Path | None, number: int) -> None:
+        self._checkpoints = engine.checkpoints
+        self._main = engine.is_main_process
+        self._manifest = {"step": engine.state.step, "world_size": engine.world_size}
+        self._writer = writer
+        self._target = target
+        self._number = number
+
+    def complete(self, collectives: ObjectCollectives) -> tuple[Path, int]:
+        """Every rank calls this, with collectives over the same group; returns the committed path and number."""
+        writer = self._writer
+        try:
+            files = collectives.all_gather_object(writer.finish())
+            outcome: tuple[Path | None, int, str | None] = (None, self._number, None)
+            if self._main:
+                every_file = {name: entry for table in files for name, entry in table.items()}
+                outcome = self._checkpoints.commit(writer, every_file, self._target, **self._manifest)
+            committed, number, failure = collectives.broadcast_object(outcome)
+            if failure is not None:
+                raise CheckpointError(failure)
+            return committed, number
+        except BaseException:
+            if self._main:
+                writer.abort()
+            raise
 
 
 def _owner(engine: Checkpointed, optimizer: PreparedOptimizer) -> nn.Module | None:

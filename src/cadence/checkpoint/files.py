@@ -42,6 +42,7 @@ from cadence.checkpoint.format import (
 )
 from cadence.checkpoint.hashed_io import CHECKSUMS, WRITE_CHUNK, FileBuffer, checksums_of, read_checked, write_hashed
 from cadence.checkpoint.schema import check_manifest
+from cadence.checkpoint.snapshot import HostBuffers
 
 FORMAT_VERSION = 1
 PART_BYTES = 256 * 1024 * 1024
@@ -67,11 +68,14 @@ class CheckpointWriter:
 
     Files are written, hashed and fsynced by background threads, several at once, so durability and the
     manifest's checksums cost little beyond the disk's own write time. The tensors handed to ``write_tensors`` must
-    stay unchanged until ``finish`` returns.
+    stay unchanged until ``finish`` returns, unless the writer takes a snapshot (``buffers``): then they are copied
+    into those host buffers as they are handed over, and nothing is written before ``start`` (or ``finish``), so
+    the caller may change them as soon as ``write_tensors`` returns.
     """
 
-    def __init__(self, final: Path, directory: Path | None = None) -> None:
-        """``directory``: the temporary directory another rank's writer created, to add this rank's files to."""
+    def __init__(self, final: Path, directory: Path | None = None, buffers: HostBuffers | None = None) -> None:
+        """``directory``: the temporary directory another rank's writer created, to add this rank's files to.
+        ``buffers``: take a snapshot into them (see above)."""
         self.final = final
         if directory is None:
             self.final.parent.mkdir(parents=True, exist_ok=True)
@@ -79,13 +83,46 @@ class CheckpointWriter:
             directory.mkdir()
         self.directory = directory
         self.files: dict[str, dict[str, Any]] = {}
-        # One thread per core writes and hashes; one more lets a file's fsync wait without idling a core.
-        self._pool = ThreadPoolExecutor(max_workers=(os.cpu_count() or 1) + 1)
+        # One thread per core writes and hashes; one more lets a file's fsync wait without idling a core. A snapshot
+        # is written while training goes on: it takes half the cores, so training keeps the other half.
+        cores = os.cpu_count() or 1
+        self._pool = ThreadPoolExecutor(max_workers=cores + 1 if buffers is None else max(1, cores // 2))
         self._hashes: dict[str, Future[dict[str, str]]] = {}
+        self._buffers = buffers
+        self._deferred: list[tuple[str, Callable[[Path], dict[str, str]]]] | None = None
+        self._copied: Callable[[], None] | None = None
+        if buffers is not None:
+            buffers.begin()
+            self._deferred = []
 
     def _submit(self, name: str, write: Callable[[Path], dict[str, str]]) -> None:
         """Run ``write(path)`` (which makes the file durable and returns its checksums) in the background."""
+        if self._deferred is not None:
+            self._deferred.append((name, write))
+            return
         self._hashes[name] = self._pool.submit(write, self.directory / name)
+
+    def _host(self, name: str, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        if self._buffers is None:
+            return tensor.cpu()
+        return self._buffers.copy(f"{name}/{key}", tensor)
+
+    def seal(self) -> None:
+        """End a snapshot, on the thread that took it: nothing more is handed over (device copies are recorded as
+        in flight, for ``start`` to wait on)."""
+        if self._buffers is not None and self._copied is None:
+            self._copied = self._buffers.ready()
+
+    def start(self) -> None:
+        """Start writing what a snapshot deferred (on any thread: it first waits for the snapshot's device copies)."""
+        if self._deferred is None:
+            return
+        self.seal()
+        if self._copied is not None:
+            self._copied()
+        deferred, self._deferred = self._deferred, None
+        for name, write in deferred:
+            self._submit(name, write)
 
     def write_tensors(self, name: str, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
         """Save ``tensors`` as the safetensors file ``name``, or, past ``PART_BYTES``, as parts
@@ -93,7 +130,7 @@ class CheckpointWriter:
         tensors that shared memory."""
         unique, aliases = deduplicate(tensors)
         check_storable(unique)  # here, so the error comes before any file is written
-        groups = split_by_size({key: value.cpu() for key, value in unique.items()}, PART_BYTES)
+        groups = split_by_size({key: self._host(name, key, value) for key, value in unique.items()}, PART_BYTES)
         names = [name] if len(groups) == 1 else [_part_name(name, index) for index in range(len(groups))]
         for part, group in zip(names, groups, strict=True):
             self._submit(part, functools.partial(write_safetensors, tensors=group))
@@ -111,6 +148,7 @@ class CheckpointWriter:
 
     def finish(self) -> dict[str, dict[str, Any]]:
         """Wait until this writer's files are written, durable and hashed; their manifest entries."""
+        self.start()
         for name, digest in self._hashes.items():
             checksums = digest.result()  # the file is complete only now
             self.files[name] = {"size": (self.directory / name).stat().st_size, **checksums}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 from torch import nn
@@ -18,6 +18,14 @@ if TYPE_CHECKING:
     from cadence.checkpoint.files import CheckpointReader, CheckpointWriter
 
 ReduceOp = Literal["mean", "sum", "max", "min"]
+
+
+class ObjectCollectives(Protocol):
+    """The collectives a checkpoint's commit needs (a strategy is one; so is ``Strategy.background_collectives``)."""
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any: ...
+
+    def all_gather_object(self, obj: Any) -> list[Any]: ...
 
 
 class Strategy(ABC):
@@ -88,6 +96,14 @@ class Strategy(ABC):
 
     @abstractmethod
     def barrier(self) -> None: ...
+
+    def background_collectives(self) -> ObjectCollectives:
+        """Collectives for a checkpoint save that completes on a background thread while training goes on, on
+        every rank; ``engine.save_state(blocking=False)`` calls this on the training thread, on every rank, before
+        it writes anything, and a strategy that cannot save in the background refuses here.
+
+        Here: this strategy's own (one process: there is no other rank to agree with)."""
+        return self
 
     # --- checkpoints: every rank calls these, in the same order (they may be collectives).
     def save_model(self, module: nn.Module, writer: CheckpointWriter, index: int) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cadence.strategies.base import ReduceOp, Strategy
+from cadence.strategies.base import ObjectCollectives, ReduceOp, Strategy
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 DEFAULT_TIMEOUT = timedelta(minutes=10)
@@ -38,6 +38,8 @@ class DistributedStrategy(Strategy):
             torch.cuda.set_device(self._device)
         else:
             self._device = torch.device(device_type)
+        self._timeout = timeout
+        self._background: _GroupCollectives | None = None
         self._owns_group = not dist.is_initialized()
         if self._owns_group:
             dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo", timeout=timeout)
@@ -81,6 +83,15 @@ class DistributedStrategy(Strategy):
     def barrier(self) -> None:
         dist.barrier()
 
+    def background_collectives(self) -> ObjectCollectives:
+        # On the training group, a background save's collectives would interleave with training's (DDP's
+        # all-reduces) in a different order on each rank, and hang. A group of its own keeps them apart; gloo,
+        # because it carries CPU objects whatever the training backend. Created at the first background save,
+        # which every rank reaches in the same order (new_group is itself a collective).
+        if self._background is None:
+            self._background = _GroupCollectives(dist.new_group(backend="gloo", timeout=self._timeout))
+        return self._background
+
     def teardown(self) -> None:
         if self._owns_group and dist.is_initialized():
             # Garbage that still holds the group (finished gloo work in reference cycles) would otherwise be freed
@@ -89,3 +100,20 @@ class DistributedStrategy(Strategy):
             # The rest needs torch: a DDP model the user still holds keeps the group and its threads alive.
             gc.collect()
             dist.destroy_process_group()
+
+
+class _GroupCollectives:
+    """Object collectives over one process group."""
+
+    def __init__(self, group: Any) -> None:
+        self._group = group
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        holder = [obj]
+        dist.broadcast_object_list(holder, src=src, group=self._group)
+        return holder[0]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        gathered: list[Any] = [None] * dist.get_world_size(self._group)
+        dist.all_gather_object(gathered, obj, group=self._group)
+        return gathered

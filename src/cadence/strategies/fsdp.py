@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from cadence.strategies.base import ObjectCollectives
 from cadence.strategies.distributed import DEFAULT_TIMEOUT, DistributedStrategy
 from cadence.strategies.fsdp_checkpoint import save_sharded_model, save_sharded_optimizer
 
@@ -110,6 +111,14 @@ class FSDPStrategy(DistributedStrategy):
     def gradients(self, module: nn.Module) -> dict[str, torch.Tensor]:
         _refuse_accumulated_gradients(module)
         return {}
+
+    def background_collectives(self) -> ObjectCollectives:
+        raise RuntimeError(
+            "strategy='fsdp' cannot save a checkpoint in the background yet: its shards are written by "
+            "torch.distributed.checkpoint collectives on the training process group, which a background thread "
+            "would interleave with training's. Save with engine.save_state(blocking=True), or "
+            "Checkpoint(async_save=False)."
+        )
 
     def save_model(self, module: nn.Module, writer: CheckpointWriter, index: int) -> dict[str, Any]:
         _refuse_accumulated_gradients(module)

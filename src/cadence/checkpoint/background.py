@@ -1,0 +1,137 @@
+"""An engine's checkpoint saves: synchronous ones, and at most one completing on a background thread.
+
+A background save (``engine.save_state(blocking=False)``) takes the training thread only for its snapshot: every
+rank claims and copies its state into host buffers kept from save to save (``snapshot.HostBuffers``), then a thread
+writes, fsyncs, hashes and commits exactly as a synchronous save does. Until the commit the previous checkpoint is
+the newest valid one, so a crash mid-write loses only the save in flight.
+
+What happens after a commit (the next automatic number, pruning to ``checkpoint_total_limit``, ``state.checkpoint_dir``
+and ``Event.SAVE_STATE``) changes the engine and runs callbacks, which are not thread-safe: it happens on the
+training thread, when the engine next waits for the save. The engine waits before the next save (blocking or not),
+before a load, in ``wait_for_checkpoint()``, when ``fit()`` ends or fails, and in ``close()``; a failed background
+save is raised there, once.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from cadence.checkpoint.engine_state import EngineSave, begin_engine_save, save_engine_state
+from cadence.checkpoint.snapshot import HostBuffers
+from cadence.event import Event
+
+if TYPE_CHECKING:
+    from cadence.engine import Engine
+    from cadence.strategies.base import ObjectCollectives
+
+
+class _Completion:
+    """One background save's thread and what it ended with.
+
+    Not a daemon thread: a script that ends without waiting still commits its last checkpoint before the
+    interpreter exits.
+    """
+
+    def __init__(self, save: EngineSave, collectives: ObjectCollectives, automatic: bool) -> None:
+        self.automatic = automatic
+        self.committed: tuple[Path, int] | None = None
+        self.error: BaseException | None = None
+        self._save = save
+        self._collectives = collectives
+        self._thread = threading.Thread(target=self._run, name="cadence-checkpoint-save")
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.committed = self._save.complete(self._collectives)
+        except BaseException as error:  # kept for the training thread, which raises it
+            self.error = error
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def join(self) -> tuple[Path, int]:
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+        if self.committed is None:  # pragma: no cover - _run sets one of the two
+            raise RuntimeError("The background checkpoint save ended without a result.")
+        return self.committed
+
+
+class PendingCheckpoint:
+    """What ``engine.save_state(blocking=False)`` returns: the save completing in the background.
+
+    Its path is known only at the commit (an automatic name takes the first free number then, as a synchronous
+    save does), so it is ``result()``'s, not a field. Call ``result()`` from the training thread: it is the
+    engine's ``wait_for_checkpoint()`` for this save.
+    """
+
+    def __init__(self, saves: CheckpointSaves, engine: Engine, completion: _Completion) -> None:
+        self._saves = saves
+        self._engine = engine
+        self._completion = completion
+
+    def done(self) -> bool:
+        """True once the save committed or failed (``result()`` then returns or raises without waiting)."""
+        return self._completion.done()
+
+    def result(self) -> Path:
+        """Wait for the commit; the checkpoint's directory. Raises what made the save fail."""
+        if self._saves.in_flight is self._completion:
+            self._saves.wait(self._engine)
+        return self._completion.join()[0]
+
+
+class CheckpointSaves:
+    """The engine's saves. Holds the host buffers of background snapshots (about the size of the state, once the
+    first background save has run; freed by ``close``) and the one save in flight."""
+
+    def __init__(self) -> None:
+        self._buffers = HostBuffers()
+        self.in_flight: _Completion | None = None
+
+    def save(self, engine: Engine, path: Path | None, blocking: bool) -> Path | PendingCheckpoint:
+        if not isinstance(blocking, bool):
+            raise TypeError(
+                f"save_state(blocking=...) must be True or False; got {type(blocking).__name__} {blocking!r}."
+            )
+        self.wait(engine)
+        # A strategy that cannot save in the background refuses before anything is claimed or written.
+        collectives = None if blocking else engine.strategy.background_collectives()
+        # The main rank names the checkpoint and alone deletes old ones: every rank must agree on one directory.
+        number = engine.strategy.broadcast_object(engine.checkpoints.next_number())
+        if collectives is None:
+            committed, number = save_engine_state(engine, path, number)
+            _after_commit(engine, committed, number, automatic=path is None)
+            return committed
+        save = begin_engine_save(engine, path, number, self._buffers)
+        self.in_flight = _Completion(save, collectives, automatic=path is None)
+        return PendingCheckpoint(self, engine, self.in_flight)
+
+    def wait(self, engine: Engine) -> Path | None:
+        """Wait for the save in flight, if any, and finish it on this (the training) thread; its directory. Raises
+        its failure (once: the engine is then free to save again)."""
+        completion, self.in_flight = self.in_flight, None
+        if completion is None:
+            return None
+        committed, number = completion.join()
+        _after_commit(engine, committed, number, completion.automatic)
+        return committed
+
+    def close(self, engine: Engine) -> None:
+        """Wait for the save in flight (raising its failure) and free the host buffers."""
+        try:
+            self.wait(engine)
+        finally:
+            self._buffers.clear()
+
+
+def _after_commit(engine: Engine, committed: Path, number: int, automatic: bool) -> None:
+    engine.checkpoints.advance(number)
+    if automatic and engine.checkpoint_total_limit is not None and engine.is_main_process:
+        engine.checkpoints.prune(keep=engine.checkpoint_total_limit)
+    engine.state.checkpoint_dir = committed
+    engine.fire(Event.SAVE_STATE)
