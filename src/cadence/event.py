@@ -119,7 +119,10 @@ class Event(str, Enum):
 
     SAVE_STATE = (
         "save_state",
-        "A checkpoint was committed at ``state.checkpoint_dir`` (callbacks' ``state_dict`` went into it).",
+        "A checkpoint was committed at ``state.checkpoint_dir`` (callbacks' ``state_dict`` went into it). Always on "
+        "the training thread: for a background save (``save_state(blocking=False)``) it fires when the engine next "
+        "waits after the commit (the next save, ``wait_for_checkpoint``, ``load_state``, the end of ``fit()``, "
+        "``close``).",
     )
 
     LOAD_STATE = (

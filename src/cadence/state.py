@@ -159,7 +159,10 @@ class State:
 
     checkpoint_dir: Path | None = field(
         default=None,
-        metadata=_doc("The checkpoint last saved or loaded. Written by ``save_state`` / ``load_state``."),
+        metadata=_doc(
+            "The checkpoint last saved or loaded. Written by ``save_state`` / ``load_state``; for a background save, "
+            "when the engine observes its commit (with ``SAVE_STATE``)."
+        ),
     )
 
     exception: BaseException | None = field(
