@@ -65,6 +65,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 import cadence
+from cadence.checkpoint.commit import fsync_path
 
 warnings.filterwarnings("ignore", message=".*set_vital.*")
 
@@ -94,21 +95,13 @@ def size_of(path: Path) -> int:
     return sum(file.stat().st_size for file in files_under(path))
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def fsync_tree(path: Path) -> None:
     """Make ``path`` durable the way cadence makes its checkpoints: every file, every directory, and the parent."""
     for file in files_under(path):
-        _fsync(file)
+        fsync_path(file)
     directories = [entry for entry in path.rglob("*") if entry.is_dir()] if path.is_dir() else []
     for directory in [*directories, *([path] if path.is_dir() else []), path.parent]:
-        _fsync(directory)
+        fsync_path(directory)
 
 
 def drop_cache(path: Path) -> None:
@@ -146,8 +139,8 @@ def raw_write(directory: Path, sizes: list[int], block: memoryview) -> None:
                 assert written is not None
                 remaining -= written
             os.fsync(handle.fileno())
-    _fsync(directory)
-    _fsync(directory.parent)
+    fsync_path(directory)
+    fsync_path(directory.parent)
 
 
 def raw_read(directory: Path, block: memoryview) -> int:

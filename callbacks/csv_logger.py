@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from cadence import Callback
+from cadence.checkpoint.commit import fsync_path
 
 if TYPE_CHECKING:
     from cadence import Engine
@@ -168,18 +169,7 @@ def _replace_atomically(path: Path, columns: list[str], rows: Iterable[dict[str,
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
-    _fsync_directory(path.parent)
-
-
-def _fsync_directory(directory: Path) -> None:
-    # The rename is durable only once the directory entry is; Windows cannot open a directory, and needs not.
-    if os.name == "nt":
-        return
-    descriptor = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
+    fsync_path(path.parent)  # the rename is durable only once the directory entry is
 
 
 def _plain_row(row: dict[str, Any]) -> dict[str, Any]:

@@ -55,3 +55,13 @@ def assert_bitwise_equal(left: list[torch.Tensor], right: list[torch.Tensor]) ->
     assert len(left) == len(right)
     for a, b in zip(left, right, strict=True):
         assert torch.equal(a, b), (a - b).abs().max()
+
+
+def assert_same_state(first: dict[str, Any], second: dict[str, Any]) -> None:
+    """Two state dicts of tensors and plain values, equal key by key (tensors bitwise)."""
+    assert first.keys() == second.keys()
+    for key, value in first.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, second[key]), key
+        else:
+            assert value == second[key], key

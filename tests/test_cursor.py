@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, IterableDataset, SubsetRandomSampler, T
 from cadence import CheckpointError
 from cadence.cursor import DataCursor
 from cadence.data import to_stateful
+from tests.helpers import assert_same_state
 
 BATCH = 4
 
@@ -48,15 +49,6 @@ def stop_after(data: DataCursor, batches: int) -> list[list[int]]:
 def straight_epochs(epochs: int, samples: int = 16) -> list[list[list[int]]]:
     data = cursor(samples)
     return [run_pass(data) for _ in range(epochs)]
-
-
-def assert_same_state(first: dict[str, Any], second: dict[str, Any]) -> None:
-    assert first.keys() == second.keys()
-    for key, value in first.items():
-        if isinstance(value, torch.Tensor):
-            assert torch.equal(value, second[key]), key
-        else:
-            assert value == second[key], key
 
 
 def test_a_fresh_cursor_stands_at_the_start_of_epoch_zero() -> None:

@@ -14,7 +14,7 @@ import cadence
 from cadence import CheckpointError, Event
 from cadence.testing import RecordingCallback
 from cadence.wrappers import PreparedDataLoader
-from tests.helpers import make_model
+from tests.helpers import assert_same_state, make_model
 
 
 def ids(batch: Any) -> list[int]:
@@ -36,15 +36,6 @@ def stopped_after(batches: int, samples: int = 40, *, own_sampler: bool = False)
         if index + 1 == batches:
             break
     return data.state_dict()
-
-
-def assert_same_state(first: dict[str, Any], second: dict[str, Any]) -> None:
-    assert first.keys() == second.keys()
-    for key, value in first.items():
-        if isinstance(value, torch.Tensor):
-            assert torch.equal(value, second[key]), key
-        else:
-            assert value == second[key], key
 
 
 def test_the_state_records_the_dataset_size() -> None:

@@ -75,9 +75,10 @@ def test_sigkill_and_resume_is_bitwise_identical(
     assert all(torch.equal(reference[key], ours[key]) for key in reference), context
 
 
-def test_sigkill_during_save_keeps_the_previous_checkpoint(uninterrupted: Path, tmp_path: Path) -> None:
-    # Saves: step 2 (checkpoint_0), step 4 (checkpoint_1); the third save dies half written.
-    killed = worker(tmp_path, "--kill-in-save", "3")
+def killed_in_third_save(tmp_path: Path, *arguments: str) -> Path:
+    """Run the worker until it is SIGKILLed in its third save; check the first two checkpoints are whole and the
+    third is only a temporary directory. Returns the checkpoints directory."""
+    killed = worker(tmp_path, *arguments)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     checkpoints = tmp_path / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir() if not p.name.startswith(".")) == [
@@ -85,6 +86,12 @@ def test_sigkill_during_save_keeps_the_previous_checkpoint(uninterrupted: Path, 
         "checkpoint_1",
     ]
     assert [p for p in checkpoints.iterdir() if ".partial-" in p.name], "the interrupted save left no partial dir"
+    return checkpoints
+
+
+def test_sigkill_during_save_keeps_the_previous_checkpoint(uninterrupted: Path, tmp_path: Path) -> None:
+    # Saves: step 2 (checkpoint_0), step 4 (checkpoint_1); the third save dies half written.
+    checkpoints = killed_in_third_save(tmp_path, "--kill-in-save", "3")
     resumed = worker(tmp_path, "--resume")
     assert resumed.returncode == 0, resumed.stderr
     assert not [p for p in checkpoints.iterdir() if ".partial-" in p.name], "the next save removed it"
@@ -99,14 +106,7 @@ def test_sigkill_during_a_background_write_keeps_the_previous_checkpoint_and_res
 ) -> None:
     # Background saves at step 2 (checkpoint_0), step 4 (checkpoint_1); the third dies while its thread writes
     # and training goes on. The third began only after the second committed (one save in flight at a time).
-    killed = worker(tmp_path, "--async-save", "--kill-in-background-write", "3")
-    assert killed.returncode == -signal.SIGKILL, killed.stderr
-    checkpoints = tmp_path / "checkpoints"
-    assert sorted(p.name for p in checkpoints.iterdir() if not p.name.startswith(".")) == [
-        "checkpoint_0",
-        "checkpoint_1",
-    ]
-    assert [p for p in checkpoints.iterdir() if ".partial-" in p.name], "the interrupted save left no partial dir"
+    killed_in_third_save(tmp_path, "--async-save", "--kill-in-background-write", "3")
     resumed = worker(tmp_path, "--async-save", "--resume")
     assert resumed.returncode == 0, resumed.stderr
     after_resume = losses(tmp_path / "losses_resumed.jsonl")
