@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -125,3 +126,21 @@ def test_stop_from_a_callback_ends_fit_after_the_batch() -> None:
 
     engine = cadence.Engine(accelerator="cpu", callbacks=[StopAtSecondStep()], progress_bar=False)
     assert engine.fit(RegressionStep(), loader(), max_epochs=5).step == 2
+
+
+def test_a_stop_reason_is_kept_printed_and_cleared_by_the_next_fit(capsys: pytest.CaptureFixture[str]) -> None:
+    class StopWithReasons(cadence.Callback):
+        def on_after_optimizer_step(self, engine: cadence.Engine) -> None:
+            if engine.state.step == 2:
+                engine.state.stop("enough for today")
+                engine.state.stop("a later reason")  # the first reason given wins
+
+    stopper = StopWithReasons()
+    engine = cadence.Engine(accelerator="cpu", callbacks=[stopper], progress_bar=False)
+    state = engine.fit(RegressionStep(), loader(), max_epochs=5)
+    assert (state.step, state.stop_reason) == (2, "enough for today")
+    assert "Stopped at step 2 (epoch 0): enough for today." in capsys.readouterr().out
+    engine.remove_callback(stopper)
+    assert engine.fit(RegressionStep(), loader(), max_steps=3).stop_reason is None
+    with pytest.raises(ValueError, match="non-empty string"):
+        engine.state.stop("")

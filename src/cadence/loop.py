@@ -52,6 +52,7 @@ def run_fit(
     state = engine.state
     state.max_epochs, state.max_steps = max_epochs, max_steps
     state.should_stop = max_steps is not None and state.step >= max_steps
+    state.stop_reason = None
     if resume is not None and (state.should_stop or (max_epochs is not None and train_loader.epoch >= max_epochs)):
         engine.print(
             f"This run already reached {_limits(max_epochs, max_steps)} (step {state.step}, {train_loader.epoch} "
@@ -95,6 +96,8 @@ def run_fit(
         save_failure = _finish_background_save(engine) or save_failure
         _raise_save_failure(save_failure, failing=state.exception)
         state.exception = None
+    if state.stop_reason is not None:
+        engine.print(f"Stopped at step {state.step} (epoch {state.epoch}): {state.stop_reason}.")
     if state.non_finite_steps:
         warnings.warn(
             f"{state.non_finite_steps} optimizer step(s) applied a NaN or infinite loss, so the weights are no longer "

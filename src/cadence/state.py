@@ -157,6 +157,14 @@ class State:
         default=False, metadata=_doc("Set by ``stop()``; ``fit()`` ends after the current batch.")
     )
 
+    stop_reason: str | None = field(
+        default=None,
+        metadata=_doc(
+            "Why ``stop()`` was called, when the caller said (``fit()`` prints it when it ends). Set by ``stop()``; "
+            "cleared when ``fit()`` starts."
+        ),
+    )
+
     checkpoint_dir: Path | None = field(
         default=None,
         metadata=_doc(
@@ -201,9 +209,15 @@ class State:
             self._non_finite_steps = self._non_finite_steps + self._window_non_finite
             self._window_non_finite = False
 
-    def stop(self) -> None:
-        """Ask ``fit()`` to end after the current batch (any callback, any event)."""
+    def stop(self, reason: str | None = None) -> None:
+        """Ask ``fit()`` to end after the current batch (any callback, any event). ``reason`` (e.g. "val/loss did
+        not improve for 3 checks") is kept in ``stop_reason`` and printed when ``fit()`` ends; the first reason
+        given wins."""
+        if reason is not None and not (isinstance(reason, str) and reason):
+            raise ValueError(f"stop() takes a non-empty string reason or None; got {reason!r}.")
         self.should_stop = True
+        if self.stop_reason is None:
+            self.stop_reason = reason
 
     def veto_step(self, reason: str) -> None:
         """Skip the optimizer step about to run; ``reason`` lands in ``skip_reason``. Call at
