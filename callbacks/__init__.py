@@ -4,6 +4,7 @@ from .accumulation import GradientAccumulation
 from .checkpoint import Checkpoint
 from .clipping import GradientClipping, clip_gradients
 from .csv_logger import CSVLogger
+from .early_stopping import EarlyStopping
 from .finite_check import FiniteCheck
 from .mixed_precision import MixedPrecision
 from .progress import RichProgressBar
@@ -11,6 +12,7 @@ from .progress import RichProgressBar
 __all__ = [
     "CSVLogger",
     "Checkpoint",
+    "EarlyStopping",
     "FiniteCheck",
     "GradientAccumulation",
     "GradientClipping",
