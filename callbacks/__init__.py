@@ -6,6 +6,7 @@ from .clipping import GradientClipping, clip_gradients
 from .csv_logger import CSVLogger
 from .early_stopping import EarlyStopping
 from .finite_check import FiniteCheck
+from .lr_monitor import LearningRateMonitor
 from .mixed_precision import MixedPrecision
 from .progress import RichProgressBar
 
@@ -16,6 +17,7 @@ __all__ = [
     "FiniteCheck",
     "GradientAccumulation",
     "GradientClipping",
+    "LearningRateMonitor",
     "MixedPrecision",
     "RichProgressBar",
     "clip_gradients",
