@@ -28,6 +28,8 @@ class EarlyStopping(Callback):
     - ``"epoch"`` (the default for the others): at ``EPOCH_END``;
     - ``"step"``: at the ``BATCH_END`` of every batch that applied an optimizer update.
 
+    A check reads the latest logged value (for a metric logged every batch, the epoch's last one at ``"epoch"``).
+
     A ``val/...`` metric is written by validation only, so it can be checked with ``"validation"`` only. In a
     hand-written loop, log the metric and call ``check(engine)`` yourself.
 
@@ -139,7 +141,7 @@ class EarlyStopping(Callback):
         """Update the best value and the wait count with ``current``; why the run must stop, or None."""
         name = self.monitor
         if self.check_finite and not math.isfinite(current):
-            return f"{name} is {current} at step {step}, not finite{self._best_text(', best ')}"
+            return f"{name} is {current} at step {step}, not finite{self._best_text()}"
         if self._better(current, self.best_score, self.min_delta):
             self.best_score, self.best_step, self.wait_count = current, step, 0
         else:
@@ -151,7 +153,7 @@ class EarlyStopping(Callback):
         if self.wait_count > 0 and self.wait_count >= self.patience:
             by = f" by more than {self.min_delta:g}" if self.min_delta else ""
             checks = "check" if self.wait_count == 1 else "checks"
-            return f"{name} did not improve{by} for {self.wait_count} {checks}{self._best_text(' (best ')}"
+            return f"{name} did not improve{by} for {self.wait_count} {checks}{self._best_text()}"
         return None
 
     def _better(self, value: float, reference: float, margin: float) -> bool:
@@ -159,11 +161,8 @@ class EarlyStopping(Callback):
             return value < reference - margin
         return value > reference + margin
 
-    def _best_text(self, opening: str) -> str:
-        if self.best_step is None:
-            return ""
-        closing = ")" if opening.lstrip().startswith("(") else ""
-        return f"{opening}{self.best_score:.6g} at step {self.best_step}{closing}"
+    def _best_text(self) -> str:
+        return "" if self.best_step is None else f" (best {self.best_score:.6g} at step {self.best_step})"
 
     def _read(self, engine: Engine) -> float | None:
         """The monitored value as every rank sees it, or None when it is missing and ``strict`` is off."""
@@ -201,7 +200,7 @@ def _missing_message(monitor: str, check_on: CheckOn, metrics: dict[str, Any]) -
     how = (
         f"return {monitor.removeprefix(_VALIDATION_PREFIX)!r} in validation_step's dict"
         if monitor.startswith(_VALIDATION_PREFIX)
-        else f"log it with engine.log({monitor!r}, value) (or return it in training_step's dict)"
+        else f"log it with engine.log({monitor!r}, value)"
     )
     return (
         f"EarlyStopping(monitor={monitor!r}) found no such metric at its {check_on} check; metrics logged: "

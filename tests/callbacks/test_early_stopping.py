@@ -5,6 +5,7 @@ interrupted and resumed."""
 from __future__ import annotations
 
 import math
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import cadence
 from cadence import Event
 from cadence.callbacks import EarlyStopping, GradientAccumulation
 from cadence.testing import FakeEngine, FakeStrategy
+from cadence.testing.spawn import spawn
 from tests.helpers import RegressionStep, loader, regression_data
 
 
@@ -88,7 +90,7 @@ def test_min_delta_is_a_magnitude_whose_direction_comes_from_mode(mode: Any, val
 def test_a_non_finite_value_stops_at_once_and_says_why(bad: float) -> None:
     fake = FakeEngine(callbacks=[EarlyStopping("val/loss", patience=5)])
     assert validate(fake, [0.5, bad]) == [False, True]
-    assert fake.state.stop_reason == f"EarlyStopping: val/loss is {bad} at step 0, not finite, best 0.5 at step 0"
+    assert fake.state.stop_reason == f"EarlyStopping: val/loss is {bad} at step 0, not finite (best 0.5 at step 0)"
 
 
 def test_check_finite_false_counts_nan_as_no_improvement() -> None:
@@ -241,3 +243,34 @@ def test_an_interrupted_and_resumed_run_stops_at_the_same_step(tmp_path: Path) -
     assert (resumed.state.step, resumed.state.epoch) == (straight.state.step, straight.state.epoch)
     assert resumed.state.stop_reason == straight.state.stop_reason is not None
     assert callback.stopped_step == straight.state.step
+
+
+# --- two real ranks ---------------------------------------------------------------------------------------------
+# Per-rank values of a training metric, one per epoch. Averaged they improve until epoch 3, then stall: every rank
+# must stop at epoch 5. Rank 0 alone would stop at epoch 2; the ranks would then disagree and the run would hang.
+PER_RANK_VALUES = ([3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0], [3.0, 0.0, -3.0, -6.0, -5.0, -4.0, -3.0, -2.0])
+
+
+class LogPerRankValue(cadence.Callback):
+    def on_epoch_start(self, engine: cadence.Engine) -> None:
+        engine.log("disagreeing", torch.tensor(PER_RANK_VALUES[engine.rank][engine.state.epoch]))
+
+
+def stop_on_two_ranks() -> tuple[int, int, str | None]:
+    """One rank of a DDP fit() whose EarlyStopping watches a metric each rank logs differently."""
+    callbacks = [LogPerRankValue(), EarlyStopping("disagreeing", patience=2)]
+    with cadence.Engine(
+        accelerator="cpu", callbacks=callbacks, progress_bar=False, timeout=timedelta(seconds=60)
+    ) as engine:
+        state = engine.fit(RegressionStep(), loader(batch_size=4), max_epochs=len(PER_RANK_VALUES[0]))
+        return state.step, state.epoch, state.stop_reason
+
+
+@pytest.mark.slow
+def test_ranks_that_log_different_values_stop_together() -> None:
+    results = spawn(2, stop_on_two_ranks, timeout=300.0)
+    assert results[0] == results[1]
+    step, epoch, reason = results[0]
+    per_epoch = step // (epoch + 1)  # checks at EPOCH_END, so the best (the mean 0) is at epoch 3's last step
+    assert epoch == 5 and step == 6 * per_epoch
+    assert reason == f"EarlyStopping: disagreeing did not improve for 2 checks (best 0 at step {4 * per_epoch})"
