@@ -4,16 +4,20 @@ from .accumulation import GradientAccumulation
 from .checkpoint import Checkpoint
 from .clipping import GradientClipping, clip_gradients
 from .csv_logger import CSVLogger
+from .early_stopping import EarlyStopping
 from .finite_check import FiniteCheck
+from .lr_monitor import LearningRateMonitor
 from .mixed_precision import MixedPrecision
 from .progress import RichProgressBar
 
 __all__ = [
     "CSVLogger",
     "Checkpoint",
+    "EarlyStopping",
     "FiniteCheck",
     "GradientAccumulation",
     "GradientClipping",
+    "LearningRateMonitor",
     "MixedPrecision",
     "RichProgressBar",
     "clip_gradients",
