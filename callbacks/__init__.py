@@ -6,6 +6,7 @@ from .clipping import GradientClipping, clip_gradients
 from .csv_logger import CSVLogger
 from .finite_check import FiniteCheck
 from .mixed_precision import MixedPrecision
+from .preemption import Preemption
 from .progress import RichProgressBar
 
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "GradientAccumulation",
     "GradientClipping",
     "MixedPrecision",
+    "Preemption",
     "RichProgressBar",
     "clip_gradients",
 ]
