@@ -8,6 +8,7 @@ from .finite_check import FiniteCheck
 from .mixed_precision import MixedPrecision
 from .preemption import Preemption
 from .progress import RichProgressBar
+from .timer import Timer
 
 __all__ = [
     "CSVLogger",
@@ -18,5 +19,6 @@ __all__ = [
     "MixedPrecision",
     "Preemption",
     "RichProgressBar",
+    "Timer",
     "clip_gradients",
 ]
