@@ -3,6 +3,7 @@ step and the process exits with a status that says "resume me"."""
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from collections.abc import Callable, Iterable
@@ -31,7 +32,7 @@ Handler = Callable[[int, FrameType | None], Any] | int | None
 class Preemption(Callback):
     """Turns the scheduler's warning signal into a checkpoint and a clean exit.
 
-    From ``FIT_START`` to ``FIT_END`` it handles ``signals`` (default SIGTERM, which SLURM, Kubernetes and
+    While ``fit()`` trains it handles ``signals`` (default SIGTERM, which SLURM, Kubernetes and
     torchrun send before they kill, and SIGUSR1, which ``sbatch --signal=USR1@90`` sends ahead of the time limit).
     The handler only notes the signal. At the next safe point, the ``BATCH_END`` of an optimizer step
     (``state.sync_gradients``, so never inside an accumulation window), every rank learns whether any rank got a
@@ -54,8 +55,9 @@ class Preemption(Callback):
     normal end of ``fit()``.
 
     A handler installed before ``fit()`` (a launcher's own) still runs, after ours noted the signal; the default
-    action (termination) is what this callback replaces. Handlers are restored at ``FIT_END``. Signals reach only
-    the main thread, so ``fit()`` must run there.
+    action (termination) is what this callback replaces. Ours are installed at the first batch (before it nothing
+    new is trained) and the previous ones restored at ``FIT_END``; a forked dataloader worker that inherits ours
+    reacts as it would have without it. Signals reach only the main thread, so ``fit()`` must run there.
     """
 
     def __init__(
@@ -82,6 +84,8 @@ class Preemption(Callback):
         self._previous: dict[int, Handler] = {}
         self._steps_since_check = 0
         self._acted = False
+        self._install_pending = False
+        self._pid = os.getpid()
 
     @property
     def signal_received(self) -> signal.Signals | None:
@@ -89,9 +93,16 @@ class Preemption(Callback):
         return None if self._received is None else signal.Signals(self._received)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self._received is None:
-            self._received = signum
         previous = self._previous.get(signum)
+        if os.getpid() != self._pid:
+            # A forked child (a dataloader worker) inherited this handler: it must react as it would have without us.
+            signal.signal(signum, previous)
+            if previous == signal.SIG_DFL:
+                signal.raise_signal(signum)
+            elif callable(previous):
+                previous(signum, frame)
+            return
+        self._received = signum if self._received is None else self._received
         if callable(previous) and previous is not signal.default_int_handler:
             previous(signum, frame)
 
@@ -103,12 +114,22 @@ class Preemption(Callback):
                 "Preemption from the engine's callbacks."
             )
         self._received, self._steps_since_check, self._acted = None, 0, False
-        try:
-            for sig in self.signals:
-                self._previous[sig] = signal.signal(sig, self._handle)
-        except BaseException:
-            self._restore()
-            raise
+        # Installed at the first batch, not here: FIT_END (which restores them) is guaranteed only once the loop
+        # runs, and a failing FIT_START hook must not leave a handler that swallows every later SIGTERM. Until
+        # then nothing new was trained, so a signal may take its default course.
+        self._install_pending = True
+
+    def on_batch_start(self, engine: Engine) -> None:
+        if self._install_pending:
+            self._install_pending = False
+            self._pid = os.getpid()
+            try:
+                for sig in self.signals:
+                    previous = signal.signal(sig, self._handle)  # None: set outside Python, taken as the default
+                    self._previous[sig] = signal.SIG_DFL if previous is None else previous
+            except BaseException:
+                self._restore()
+                raise
 
     def on_batch_end(self, engine: Engine) -> None:
         state = engine.state
@@ -137,12 +158,11 @@ class Preemption(Callback):
         return local or None
 
     def on_fit_end(self, engine: Engine) -> None:
+        self._install_pending = False
         self._restore()
         if self._received is not None and not self._acted and engine.state.exception is None:
-            engine.print(
-                f"Preemption: {signal.Signals(self._received).name} arrived after the last checked step; fit() ended "
-                "normally."
-            )
+            name = signal.Signals(self._received).name
+            engine.print(f"Preemption: {name} arrived after the last checked step; fit() ended normally.")
 
     def _restore(self) -> None:
         for sig, previous in self._previous.items():

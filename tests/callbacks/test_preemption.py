@@ -156,6 +156,35 @@ def test_handlers_are_restored_when_fit_fails_and_flags_stay_per_callback(guard:
     assert state.step == 8 and state.stop_reason is None and second.signal_received is None
 
 
+def test_a_failing_fit_start_leaves_no_handler_of_ours_behind(guard: Guard) -> None:
+    class FailsAtFitStart(cadence.Callback):
+        def on_fit_start(self, engine: cadence.Engine) -> None:
+            raise RuntimeError("no GPU today")
+
+    fake = FakeEngine(callbacks=[Preemption(), FailsAtFitStart()])
+    with pytest.raises(RuntimeError, match="no GPU today"):
+        fake.fit(TinyStep(), tiny_dataloader(), max_epochs=1)  # fit() fires no FIT_END here: nothing may need it
+    assert all(signal.getsignal(sig) is guard for sig in SIGNALS)
+
+
+def test_a_forked_child_reacts_as_without_preemption(guard: Guard, monkeypatch: pytest.MonkeyPatch) -> None:
+    preemption = Preemption(exit_on_preemption=False)
+
+    class ForkThenSignal(cadence.Callback):
+        def on_batch_end(self, engine: cadence.Engine) -> None:
+            if engine.state.batch_idx == 0:
+                real_pid = os.getpid()
+                # A dataloader worker forked now inherits the handler; there, getpid() differs from the trainer's.
+                monkeypatch.setattr("cadence.callbacks.preemption.os.getpid", lambda: real_pid + 1)
+                signal.raise_signal(signal.SIGTERM)
+                assert signal.getsignal(signal.SIGTERM) is guard  # the child got its old handler back
+                monkeypatch.undo()
+
+    fake = FakeEngine(callbacks=[ForkThenSignal(), preemption])
+    state = fake.fit(TinyStep(), tiny_dataloader(), max_epochs=1)
+    assert guard.seen == [signal.SIGTERM] and preemption.signal_received is None and state.stop_reason is None
+
+
 def test_fit_off_the_main_thread_is_refused_with_the_way_out(guard: Guard) -> None:
     errors: list[BaseException] = []
 
