@@ -60,7 +60,8 @@ def main() -> None:
         accelerator="cpu", seed=0, project_dir=args.project_dir, callbacks=callbacks, progress_bar=False
     ) as engine:
         step = RegressionStep()
-        data = DataLoader(regression_data(), batch_size=GLOBAL_BATCH // engine.world_size, shuffle=True)
+        # Forked workers (fresh ones each epoch) inherit Preemption's handler once it is installed.
+        data = DataLoader(regression_data(), batch_size=GLOBAL_BATCH // engine.world_size, shuffle=True, num_workers=2)
         engine.fit(step, data, max_epochs=3, resume="latest" if args.resume else None)
         weights = engine.unwrap_model(step.model).state_dict()
         if engine.is_main_process:
