@@ -8,7 +8,9 @@ from .early_stopping import EarlyStopping
 from .finite_check import FiniteCheck
 from .lr_monitor import LearningRateMonitor
 from .mixed_precision import MixedPrecision
+from .preemption import Preemption
 from .progress import RichProgressBar
+from .timer import Timer
 
 __all__ = [
     "CSVLogger",
@@ -19,6 +21,8 @@ __all__ = [
     "GradientClipping",
     "LearningRateMonitor",
     "MixedPrecision",
+    "Preemption",
     "RichProgressBar",
+    "Timer",
     "clip_gradients",
 ]

@@ -144,3 +144,39 @@ def test_a_stop_reason_is_kept_printed_and_cleared_by_the_next_fit(capsys: pytes
     assert engine.fit(RegressionStep(), loader(), max_steps=3).stop_reason is None
     with pytest.raises(ValueError, match="non-empty string"):
         engine.state.stop("")
+
+
+def test_a_stop_with_an_exit_code_exits_after_every_fit_end_and_the_message(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    class StopWithExitCode(cadence.Callback):
+        def on_after_optimizer_step(self, engine: cadence.Engine) -> None:
+            if engine.state.step == 2:
+                engine.state.stop("preempted", exit_code=75)
+                engine.state.stop("later", exit_code=3)  # the first code given wins, like the reason
+
+    class FlushesAtFitEnd(cadence.Callback):
+        flushed_at: int | None = None
+
+        def on_fit_end(self, engine: cadence.Engine) -> None:
+            self.flushed_at = engine.state.step
+
+    flusher = FlushesAtFitEnd()
+    stopper = StopWithExitCode()
+    engine = cadence.Engine(accelerator="cpu", callbacks=[stopper, flusher], progress_bar=False)
+    with pytest.raises(SystemExit) as exited:
+        engine.fit(RegressionStep(), loader(), max_epochs=5)
+    assert exited.value.code == 75
+    assert flusher.flushed_at == 2  # the callback after the stopping one still ran its FIT_END
+    assert "Stopped at step 2 (epoch 0): preempted." in capsys.readouterr().out
+    engine.remove_callback(stopper)
+    state = engine.fit(RegressionStep(), loader(), max_steps=3)  # cleared: a later fit returns normally
+    assert state.exit_code is None and state.step == 3
+
+
+@pytest.mark.parametrize("code", [-1, 256, 1.0, True, "75"])
+def test_stop_refuses_an_exit_code_outside_0_to_255(code: object) -> None:
+    state = cadence.State()
+    with pytest.raises(ValueError, match="integer from 0 to 255"):
+        state.stop("why", exit_code=code)  # type: ignore[arg-type]
+    assert not state.should_stop  # refused before anything changed

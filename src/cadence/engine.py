@@ -479,7 +479,9 @@ class Engine:
 
         The loop is the imperative API (see ``cadence.Event``). ``resume="latest"`` continues from the newest
         valid checkpoint in ``project_dir/checkpoints`` (or starts fresh when there is none); a path resumes
-        from that checkpoint. Returns the final ``State``.
+        from that checkpoint. Returns the final ``State``, unless a callback stopped the run with an exit code
+        (``state.stop(exit_code=...)``, as ``cadence.callbacks.Preemption`` does): then, once everything else is
+        done, it raises ``SystemExit`` with that code.
         """
         return run_fit(
             self, step, train_dataloader, max_epochs=max_epochs, max_steps=max_steps,

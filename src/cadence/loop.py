@@ -52,7 +52,7 @@ def run_fit(
     state = engine.state
     state.max_epochs, state.max_steps = max_epochs, max_steps
     state.should_stop = max_steps is not None and state.step >= max_steps
-    state.stop_reason = None
+    state.stop_reason = state.exit_code = None
     if resume is not None and (state.should_stop or (max_epochs is not None and train_loader.epoch >= max_epochs)):
         engine.print(
             f"This run already reached {_limits(max_epochs, max_steps)} (step {state.step}, {train_loader.epoch} "
@@ -105,6 +105,9 @@ def run_fit(
             UserWarning,
             stacklevel=3,
         )
+    if state.exit_code is not None:
+        # Last of all, so every FIT_END (loggers flushing, checkpoints committing) and the messages above ran.
+        raise SystemExit(state.exit_code)
     return state
 
 

@@ -165,6 +165,15 @@ class State:
         ),
     )
 
+    exit_code: int | None = field(
+        default=None,
+        metadata=_doc(
+            "The process exit status ``fit()`` ends with, as ``SystemExit(exit_code)`` raised once every callback's "
+            "``FIT_END`` ran and the stop was printed (``Preemption`` asks for one), or ``None`` for a normal "
+            "return. Set by ``stop(exit_code=...)``; cleared when ``fit()`` starts."
+        ),
+    )
+
     checkpoint_dir: Path | None = field(
         default=None,
         metadata=_doc(
@@ -209,15 +218,20 @@ class State:
             self._non_finite_steps = self._non_finite_steps + self._window_non_finite
             self._window_non_finite = False
 
-    def stop(self, reason: str | None = None) -> None:
+    def stop(self, reason: str | None = None, *, exit_code: int | None = None) -> None:
         """Ask ``fit()`` to end after the current batch (any callback, any event). ``reason`` (e.g. "val/loss did
         not improve for 3 checks") is kept in ``stop_reason`` and printed when ``fit()`` ends; the first reason
-        given wins."""
+        given wins. ``exit_code`` (0-255) makes ``fit()`` end the process with that status after its normal end
+        (``exit_code``); the first one given wins."""
         if reason is not None and not (isinstance(reason, str) and reason):
             raise ValueError(f"stop() takes a non-empty string reason or None; got {reason!r}.")
+        if exit_code is not None and (type(exit_code) is not int or not 0 <= exit_code <= 255):
+            raise ValueError(f"stop(exit_code=...) takes an integer from 0 to 255 or None; got {exit_code!r}.")
         self.should_stop = True
         if self.stop_reason is None:
             self.stop_reason = reason
+        if self.exit_code is None:
+            self.exit_code = exit_code
 
     def veto_step(self, reason: str) -> None:
         """Skip the optimizer step about to run; ``reason`` lands in ``skip_reason``. Call at

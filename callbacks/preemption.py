@@ -1,0 +1,201 @@
+"""``Preemption``: when the scheduler announces the end (SIGTERM, SIGUSR1), every rank saves at the next optimizer
+step and the process exits with a status that says "resume me"."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterable
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from cadence import Callback
+
+if TYPE_CHECKING:
+    from cadence import Engine
+    from cadence.state import State
+
+EX_TEMPFAIL = 75
+"""sysexits.h's "temporary failure; the user is invited to retry": the run is unfinished but safe to resume."""
+
+DEFAULT_SIGNALS: tuple[signal.Signals, ...] = tuple(
+    sig for sig in (signal.SIGTERM, getattr(signal, "SIGUSR1", None)) if sig is not None
+)
+_UNCATCHABLE = {getattr(signal, name) for name in ("SIGKILL", "SIGSTOP") if hasattr(signal, name)}
+
+Handler = Callable[[int, FrameType | None], Any] | int | None
+
+
+class Preemption(Callback):
+    """Turns the scheduler's warning signal into a checkpoint and a clean exit.
+
+    While ``fit()`` trains it handles ``signals`` (default SIGTERM, which SLURM, Kubernetes and
+    torchrun send before they kill, and SIGUSR1, which ``sbatch --signal=USR1@90`` sends ahead of the time limit).
+    The handler only notes the signal. At the next safe point, the ``BATCH_END`` of an optimizer step
+    (``state.sync_gradients``, so never inside an accumulation window), every rank learns whether any rank got a
+    signal, through one ``engine.reduce(op="max")`` of one number: under torchrun a SIGTERM reaches every rank,
+    but a SIGUSR1 may reach one. Then every rank saves (``engine.save_state()``, blocking) and stops the run with
+    ``state.stop_reason`` naming the signal and the checkpoint, and ``fit()`` ends as usual (every ``FIT_END``
+    runs: loggers flush) before it raises ``SystemExit(exit_code)``. ``fit(..., resume="latest")`` in the next
+    job continues bit-exactly from that checkpoint.
+
+    ``exit_code`` (default 75, ``EX_TEMPFAIL``: "temporary failure, retry later") tells a wrapper or scheduler
+    the run is unfinished but saved. It differs from 0 (finished), 1 (a Python error) and 128 + N (killed by
+    signal N, perhaps without a save), so a requeue script can tell them apart; under ``torchrun
+    --max-restarts`` any non-zero exit restarts the workers, which resume from the checkpoint. With
+    ``exit_on_preemption=False`` ``fit()`` just returns and ``state.stop_reason`` says what happened.
+
+    Cost: with several ranks, one collective of one number and one host sync per ``check_every_n_steps``
+    optimizer steps; raise it when steps are very short, keeping the wait well inside the scheduler's grace
+    period. With one process a check reads a Python attribute. Nothing is checked before a step completes, so an
+    accumulation window must fit in the grace period too. A signal after the run's last step is left to the
+    normal end of ``fit()``.
+
+    A handler installed before ``fit()`` (a launcher's own) still runs, after ours noted the signal; the default
+    action (termination) is what this callback replaces. Ours are installed at the first batch (before it nothing
+    new is trained) and the previous ones restored at ``FIT_END``; a forked dataloader worker that inherits ours
+    reacts as it would have without it. Signals reach only the main thread, so ``fit()`` must run there.
+    """
+
+    def __init__(
+        self,
+        signals: Iterable[int] = DEFAULT_SIGNALS,
+        exit_code: int = EX_TEMPFAIL,
+        exit_on_preemption: bool = True,
+        check_every_n_steps: int = 1,
+    ) -> None:
+        self.signals = _checked_signals(signals)
+        if type(exit_code) is not int or not 1 <= exit_code <= 255:
+            raise ValueError(
+                f"Preemption(exit_code=...) must be an integer from 1 to 255 (0 would say the run finished); got "
+                f"{exit_code!r}. To return from fit() instead of exiting, pass exit_on_preemption=False."
+            )
+        if not isinstance(exit_on_preemption, bool):
+            raise TypeError(f"Preemption(exit_on_preemption=...) must be True or False; got {exit_on_preemption!r}.")
+        if type(check_every_n_steps) is not int or check_every_n_steps < 1:
+            raise ValueError(f"Preemption(check_every_n_steps=...) needs an integer >= 1; got {check_every_n_steps!r}.")
+        self.exit_code = exit_code
+        self.exit_on_preemption = exit_on_preemption
+        self.check_every_n_steps = check_every_n_steps
+        self._received: int | None = None
+        self._previous: dict[int, Handler] = {}
+        self._steps_since_check = 0
+        self._acted = False
+        self._install_pending = False
+        self._pid = os.getpid()
+
+    @property
+    def signal_received(self) -> signal.Signals | None:
+        """The first of ``signals`` this process received during the running ``fit()`` (None: none yet)."""
+        return None if self._received is None else signal.Signals(self._received)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        previous = self._previous.get(signum)
+        if os.getpid() != self._pid:
+            # A forked child (a dataloader worker) inherited this handler: it must react as it would have without us.
+            signal.signal(signum, previous)
+            if previous == signal.SIG_DFL:
+                signal.raise_signal(signum)
+            elif callable(previous):
+                previous(signum, frame)
+            return
+        self._received = signum if self._received is None else self._received
+        if callable(previous) and previous is not signal.default_int_handler:
+            previous(signum, frame)
+
+    def on_fit_start(self, engine: Engine) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError(
+                f"Preemption cannot catch signals: fit() runs on thread {threading.current_thread().name!r}, and "
+                "Python delivers signals to the main thread only. Call fit() from the main thread, or remove "
+                "Preemption from the engine's callbacks."
+            )
+        self._received, self._steps_since_check, self._acted = None, 0, False
+        # Installed at the first batch, not here: FIT_END (which restores them) is guaranteed only once the loop
+        # runs, and a failing FIT_START hook must not leave a handler that swallows every later SIGTERM. Until
+        # then nothing new was trained, so a signal may take its default course.
+        self._install_pending = True
+
+    def on_batch_start(self, engine: Engine) -> None:
+        if self._install_pending:
+            self._install_pending = False
+            self._pid = os.getpid()
+            try:
+                for sig in self.signals:
+                    previous = signal.signal(sig, self._handle)  # None: set outside Python, taken as the default
+                    self._previous[sig] = signal.SIG_DFL if previous is None else previous
+            except BaseException:
+                self._restore()
+                raise
+
+    def on_batch_end(self, engine: Engine) -> None:
+        state = engine.state
+        if self._acted or not state.sync_gradients or _run_ends_here(state):
+            return
+        self._steps_since_check += 1
+        if self._steps_since_check < self.check_every_n_steps:
+            return
+        self._steps_since_check = 0
+        received = self._agreed_signal(engine)
+        if received is None:
+            return
+        self._acted = True
+        name = signal.Signals(received).name
+        engine.print(f"Preemption: {name} received; saving a checkpoint at step {state.step}.")
+        saved = engine.save_state()
+        exit_code = self.exit_code if self.exit_on_preemption else None
+        state.stop(f"Preemption: {name} received; saved checkpoint {saved}", exit_code=exit_code)
+
+    def _agreed_signal(self, engine: Engine) -> int | None:
+        """The largest signal number any rank received, the same on every rank (None when none did)."""
+        local = self._received or 0
+        if engine.world_size > 1:
+            flag = torch.tensor(float(local), device=engine.device)
+            local = int(engine.reduce(flag, op="max").item())
+        return local or None
+
+    def on_fit_end(self, engine: Engine) -> None:
+        self._install_pending = False
+        self._restore()
+        if self._received is not None and not self._acted and engine.state.exception is None:
+            name = signal.Signals(self._received).name
+            engine.print(f"Preemption: {name} arrived after the last checked step; fit() ended normally.")
+
+    def _restore(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()
+
+
+def _run_ends_here(state: State) -> bool:
+    """True at the last batch ``fit()`` will run anyway (``max_steps`` reached, or the last epoch's last batch)."""
+    if state.max_steps is not None and state.step >= state.max_steps:
+        return True
+    return state.is_last_batch and state.max_epochs is not None and state.epoch + 1 >= state.max_epochs
+
+
+def _checked_signals(signals: Iterable[int]) -> tuple[signal.Signals, ...]:
+    if isinstance(signals, int):
+        signals = (signals,)
+    checked: list[signal.Signals] = []
+    for value in signals:
+        try:
+            sig = signal.Signals(value)
+        except ValueError:
+            raise ValueError(
+                f"Preemption(signals=...) got {value!r}, which is not a signal on this system; pass members of "
+                "signal.Signals, e.g. (signal.SIGTERM, signal.SIGUSR1)."
+            ) from None
+        if sig in _UNCATCHABLE:
+            raise ValueError(
+                f"Preemption cannot catch {sig.name}: no process can. Schedulers send SIGTERM (or a signal you "
+                "choose, e.g. sbatch --signal=USR1@90) before it; handle that one."
+            )
+        if sig not in checked:
+            checked.append(sig)
+    if not checked:
+        raise ValueError("Preemption(signals=...) is empty; pass at least one, e.g. (signal.SIGTERM,).")
+    return tuple(checked)

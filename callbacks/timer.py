@@ -1,0 +1,135 @@
+"""``Timer``: end training, after a checkpoint, when its wall-time budget is spent; the time used survives resume."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from cadence import Callback
+
+if TYPE_CHECKING:
+    from cadence import Engine
+
+
+def parse_duration(duration: float | timedelta | str) -> float:
+    """Seconds in ``duration``: a number of seconds, a ``timedelta``, or ``"DD:HH:MM:SS"`` (days, hours, minutes,
+    seconds, as Lightning writes it). Raises ``ValueError`` naming the accepted forms when it is none of them or
+    not positive."""
+    accepted = 'seconds (e.g. 3600), a datetime.timedelta, or "DD:HH:MM:SS" (e.g. "00:12:00:00" for 12 hours)'
+    if isinstance(duration, timedelta):
+        seconds = duration.total_seconds()
+    elif isinstance(duration, str):
+        parts = duration.split(":")
+        if len(parts) != 4 or not all(part.strip().isdigit() for part in parts):
+            raise ValueError(f"Timer(max_duration={duration!r}) is not DD:HH:MM:SS; pass {accepted}.")
+        days, hours, minutes, secs = (int(part) for part in parts)
+        seconds = timedelta(days=days, hours=hours, minutes=minutes, seconds=secs).total_seconds()
+    elif isinstance(duration, int | float) and not isinstance(duration, bool):
+        seconds = float(duration)
+    else:
+        raise TypeError(f"Timer(max_duration=...) got {type(duration).__name__} {duration!r}; pass {accepted}.")
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise ValueError(f"Timer(max_duration={duration!r}) must be a positive, finite duration; pass {accepted}.")
+    return seconds
+
+
+def _clock_text(seconds: float) -> str:
+    return str(timedelta(seconds=round(seconds)))
+
+
+class Timer(Callback):
+    """Stops ``fit()`` once its training has run ``max_duration`` of wall time, after saving a checkpoint, so a job
+    with a fixed allocation ends cleanly and the next one resumes (``fit(..., resume="latest")``).
+
+    The time counted is ``fit()``'s own, from ``FIT_START`` to ``FIT_END`` (validation and saves included),
+    summed over every ``fit()`` of the engine and over resumes: it is part of the checkpoint, so a resumed run
+    counts on from what the checkpoint's run had used when it saved. (The time between that save and the end of
+    the old job, and the restart itself, are not counted.) ``elapsed`` and ``remaining`` read it at any time.
+
+    It checks at the ``BATCH_END`` of every ``check_every_n_steps``-th optimizer step (never inside an accumulation
+    window, so the checkpoint resumes exactly). With several ranks, whose clocks differ slightly, one
+    ``engine.reduce(op="max")`` of one number per check makes every rank stop at the same step as soon as any
+    rank's time is up. When the time is up: ``engine.save_state()`` (blocking), then ``state.stop(reason)``. A
+    resumed run whose time was already used up stops before its first batch, with nothing new to save.
+
+    ``clock``: seconds from any fixed origin (default ``time.monotonic``); tests pass a fake one.
+    """
+
+    def __init__(
+        self,
+        max_duration: float | timedelta | str,
+        check_every_n_steps: int = 1,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.max_duration = parse_duration(max_duration)
+        if type(check_every_n_steps) is not int or check_every_n_steps < 1:
+            raise ValueError(f"Timer(check_every_n_steps=...) needs an integer >= 1; got {check_every_n_steps!r}.")
+        if not callable(clock):
+            raise TypeError(f"Timer(clock=...) must be a function returning seconds (time.monotonic); got {clock!r}.")
+        self.check_every_n_steps = check_every_n_steps
+        self.clock = clock
+        self._used_before = 0.0
+        self._started: float | None = None
+        self._steps_since_check = 0
+
+    @property
+    def elapsed(self) -> float:
+        """Seconds of training counted so far (this ``fit()`` and every earlier one, resumes included)."""
+        running = 0.0 if self._started is None else self.clock() - self._started
+        return self._used_before + running
+
+    @property
+    def remaining(self) -> float:
+        """Seconds left of ``max_duration`` (0 when spent)."""
+        return max(self.max_duration - self.elapsed, 0.0)
+
+    def on_fit_start(self, engine: Engine) -> None:
+        self._started = self.clock()
+        self._steps_since_check = 0
+        if self._used_before >= self.max_duration:
+            # The loaded state is the main rank's on every rank: they all take this branch together.
+            engine.state.stop(
+                f"Timer: the {_clock_text(self.max_duration)} budget was already used "
+                f"({_clock_text(self._used_before)}); raise max_duration to train further"
+            )
+
+    def on_batch_end(self, engine: Engine) -> None:
+        state = engine.state
+        if not state.sync_gradients or self._started is None:
+            return
+        self._steps_since_check += 1
+        if self._steps_since_check < self.check_every_n_steps:
+            return
+        self._steps_since_check = 0
+        elapsed = self.elapsed
+        if not self._any_rank_over(engine, elapsed >= self.max_duration):
+            return
+        saved = engine.save_state()
+        state.stop(
+            f"Timer: {_clock_text(elapsed)} of training reached max_duration {_clock_text(self.max_duration)}; "
+            f"saved checkpoint {saved}"
+        )
+
+    @staticmethod
+    def _any_rank_over(engine: Engine, over: bool) -> bool:
+        if engine.world_size == 1:
+            return over
+        flag = torch.tensor(float(over), device=engine.device)
+        return bool(engine.reduce(flag, op="max").item())
+
+    def on_fit_end(self, engine: Engine) -> None:
+        self._used_before = self.elapsed
+        self._started = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"elapsed": self.elapsed}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._used_before = float(state_dict["elapsed"])
+        if self._started is not None:  # loaded while a fit() runs: count on from now
+            self._started = self.clock()

@@ -1,0 +1,281 @@
+"""Preemption: a real signal during fit() becomes a checkpoint at the next optimizer step, a stop and an exit code,
+on every rank together; handlers are restored; a run killed this way resumes bit-exactly (subprocesses, 1 and 2
+ranks)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import cadence
+from cadence.callbacks import Checkpoint, GradientAccumulation, Preemption
+from cadence.testing import FakeEngine, TinyStep, tiny_dataloader
+from cadence.testing.spawn import free_port
+from tests.callbacks.preemption_worker import BATCHES_PER_EPOCH
+
+ROOT = Path(__file__).resolve().parents[2]
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class Guard:
+    """A handler standing in for whatever was installed before fit(): a signal that reaches it is recorded instead
+    of killing pytest, and a test can see whether Preemption restored or chained it."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.seen.append(signum)
+
+
+@pytest.fixture
+def guard() -> Iterator[Guard]:
+    handler = Guard()
+    previous = {sig: signal.signal(sig, handler) for sig in SIGNALS}
+    yield handler
+    for sig, old in previous.items():
+        signal.signal(sig, old)
+
+
+class SignalAt(cadence.Callback):
+    """Raises a real signal in this process at the BATCH_END of batch ``batch`` (counted from 0 over the run)."""
+
+    def __init__(self, batch: int, sig: int = signal.SIGTERM) -> None:
+        self.batch, self.sig, self.seen = batch, sig, 0
+
+    def on_batch_end(self, engine: cadence.Engine) -> None:
+        if self.seen == self.batch:
+            signal.raise_signal(self.sig)
+        self.seen += 1
+
+
+def saved(engine: cadence.Engine) -> list[str]:
+    return sorted(path.name for _, path in engine.checkpoints.numbered())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"signals": ()}, ValueError, "is empty"),
+        ({"signals": (signal.SIGKILL,)}, ValueError, "cannot catch SIGKILL"),
+        ({"signals": (999,)}, ValueError, "not a signal on this system"),
+        ({"exit_code": 0}, ValueError, "exit_on_preemption=False"),
+        ({"exit_code": 256}, ValueError, "integer from 1 to 255"),
+        ({"exit_on_preemption": 1}, TypeError, "True or False"),
+        ({"check_every_n_steps": 0}, ValueError, "integer >= 1"),
+    ],
+)
+def test_bad_arguments(kwargs: dict[str, Any], error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        Preemption(**kwargs)
+
+
+def test_sigterm_saves_at_that_step_stops_and_exits_with_the_code_after_fit_end(
+    guard: Guard, capsys: pytest.CaptureFixture[str]
+) -> None:
+    preemption = Preemption()
+    fake = FakeEngine(callbacks=[SignalAt(2), preemption, Checkpoint(save_last=False, on_exception=True)])
+    with pytest.raises(SystemExit) as exited:
+        fake.fit(TinyStep(), tiny_dataloader(), max_epochs=3)
+    assert exited.value.code == 75
+    state = fake.state
+    assert state.step == 3 and state.exit_code == 75
+    assert preemption.signal_received is signal.SIGTERM
+    assert saved(fake) == ["checkpoint_0"]  # one save: no exception save either, fit() did not fail
+    assert state.stop_reason == f"Preemption: SIGTERM received; saved checkpoint {state.checkpoint_dir}"
+    assert f"Stopped at step 3 (epoch 0): {state.stop_reason}." in capsys.readouterr().out
+    assert guard.seen == [signal.SIGTERM]  # the handler installed before fit() still ran
+    assert all(signal.getsignal(sig) is guard for sig in SIGNALS)  # and is back in place
+
+
+def test_exit_on_preemption_false_returns_from_fit(guard: Guard) -> None:
+    fake = FakeEngine(callbacks=[SignalAt(0, signal.SIGUSR1), Preemption(exit_on_preemption=False)])
+    state = fake.fit(TinyStep(), tiny_dataloader(), max_epochs=3)
+    assert state.step == 1 and state.exit_code is None
+    assert state.stop_reason is not None and state.stop_reason.startswith("Preemption: SIGUSR1 received; saved")
+    assert saved(fake) == ["checkpoint_0"]
+
+
+def test_a_signal_inside_an_accumulation_window_waits_for_the_window_to_end(guard: Guard) -> None:
+    # Windows of 3 batches; the signal comes at batch 3 (the first of step 2's window): the save is at batch 5.
+    fake = FakeEngine(callbacks=[GradientAccumulation(3), SignalAt(3), Preemption(exit_on_preemption=False)])
+    state = fake.fit(TinyStep(), tiny_dataloader(batches=9), max_epochs=1)
+    assert (state.step, state.batch_idx, state.sync_gradients) == (2, 5, True)
+
+
+def test_check_every_n_steps_acts_at_the_next_check(guard: Guard) -> None:
+    fake = FakeEngine(callbacks=[SignalAt(0), Preemption(exit_on_preemption=False, check_every_n_steps=3)])
+    assert fake.fit(TinyStep(), tiny_dataloader(), max_epochs=1).step == 3
+
+
+def test_ranks_agree_through_one_max_reduce_per_check(guard: Guard) -> None:
+    # This process is rank 1 of 2 and receives nothing; the other rank got SIGUSR1 before step 2's check.
+    fake = FakeEngine(callbacks=[Preemption(exit_on_preemption=False)], rank=1, world_size=2)
+    calls: list[tuple[float, str]] = []
+
+    def all_reduce(tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        calls.append((tensor.item(), op))
+        return torch.tensor(float(signal.SIGUSR1)) if len(calls) == 2 else tensor.clone()
+
+    fake.strategy.all_reduce = all_reduce  # type: ignore[method-assign]
+    state = fake.fit(TinyStep(), tiny_dataloader(), max_epochs=1)
+    assert calls == [(0.0, "max"), (0.0, "max")]  # one collective per optimizer step, until the decision
+    assert state.step == 2 and state.stop_reason is not None and "SIGUSR1" in state.stop_reason
+
+
+def test_a_signal_at_the_last_step_leaves_the_normal_end(guard: Guard, capsys: pytest.CaptureFixture[str]) -> None:
+    fake = FakeEngine(callbacks=[SignalAt(3), Preemption()])
+    state = fake.fit(TinyStep(), tiny_dataloader(), max_steps=4)  # no SystemExit: the run is done
+    assert state.step == 4 and state.stop_reason is None and saved(fake) == []
+    assert "SIGTERM arrived after the last checked step; fit() ended normally" in capsys.readouterr().out
+
+
+def test_handlers_are_restored_when_fit_fails_and_flags_stay_per_callback(guard: Guard) -> None:
+    class Fails(cadence.Callback):
+        def on_batch_end(self, engine: cadence.Engine) -> None:
+            raise RuntimeError("boom")
+
+    first = Preemption()
+    with pytest.raises(RuntimeError, match="boom"):
+        FakeEngine(callbacks=[SignalAt(0), first, Fails()]).fit(TinyStep(), tiny_dataloader(), max_epochs=1)
+    assert all(signal.getsignal(sig) is guard for sig in SIGNALS)
+    assert first.signal_received is signal.SIGTERM
+    second = Preemption()  # another engine in the same process: the first one's signal is not its business
+    state = FakeEngine(callbacks=[second]).fit(TinyStep(), tiny_dataloader(), max_epochs=1)
+    assert state.step == 8 and state.stop_reason is None and second.signal_received is None
+
+
+def test_a_failing_fit_start_leaves_no_handler_of_ours_behind(guard: Guard) -> None:
+    class FailsAtFitStart(cadence.Callback):
+        def on_fit_start(self, engine: cadence.Engine) -> None:
+            raise RuntimeError("no GPU today")
+
+    fake = FakeEngine(callbacks=[Preemption(), FailsAtFitStart()])
+    with pytest.raises(RuntimeError, match="no GPU today"):
+        fake.fit(TinyStep(), tiny_dataloader(), max_epochs=1)  # fit() fires no FIT_END here: nothing may need it
+    assert all(signal.getsignal(sig) is guard for sig in SIGNALS)
+
+
+def test_a_forked_child_reacts_as_without_preemption(guard: Guard, monkeypatch: pytest.MonkeyPatch) -> None:
+    preemption = Preemption(exit_on_preemption=False)
+
+    class ForkThenSignal(cadence.Callback):
+        def on_batch_end(self, engine: cadence.Engine) -> None:
+            if engine.state.batch_idx == 0:
+                real_pid = os.getpid()
+                # A dataloader worker forked now inherits the handler; there, getpid() differs from the trainer's.
+                monkeypatch.setattr("cadence.callbacks.preemption.os.getpid", lambda: real_pid + 1)
+                signal.raise_signal(signal.SIGTERM)
+                assert signal.getsignal(signal.SIGTERM) is guard  # the child got its old handler back
+                monkeypatch.undo()
+
+    fake = FakeEngine(callbacks=[ForkThenSignal(), preemption])
+    state = fake.fit(TinyStep(), tiny_dataloader(), max_epochs=1)
+    assert guard.seen == [signal.SIGTERM] and preemption.signal_received is None and state.stop_reason is None
+
+
+def test_fit_off_the_main_thread_is_refused_with_the_way_out(guard: Guard) -> None:
+    errors: list[BaseException] = []
+
+    def train() -> None:
+        try:
+            FakeEngine(callbacks=[Preemption()]).fit(TinyStep(), tiny_dataloader(), max_epochs=1)
+        except BaseException as error:
+            errors.append(error)
+
+    thread = threading.Thread(target=train, name="trainer")
+    thread.start()
+    thread.join()
+    assert len(errors) == 1 and isinstance(errors[0], RuntimeError)
+    assert "runs on thread 'trainer'" in str(errors[0]) and "Call fit() from the main thread" in str(errors[0])
+    assert all(signal.getsignal(sig) is guard for sig in SIGNALS)
+
+
+# --- real signals from outside, in subprocesses -------------------------------------------------------------------
+
+
+def launch(project: Path, *args: str, rank: int = 0, world_size: int = 1, port: int = 0) -> subprocess.Popen[str]:
+    env = dict(os.environ)
+    if world_size > 1:
+        env.update(
+            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        )  # fmt: skip
+    log = (project / f"rank{rank}.log").open("a")
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.callbacks.preemption_worker", str(project), *args],
+        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
+def run_ranks(project: Path, world_size: int, *args: str) -> list[subprocess.Popen[str]]:
+    port = free_port()
+    project.mkdir(parents=True, exist_ok=True)
+    return [launch(project, *args, rank=r, world_size=world_size, port=port) for r in range(world_size)]
+
+
+def finish(processes: list[subprocess.Popen[str]], project: Path) -> list[int]:
+    try:
+        return [process.wait(timeout=240) for process in processes]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+def logs(project: Path) -> str:
+    return "\n".join(path.read_text() for path in sorted(project.glob("rank*.log")))
+
+
+def wait_for(path: Path, processes: list[subprocess.Popen[str]], project: Path) -> None:
+    """The handshake: the worker writes ``path`` at the batch chosen, then waits until its handler noted our signal."""
+    deadline = time.monotonic() + 240
+    while not path.exists():
+        if any(process.poll() is not None for process in processes) or time.monotonic() > deadline:
+            finish(processes, project)
+            raise AssertionError(f"the worker never reached the handshake:\n{logs(project)}")
+        time.sleep(0.05)
+
+
+def preempt_and_resume(root: Path, world_size: int, sig: signal.Signals, signalled_rank: int) -> None:
+    reference, preempted = root / "reference", root / "preempted"
+    codes = finish(run_ranks(reference, world_size), reference)
+    assert codes == [0] * world_size, logs(reference)
+
+    # Epoch 1's batch 2 opens a window of 2 (batches 2, 3): the save waits for batch 3, step 5 + 2 = 7.
+    at_batch = BATCHES_PER_EPOCH + 2
+    processes = run_ranks(preempted, world_size, "--wait-at-batch", str(at_batch), "--wait-rank", str(signalled_rank))
+    wait_for(preempted / "waiting", processes, preempted)
+    os.kill(processes[signalled_rank].pid, sig)
+    assert finish(processes, preempted) == [75] * world_size, logs(preempted)
+    assert not (preempted / "final.safetensors").exists()
+    text = logs(preempted)
+    assert text.count(f"Stopped at step 7 (epoch 1): Preemption: {sig.name} received; saved checkpoint") == 1, text
+
+    assert finish(run_ranks(preempted, world_size, "--resume"), preempted) == [0] * world_size, logs(preempted)
+    assert "Resumed from" in logs(preempted)
+    ours, theirs = load_file(preempted / "final.safetensors"), load_file(reference / "final.safetensors")
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[name], theirs[name]) for name in ours)
+
+
+@pytest.mark.slow
+def test_a_sigterm_from_outside_exits_75_and_the_resume_is_bitwise_identical(tmp_path: Path) -> None:
+    preempt_and_resume(tmp_path, world_size=1, sig=signal.SIGTERM, signalled_rank=0)
+
+
+@pytest.mark.slow
+def test_sigusr1_to_one_of_two_ranks_stops_both_and_the_resume_is_bitwise_identical(tmp_path: Path) -> None:
+    preempt_and_resume(tmp_path, world_size=2, sig=signal.SIGUSR1, signalled_rank=1)

@@ -1,0 +1,149 @@
+"""Timer: durations in every accepted form, the stop after a checkpoint at an optimizer step, rank agreement, the
+elapsed time carried through a checkpoint, and a stopped-and-resumed run equal bitwise to an uninterrupted one.
+A fake clock advanced by the batches replaces waiting."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import cadence
+from cadence.callbacks import GradientAccumulation, Timer
+from cadence.callbacks.timer import parse_duration
+from cadence.testing import FakeEngine, TinyStep, tiny_dataloader
+from tests.helpers import RegressionStep, assert_bitwise_equal, loader, parameters
+
+
+class Clock:
+    """Seconds that move only when a batch starts (``SecondsPerBatch``)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class SecondsPerBatch(cadence.Callback):
+    def __init__(self, clock: Clock, seconds: float = 10.0) -> None:
+        self.clock, self.seconds = clock, seconds
+
+    def on_batch_start(self, engine: cadence.Engine) -> None:
+        self.clock.now += self.seconds
+
+
+@pytest.mark.parametrize(
+    ("duration", "seconds"),
+    [(90, 90.0), (0.5, 0.5), (timedelta(hours=2), 7200.0), ("01:02:03:04", 93784.0), ("00:00:00:30", 30.0)],
+)
+def test_durations(duration: Any, seconds: float) -> None:
+    assert parse_duration(duration) == seconds
+
+
+@pytest.mark.parametrize(
+    ("duration", "error", "message"),
+    [
+        ("12:00:00", ValueError, "is not DD:HH:MM:SS"),
+        ("00:01:xx:00", ValueError, "is not DD:HH:MM:SS"),
+        (0, ValueError, "positive, finite"),
+        (float("inf"), ValueError, "positive, finite"),
+        (timedelta(0), ValueError, "positive, finite"),
+        (True, TypeError, "got bool True"),
+        (None, TypeError, "got NoneType"),
+    ],
+)
+def test_bad_durations(duration: Any, error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        Timer(duration)
+
+
+def test_bad_check_every_n_steps_and_clock() -> None:
+    with pytest.raises(ValueError, match="integer >= 1"):
+        Timer(10, check_every_n_steps=0)
+    with pytest.raises(TypeError, match="function returning seconds"):
+        Timer(10, clock=5.0)  # type: ignore[arg-type]
+
+
+def test_time_up_saves_then_stops_at_that_step(capsys: pytest.CaptureFixture[str]) -> None:
+    clock = Clock()
+    timer = Timer(35, clock=clock)  # 10 s a batch: over at the end of batch 3 (40 s)
+    fake = FakeEngine(callbacks=[SecondsPerBatch(clock), timer])
+    state = fake.fit(TinyStep(), tiny_dataloader(), max_epochs=5)
+    assert state.step == 4 and timer.elapsed == 40.0 and timer.remaining == 0.0
+    assert [path.name for _, path in fake.checkpoints.numbered()] == ["checkpoint_0"]
+    assert state.stop_reason == (
+        f"Timer: 0:00:40 of training reached max_duration 0:00:35; saved checkpoint {state.checkpoint_dir}"
+    )
+    assert f"Stopped at step 4 (epoch 0): {state.stop_reason}." in capsys.readouterr().out
+
+
+def test_checks_wait_for_the_end_of_an_accumulation_window_and_every_n_steps() -> None:
+    clock = Clock()
+    # Over after batch 0, but windows of 2 end at odd batches and only every 2nd step is checked: batch 3, step 2.
+    fake = FakeEngine(callbacks=[SecondsPerBatch(clock), GradientAccumulation(2), Timer(5, 2, clock=clock)])
+    state = fake.fit(TinyStep(), tiny_dataloader(), max_epochs=5)
+    assert (state.step, state.batch_idx) == (2, 3)
+
+
+def test_ranks_agree_through_one_max_reduce_per_check() -> None:
+    clock = Clock()
+    fake = FakeEngine(callbacks=[SecondsPerBatch(clock), Timer(1000, clock=clock)], rank=1, world_size=2)
+    calls: list[tuple[float, str]] = []
+
+    def all_reduce(tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        calls.append((tensor.item(), op))
+        return torch.tensor(1.0) if len(calls) == 3 else tensor.clone()  # another rank's time is up at step 3
+
+    fake.strategy.all_reduce = all_reduce  # type: ignore[method-assign]
+    state = fake.fit(TinyStep(), tiny_dataloader(), max_epochs=5)
+    assert calls == [(0.0, "max")] * 3 and state.step == 3
+    assert state.stop_reason is not None and state.stop_reason.startswith("Timer: 0:00:30 of training reached")
+
+
+def test_elapsed_counts_over_fits_and_is_in_the_state_dict() -> None:
+    clock = Clock()
+    timer = Timer(1000, clock=clock)
+    fake = FakeEngine(callbacks=[SecondsPerBatch(clock), timer])
+    fake.fit(TinyStep(), tiny_dataloader(batches=2), max_epochs=1)
+    clock.now += 500  # between fits: not training
+    assert timer.elapsed == 20.0 and timer.state_dict() == {"elapsed": 20.0}
+    fake.fit(TinyStep(), tiny_dataloader(batches=3), max_epochs=1)
+    assert timer.elapsed == 50.0
+
+
+def test_a_resumed_run_whose_time_is_spent_stops_before_any_batch(capsys: pytest.CaptureFixture[str]) -> None:
+    clock = Clock()
+    timer = Timer(20, clock=clock)
+    timer.load_state_dict({"elapsed": 25.0})
+    fake = FakeEngine(callbacks=[SecondsPerBatch(clock), timer])
+    state = fake.fit(TinyStep(), tiny_dataloader(), max_epochs=1)
+    assert state.step == 0 and fake.checkpoints.numbered() == []
+    assert "the 0:00:20 budget was already used (0:00:25); raise max_duration" in capsys.readouterr().out
+
+
+def run(project: Path, clock: Clock, max_duration: float, resume: bool = False) -> tuple[cadence.State, Timer, Any]:
+    timer = Timer(max_duration, clock=clock)
+    callbacks = [SecondsPerBatch(clock), GradientAccumulation(2), timer]
+    engine = cadence.Engine(accelerator="cpu", seed=0, project_dir=project, progress_bar=False, callbacks=callbacks)
+    step = RegressionStep(scheduler=True)
+    state = engine.fit(step, loader(shuffle=True, batch_size=4), max_epochs=3, resume="latest" if resume else None)
+    return state, timer, parameters(engine.unwrap_model(step.model))
+
+
+def test_stopped_by_the_timer_and_resumed_equals_the_uninterrupted_run_and_elapsed_carries_on(
+    tmp_path: Path,
+) -> None:
+    _, _, expected = run(tmp_path / "straight", Clock(), max_duration=10**6)
+    clock = Clock()
+    stopped, timer, _ = run(tmp_path / "timed", clock, max_duration=125)  # 10 s a batch: batch 12 is over it
+    assert (stopped.epoch, stopped.batch_idx, stopped.step) == (1, 3, 7)  # batch 13, the window's end
+    assert timer.elapsed == 140.0
+    clock.now += 3600  # the job ended; the next one starts an hour later, with more time
+    resumed, timer, weights = run(tmp_path / "timed", clock, max_duration=10**6, resume=True)
+    assert resumed.step == 15 and resumed.stop_reason is None
+    assert timer.elapsed == 140.0 + 16 * 10.0  # carried on from the checkpoint's 140 s, not from 0
+    assert_bitwise_equal(weights, expected)
