@@ -5,6 +5,7 @@ from .checkpoint import Checkpoint
 from .clipping import GradientClipping, clip_gradients
 from .csv_logger import CSVLogger
 from .finite_check import FiniteCheck
+from .logger import Logger
 from .mixed_precision import MixedPrecision
 from .progress import RichProgressBar
 
@@ -14,6 +15,7 @@ __all__ = [
     "FiniteCheck",
     "GradientAccumulation",
     "GradientClipping",
+    "Logger",
     "MixedPrecision",
     "RichProgressBar",
     "clip_gradients",
