@@ -8,6 +8,7 @@ from .finite_check import FiniteCheck
 from .logger import Logger
 from .mixed_precision import MixedPrecision
 from .progress import RichProgressBar
+from .tensorboard import TensorBoardLogger
 
 __all__ = [
     "CSVLogger",
@@ -18,5 +19,6 @@ __all__ = [
     "Logger",
     "MixedPrecision",
     "RichProgressBar",
+    "TensorBoardLogger",
     "clip_gradients",
 ]
