@@ -6,10 +6,12 @@ from .clipping import GradientClipping, clip_gradients
 from .csv_logger import CSVLogger
 from .early_stopping import EarlyStopping
 from .finite_check import FiniteCheck
+from .logger import Logger
 from .lr_monitor import LearningRateMonitor
 from .mixed_precision import MixedPrecision
 from .preemption import Preemption
 from .progress import RichProgressBar
+from .tensorboard import TensorBoardLogger
 from .timer import Timer
 
 __all__ = [
@@ -20,9 +22,11 @@ __all__ = [
     "GradientAccumulation",
     "GradientClipping",
     "LearningRateMonitor",
+    "Logger",
     "MixedPrecision",
     "Preemption",
     "RichProgressBar",
+    "TensorBoardLogger",
     "Timer",
     "clip_gradients",
 ]

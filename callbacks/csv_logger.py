@@ -9,18 +9,15 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-from cadence import Callback
 from cadence.checkpoint.commit import fsync_path
+
+from .logger import Logger
 
 if TYPE_CHECKING:
     from cadence import Engine
 
-_VALIDATION_PREFIX = "val/"
 
-
-class CSVLogger(Callback):
+class CSVLogger(Logger):
     """Writes ``step, epoch, loss, lr`` and every logged training metric after each optimizer step (each
     ``lr``, ``lr_1`` ... is a param group's), and the ``val/`` metrics after each validation.
 
@@ -35,85 +32,41 @@ class CSVLogger(Callback):
     """
 
     def __init__(self, filename: str = "metrics.csv", flush_every_n_rows: int = 50) -> None:
-        if flush_every_n_rows < 1:
-            raise ValueError(f"flush_every_n_rows must be at least 1; got {flush_every_n_rows}.")
+        super().__init__(flush_every_n_rows)
         self.filename = filename
-        self.flush_every_n_rows = flush_every_n_rows
         self.path: Path | None = None
-        self._active = False
-        self._columns: list[str] = []
         self._written_columns: list[str] = []
-        self._pending: list[dict[str, Any]] = []
+        self._unwritten: list[dict[str, Any]] = []
 
     def setup(self, engine: Engine) -> None:
-        self._active = engine.is_main_process
+        super().setup(engine)
         self.path = engine.project_dir / self.filename
 
-    def on_after_optimizer_step(self, engine: Engine) -> None:
-        if not self._active:
-            return
-        state = engine.state
-        row: dict[str, Any] = {"step": state.step, "epoch": state.epoch}
-        if state.loss is not None:
-            row["loss"] = state.loss
-        for index, group in enumerate(state.optimizer.param_groups if state.optimizer is not None else ()):
-            row["lr" if index == 0 else f"lr_{index}"] = group["lr"]
-        row.update((name, value) for name, value in state.metrics.items() if not name.startswith(_VALIDATION_PREFIX))
-        self._add(row)
+    def write(self, step: int, metrics: dict[str, Any]) -> None:
+        self._unwritten.append({"step": step, **metrics})
 
-    def on_validation_end(self, engine: Engine) -> None:
-        if not self._active:
-            return
-        state = engine.state
-        row: dict[str, Any] = {"step": state.step, "epoch": state.epoch}
-        row.update((name, value) for name, value in state.metrics.items() if name.startswith(_VALIDATION_PREFIX))
-        self._add(row)
-
-    def on_save_state(self, engine: Engine) -> None:
-        # A resume keeps the rows up to the checkpoint's step: they must be on disk before a crash can strike.
-        if self._active:
-            self.flush()
-
-    def on_load_state(self, engine: Engine) -> None:
-        if not self._active or self.path is None:
-            return
-        restored_step = engine.state.step
-        existing_columns, existing_rows = _read_logged_rows(self.path) if self.path.exists() else ([], [])
-        rows = existing_rows + [_plain_row(row) for row in self._pending]
-        kept = [row for row in rows if _step_of(row, self.path) <= restored_step]
-        columns = _merged(existing_columns, self._columns)
-        if self.path.exists() or kept:
-            _replace_atomically(self.path, columns, kept)
-            self._written_columns = list(columns)
-        self._columns = columns
-        self._pending.clear()
-
-    def on_fit_end(self, engine: Engine) -> None:
-        self.flush()
-
-    def _add(self, row: dict[str, Any]) -> None:
-        self._pending.append(row)
-        for name in row:
-            if name not in self._columns:
-                self._columns.append(name)
-        if len(self._pending) >= self.flush_every_n_rows:
-            self.flush()
-
-    def flush(self) -> None:
-        """Write the buffered rows now."""
-        if not self._pending or self.path is None:
+    def persist(self) -> None:
+        if not self._unwritten or self.path is None:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if self._columns != self._written_columns:
-            # A new metric widened the header: rewrite what was written under the new one.
+        columns = _merged(self._written_columns, (name for row in self._unwritten for name in row))
+        if columns != self._written_columns:
+            # A new metric widened the header (or the file is new): rewrite what was written under the new one.
             previous = _read_csv(self.path)[1] if self._written_columns else []
-            _replace_atomically(self.path, self._columns, previous + [_plain_row(row) for row in self._pending])
-            self._written_columns = list(self._columns)
+            _replace_atomically(self.path, columns, previous + self._unwritten)
+            self._written_columns = columns
         else:
             with self.path.open("a", newline="") as handle:
-                writer = csv.DictWriter(handle, fieldnames=self._columns)
-                writer.writerows(_plain_row(row) for row in self._pending)
-        self._pending.clear()
+                csv.DictWriter(handle, fieldnames=columns).writerows(self._unwritten)
+        self._unwritten.clear()
+
+    def resume(self, step: int) -> None:
+        if self.path is None or not self.path.exists():
+            return
+        columns, rows = _read_logged_rows(self.path)
+        path = self.path
+        _replace_atomically(path, columns, [row for row in rows if _step_of(row, path) <= step])
+        self._written_columns = columns
 
 
 def _read_csv(path: Path) -> tuple[list[str], list[dict[str, Any]]]:
@@ -170,14 +123,3 @@ def _replace_atomically(path: Path, columns: list[str], rows: Iterable[dict[str,
         Path(temporary).unlink(missing_ok=True)
         raise
     fsync_path(path.parent)  # the rename is durable only once the directory entry is
-
-
-def _plain_row(row: dict[str, Any]) -> dict[str, Any]:
-    # Tensors are read here, at flush time, so logging costs no device sync per step.
-    return {name: _plain(value) for name, value in row.items()}
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.item() if value.numel() == 1 else value.tolist()
-    return value

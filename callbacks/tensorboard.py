@@ -1,0 +1,130 @@
+"""``TensorBoardLogger``: every metric ``CSVLogger`` writes, as TensorBoard scalars in ``project_dir/tensorboard``."""
+
+from __future__ import annotations
+
+import numbers
+import time
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .logger import Logger
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
+
+    from cadence import Engine
+
+INSTALL_HINT = 'pip install "cadence[tensorboard]"'
+
+
+class TensorBoardLogger(Logger):
+    """Writes the rows of a ``Logger`` (``epoch``, ``loss``, ``lr``, logged metrics, ``val/`` metrics) with
+    ``torch.utils.tensorboard.SummaryWriter``: one scalar per metric, tagged with its name, at ``state.step``.
+    A tag gets one value per step, the first (``epoch`` is in both the training and the validation row).
+    Main process only; ``log_dir`` is relative to ``project_dir`` (default ``project_dir/tensorboard``).
+
+    A fresh run hides the events earlier runs wrote into the directory, as ``CSVLogger`` starts a new file; a
+    resumed run (``Event.LOAD_STATE``) hides the events after the restored step, which it replays. Nothing is
+    deleted: a new event file starts with a purge marker (``SummaryWriter(purge_step=...)``) that makes
+    TensorBoard discard the older files' events from that step on when it reads the directory.
+
+    Needs the ``tensorboard`` package: ``pip install "cadence[tensorboard]"``.
+    """
+
+    def __init__(self, log_dir: str | Path = "tensorboard", flush_every_n_rows: int = 50) -> None:
+        super().__init__(flush_every_n_rows)
+        self._summary_writer = _summary_writer_class()
+        self._requested_log_dir = Path(log_dir)
+        self.log_dir = self._requested_log_dir
+        """Where the event files go: ``project_dir / log_dir`` from ``setup`` on."""
+        self._writer: SummaryWriter | None = None
+        self._purge_step: int | None = 0  # a fresh run starts from step 0: earlier runs' events are hidden
+        self._last_steps: dict[str, int] = {}
+        self._refused: set[str] = set()
+
+    def setup(self, engine: Engine) -> None:
+        super().setup(engine)
+        if self.project_dir is None:
+            return
+        log_dir = self.project_dir / self._requested_log_dir
+        if log_dir.exists() and not log_dir.is_dir():
+            raise ValueError(
+                f"TensorBoardLogger's log_dir {log_dir} is a file, not a directory: pass another "
+                "TensorBoardLogger(log_dir=...) or move the file aside."
+            )
+        self.log_dir = log_dir
+
+    def write(self, step: int, metrics: dict[str, Any]) -> None:
+        writer = self._open()
+        for name, value in metrics.items():
+            if step <= self._last_steps.get(name, -1):
+                continue
+            if not isinstance(value, numbers.Real):
+                self._refuse(name, value)
+                continue
+            writer.add_scalar(name, value, global_step=step)
+            self._last_steps[name] = step
+
+    def persist(self) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+
+    def resume(self, step: int) -> None:
+        self.close()
+        self._purge_step = step + 1
+        self._last_steps = {name: min(last, step) for name, last in self._last_steps.items()}
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def _open(self) -> SummaryWriter:
+        if self._writer is None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            wait_until_newer_than_event_files(self.log_dir)
+            self._writer = self._summary_writer(str(self.log_dir), purge_step=self._purge_step)
+            self._purge_step = None
+        return self._writer
+
+    def _refuse(self, name: str, value: Any) -> None:
+        if name in self._refused:
+            return
+        self._refused.add(name)
+        shape = f"a list of {len(value)} values" if isinstance(value, list) else f"a {type(value).__name__}"
+        warnings.warn(
+            f"TensorBoardLogger writes numbers only; metric {name!r} is {shape}, so it is left out of TensorBoard "
+            "(CSVLogger keeps it). Log a number (e.g. tensor.mean()) to see it there.",
+            stacklevel=2,
+        )
+
+
+def wait_until_newer_than_event_files(log_dir: Path) -> None:
+    """Sleep until the clock's second is past the newest event file's in ``log_dir``.
+
+    TensorBoard reads a directory's event files in name order, and a name starts with the second it was created
+    in, then host, pid and a counter: a file opened in the same second as an older one could sort before it, and
+    then its purge marker would be read before the events it must hide. Only a resume within a second of the
+    previous writer waits (tests, instant restarts); a file from a clock ahead of ours is not waited for.
+    """
+    newest = max((_created_second(path.name) for path in log_dir.glob("events.out.tfevents.*")), default=-1)
+    delay = newest + 1 - time.time()
+    if 0 < delay <= 2:
+        time.sleep(delay)
+
+
+def _created_second(name: str) -> int:
+    field = name.removeprefix("events.out.tfevents.").split(".", 1)[0]
+    return int(field) if field.isdigit() else -1
+
+
+def _summary_writer_class() -> type[SummaryWriter]:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as error:
+        raise ImportError(
+            f"TensorBoardLogger needs the tensorboard package, which is not installed ({error}). Install it with "
+            f"`{INSTALL_HINT}` (or `pip install tensorboard`), or log with CSVLogger instead."
+        ) from error
+    return SummaryWriter

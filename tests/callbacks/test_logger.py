@@ -1,0 +1,187 @@
+"""Logger: when rows are made and what they hold, one read per batch of rows, main process only, resume; and a
+user backend written against it in a few lines."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from cadence import Engine, Event
+from cadence.callbacks import Checkpoint, Logger
+from cadence.callbacks.logger import plain_rows
+from cadence.testing import FakeEngine, TinyStep
+from tests.callbacks.test_csv_logger import FailingStep
+from tests.helpers import loader
+
+
+class JSONLinesLogger(Logger):
+    """A user's backend: one JSON object per row in ``project_dir/metrics.jsonl``, resumable."""
+
+    def __init__(self, flush_every_n_rows: int = 50) -> None:
+        super().__init__(flush_every_n_rows)
+        self.lines: list[str] = []
+        self.fresh = True  # a fresh run starts a new file
+
+    @property
+    def path(self) -> Path:
+        return Path(self.project_dir or ".") / "metrics.jsonl"
+
+    def write(self, step: int, metrics: dict[str, Any]) -> None:
+        self.lines.append(json.dumps({"step": step, **metrics}) + "\n")
+
+    def persist(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("w" if self.fresh else "a") as handle:
+            handle.writelines(self.lines)
+        self.lines.clear()
+        self.fresh = False
+
+    def resume(self, step: int) -> None:
+        if self.path.exists():
+            lines = self.path.read_text().splitlines(keepends=True)
+            self.path.write_text("".join(line for line in lines if json.loads(line)["step"] <= step))
+        self.fresh = False
+
+
+class Recorder(Logger):
+    """Keeps what the base hands a backend."""
+
+    def __init__(self, flush_every_n_rows: int = 50) -> None:
+        super().__init__(flush_every_n_rows)
+        self.calls: list[tuple[Any, ...]] = []
+
+    def write(self, step: int, metrics: dict[str, Any]) -> None:
+        self.calls.append(("write", step, metrics))
+
+    def persist(self) -> None:
+        self.calls.append(("persist",))
+
+    def resume(self, step: int) -> None:
+        self.calls.append(("resume", step))
+
+    def close(self) -> None:
+        self.calls.append(("close",))
+
+
+def written(recorder: Recorder) -> list[tuple[int, dict[str, Any]]]:
+    return [(call[1], call[2]) for call in recorder.calls if call[0] == "write"]
+
+
+def test_rows_hold_epoch_loss_lr_and_metrics_as_python_numbers(tmp_path: Path) -> None:
+    recorder = Recorder(flush_every_n_rows=2)
+    fake = FakeEngine(callbacks=[recorder], project_dir=tmp_path)
+    fake.log("grad_norm", torch.tensor(3.0))
+    fake.log("tokens", 7)
+    fake.run(steps=3, step=TinyStep(lr=0.25))
+    fake.log("val/loss", torch.tensor(0.5))
+    fake.fire(Event.VALIDATION_END)
+    recorder.flush()
+    rows = written(recorder)
+    assert [step for step, _ in rows] == [1, 2, 3, 3]
+    assert list(rows[0][1]) == ["epoch", "loss", "lr", "grad_norm", "tokens"]
+    assert all(type(metrics["loss"]) is float and metrics["lr"] == 0.25 for _, metrics in rows[:3])
+    assert rows[0][1]["grad_norm"] == 3.0 and rows[0][1]["tokens"] == 7
+    assert rows[3][1] == {"epoch": 0, "val/loss": 0.5}
+    # batches of two rows, the rest at the end of fit(): each batch persisted once
+    calls = [call[0] for call in recorder.calls]
+    assert calls == ["write", "write", "persist", "write", "persist", "close", "write", "persist"]
+
+
+def test_a_batch_of_rows_is_read_with_one_copy_per_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    reads: list[int] = []
+    tolist = torch.Tensor.tolist
+
+    def counted(self: torch.Tensor) -> Any:
+        reads.append(self.numel())
+        return tolist(self)
+
+    def refuse(self: torch.Tensor) -> Any:
+        raise AssertionError("item() reads one value per device sync")
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counted)
+    monkeypatch.setattr(torch.Tensor, "item", refuse)
+    losses = torch.rand(20)
+    rows = [{"loss": loss, "count": torch.tensor(step), "lr": 0.1, "note": "x"} for step, loss in enumerate(losses)]
+    plain = plain_rows(rows)
+    assert sorted(reads) == [20, 20]  # one float32 copy, one int64 copy, for all 20 rows
+    assert [row["loss"] for row in plain] == tolist(losses) and [row["count"] for row in plain] == list(range(20))
+    assert all(type(row["count"]) is int and row["lr"] == 0.1 and row["note"] == "x" for row in plain)
+    assert isinstance(rows[0]["loss"], torch.Tensor)  # the rows given are left as they were
+
+
+def test_tensors_of_several_elements_become_lists() -> None:
+    assert plain_rows([{"hist": torch.tensor([[1, 2], [3, 4]]), "x": torch.tensor([0.5])}]) == [
+        {"hist": [[1, 2], [3, 4]], "x": 0.5}
+    ]
+
+
+def test_a_logged_tensor_with_a_graph_is_buffered_without_it(tmp_path: Path) -> None:
+    recorder = Recorder()
+    fake = FakeEngine(callbacks=[recorder], project_dir=tmp_path)
+    fake.log("val/norm", (torch.ones(3, requires_grad=True) * 3).sum())
+    fake.fire(Event.VALIDATION_END)
+    (buffered,) = [row["val/norm"] for _, row in recorder._pending]
+    assert buffered.grad_fn is None and not buffered.requires_grad and buffered == 9
+
+
+def test_other_ranks_write_nothing(tmp_path: Path) -> None:
+    recorder = Recorder(flush_every_n_rows=1)
+    fake = FakeEngine(callbacks=[recorder], rank=1, world_size=2, project_dir=tmp_path)
+    fake.run(steps=2)
+    fake.state.step = 1
+    fake.fire(Event.LOAD_STATE)
+    assert recorder.calls == [] and recorder.project_dir is None
+
+
+def test_load_state_drops_buffered_rows_after_the_restored_step(tmp_path: Path) -> None:
+    recorder = Recorder(flush_every_n_rows=100)
+    fake = FakeEngine(callbacks=[recorder], project_dir=tmp_path)
+    step = TinyStep()
+    model, optimizer, data = fake.prepare(step.model, step.optimizer, loader(batch_size=4))
+    for inputs, targets in list(data)[:4]:
+        fake.backward(torch.nn.functional.mse_loss(model(inputs), targets))
+        optimizer.step()
+        optimizer.zero_grad()
+    fake.state.step = 2
+    fake.fire(Event.LOAD_STATE)
+    assert [call[0] for call in recorder.calls] == ["resume", "write", "write", "persist"]
+    assert recorder.calls[0] == ("resume", 2) and [step for step, _ in written(recorder)] == [1, 2]
+
+
+def test_a_backend_without_write_says_what_to_implement(tmp_path: Path) -> None:
+    fake = FakeEngine(callbacks=[Logger(flush_every_n_rows=1)], project_dir=tmp_path)
+    with pytest.raises(NotImplementedError, match=r"Logger must implement write\(step, metrics\)"):
+        fake.run(steps=1)
+
+
+def test_bad_flush_interval() -> None:
+    with pytest.raises(ValueError, match="flush_every_n_rows must be at least 1; got 0"):
+        Recorder(flush_every_n_rows=0)
+
+
+# --- a user backend, end to end ------------------------------------------------------------------------------------
+def train(project: Path, fail_at: int | None, resume: str | None = None) -> None:
+    engine = Engine(
+        accelerator="cpu",
+        project_dir=project,
+        callbacks=[Checkpoint(every_n_steps=4), JSONLinesLogger(flush_every_n_rows=3)],
+        progress_bar=False,
+    )
+    engine.fit(FailingStep(engine, fail_at), loader(), max_epochs=3, val_dataloader=loader(), resume=resume)
+
+
+def test_a_user_backend_resumes_to_the_same_file_as_an_uninterrupted_run(tmp_path: Path) -> None:
+    train(tmp_path / "straight", fail_at=None)
+    interrupted = tmp_path / "interrupted"
+    with pytest.raises(RuntimeError, match="node lost"):
+        train(interrupted, fail_at=11)  # last checkpoint at step 8
+    train(interrupted, fail_at=None, resume="latest")
+    expected = (tmp_path / "straight" / "metrics.jsonl").read_text()
+    assert (interrupted / "metrics.jsonl").read_text() == expected
+    rows = [json.loads(line) for line in expected.splitlines()]
+    assert [row["step"] for row in rows if "loss" in row] == list(range(1, 16))
+    assert [row["step"] for row in rows if "val/mse" in row] == [5, 10, 15]
