@@ -180,3 +180,15 @@ def test_stop_refuses_an_exit_code_outside_0_to_255(code: object) -> None:
     with pytest.raises(ValueError, match="integer from 0 to 255"):
         state.stop("why", exit_code=code)  # type: ignore[arg-type]
     assert not state.should_stop  # refused before anything changed
+
+
+def test_a_failing_fit_start_still_fires_exception_and_fit_end() -> None:
+    class FailsAtStart(cadence.Callback):
+        def on_fit_start(self, engine: cadence.Engine) -> None:
+            raise RuntimeError("cannot start")
+
+    recorder = RecordingCallback()
+    engine = cadence.Engine(accelerator="cpu", callbacks=[recorder, FailsAtStart()], progress_bar=False)
+    with pytest.raises(RuntimeError, match="cannot start"):
+        engine.fit(RegressionStep(), loader(), max_epochs=1)
+    assert recorder.events == [Event.FIT_START, Event.EXCEPTION, Event.FIT_END]

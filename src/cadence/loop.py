@@ -58,8 +58,9 @@ def run_fit(
             f"This run already reached {_limits(max_epochs, max_steps)} (step {state.step}, {train_loader.epoch} "
             "epoch(s) done): nothing left to train. Raise max_epochs/max_steps to train further."
         )
-    engine.fire(Event.FIT_START)
     try:
+        # Inside the try: a FIT_START hook that raises still gets FIT_END for the callbacks that started before it.
+        engine.fire(Event.FIT_START)
         while not state.should_stop and (max_epochs is None or train_loader.epoch < max_epochs):
             model.train()
             epochs_before = train_loader.epoch
