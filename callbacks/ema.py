@@ -70,8 +70,7 @@ class EMA(Callback):
         self._params: list[torch.Tensor] = []
         self._shadow: list[torch.Tensor] | None = None
         self._by_optimizer: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        self._trained: list[torch.Tensor] | None = None
-        """The trained weights (local shards) while the average is swapped in."""
+        self._trained: list[torch.Tensor] | None = None  # the trained weights' local shards, while the average is in
 
     def setup(self, engine: Engine) -> None:
         self._engine = engine
@@ -96,11 +95,12 @@ class EMA(Callback):
         return names, params
 
     @torch.no_grad()
-    def _start(self, engine: Engine) -> None:
+    def _start(self, engine: Engine) -> list[torch.Tensor]:
         self._names, self._params = self._tracked(engine)
-        # A DTensor's clone is sharded like its parameter: each rank holds and updates its own shard.
+        # A DTensor's copy is sharded like its parameter: each rank holds and updates its own shard.
         self._shadow = [param.detach().to(torch.float32, copy=True) for param in self._params]
         self._by_optimizer = {}
+        return self._shadow
 
     def on_before_optimizer_step(self, engine: Engine) -> None:
         if self._shadow is None and engine.state.step >= self.start_step:
@@ -119,8 +119,7 @@ class EMA(Callback):
             return
         shadow, params = self._owned_by(state.optimizer)
         if shadow:
-            weights = [_local(p) for p in params]
-            weights = [w if w.dtype == torch.float32 else w.float() for w in weights]
+            weights = [_local(p).float() for p in params]  # .float() of an fp32 tensor is the tensor itself
             torch._foreach_lerp_([_local(s) for s in shadow], weights, 1.0 - self.decay)
 
     def _owned_by(self, optimizer: torch.optim.Optimizer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -172,11 +171,7 @@ class EMA(Callback):
     def on_validation_end(self, engine: Engine) -> None:
         self._swap_out(engine)
 
-    def on_exception(self, engine: Engine) -> None:
-        self._swap_out(engine)
-
-    def on_fit_end(self, engine: Engine) -> None:
-        self._swap_out(engine)
+    on_exception = on_fit_end = on_validation_end  # a failed validation must not leave the average in the model
 
     # --- checkpoints ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -189,26 +184,25 @@ class EMA(Callback):
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved, engine = state_dict.get("weights"), self._engine
+        if saved is not None:
+            if engine is None:
+                raise RuntimeError("EMA state loads through engine.load_state(): attach the EMA to the engine first.")
+            names, params = self._tracked(engine)
+            _check_saved(saved, dict(zip(names, params, strict=True)))
         self._trained = None  # the loaded checkpoint's weights are the trained ones now
-        saved = state_dict.get("weights")
-        if saved is None:
-            self._shadow = None
-            return
-        if self._engine is None:
-            raise RuntimeError("EMA state loads through engine.load_state(): attach the EMA to the engine first.")
-        names, params = self._tracked(self._engine)
-        _check_saved(saved, dict(zip(names, params, strict=True)))
-        self._start(self._engine)
-        for shadow, name in zip(self._shadow or [], self._names, strict=True):
-            _local(shadow).copy_(_shard_like(saved[name], shadow))
+        self._shadow = None
+        if saved is not None and engine is not None:
+            for shadow, name in zip(self._start(engine), self._names, strict=True):
+                _local(shadow).copy_(_shard_like(saved[name], shadow))
 
 
 def _check_saved(saved: dict[str, torch.Tensor], params: dict[str, torch.Tensor]) -> None:
     if saved.keys() != params.keys():
-        missing, extra = sorted(params.keys() - saved.keys()), sorted(saved.keys() - params.keys())
         raise ValueError(
-            f"The checkpoint's EMA averages other parameters than this run trains (missing {missing}, unknown "
-            f"{extra}). Resume with the model and optimizer that saved it, or drop the EMA callback's state."
+            f"The checkpoint's EMA averages other parameters than this run trains (missing "
+            f"{sorted(params.keys() - saved.keys())}, unknown {sorted(saved.keys() - params.keys())}). Resume with "
+            "the models and optimizers of the run that saved it (the same parameters, optimized)."
         )
     for name, param in params.items():
         if tuple(saved[name].shape) != tuple(param.shape):

@@ -271,3 +271,29 @@ def test_an_average_of_other_parameters_is_refused_before_it_changes_anything(ch
     with pytest.raises(ValueError, match=message):
         ema.load_state_dict({"weights": weights})
     assert_bitwise_equal(averaged(ema), before)
+
+
+def test_each_optimizer_averages_its_own_parameters_after_its_own_step() -> None:
+    # Averaging every parameter at each optimizer's step would average the second model before its update too.
+    def models() -> list[nn.Module]:
+        return [make_model(0), make_model(1)]
+
+    def loop(nets: list[nn.Module], optimizers: list[Any], after: Any) -> None:
+        for inputs, targets in data():
+            sum(nn.functional.mse_loss(net(inputs), targets) for net in nets).backward()
+            for index, optimizer in enumerate(optimizers):
+                optimizer.step()
+                after(index)
+            for optimizer in optimizers:
+                optimizer.zero_grad()
+
+    plain = models()
+    averages = [[p.detach().clone() for p in net.parameters()] for net in plain]
+    plain_optimizers = [torch.optim.SGD(net.parameters(), lr=0.1) for net in plain]
+    loop(plain, plain_optimizers, lambda i: torch._foreach_lerp_(averages[i], list(plain[i].parameters()), 0.25))
+
+    ema, nets = EMA(0.75), models()
+    engine = FakeEngine(callbacks=[ema])
+    *prepared, first, second = engine.prepare(*nets, *(torch.optim.SGD(n.parameters(), lr=0.1) for n in nets))
+    loop(prepared, [first, second], lambda i: None)
+    assert_bitwise_equal(averaged(ema), averages[0] + averages[1])
