@@ -5,6 +5,7 @@ from .checkpoint import Checkpoint
 from .clipping import GradientClipping, clip_gradients
 from .csv_logger import CSVLogger
 from .early_stopping import EarlyStopping
+from .ema import EMA
 from .finite_check import FiniteCheck
 from .logger import Logger
 from .lr_monitor import LearningRateMonitor
@@ -15,6 +16,7 @@ from .tensorboard import TensorBoardLogger
 from .timer import Timer
 
 __all__ = [
+    "EMA",
     "CSVLogger",
     "Checkpoint",
     "EarlyStopping",

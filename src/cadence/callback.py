@@ -31,7 +31,9 @@ class Callback:
         return type(self).__qualname__
 
     def state_dict(self) -> dict[str, Any]:
-        """What must survive a restart; JSON-safe values or tensors."""
+        """What must survive a restart; JSON-safe values or tensors. Called on every rank at each save, in the same
+        order (so it may gather shards with a collective), before the models are saved; the main rank's is
+        written."""
         return {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -109,14 +109,16 @@ def begin_engine_save(
         raise CheckpointError(refusal)
     writer = CheckpointWriter(final, temporary, buffers)
     try:
-        # Every rank calls the strategy (its saves may be collectives); the main rank's entries go into state.json.
+        # Every rank calls the strategy and the callbacks (their saves may be collectives); the main rank's entries
+        # go into state.json. Callbacks first: one may put back weights it swapped in (EMA) before models are read.
+        callbacks = {callback.state_key: callback.state_dict() for callback in engine.callbacks}
         models = [strategy.save_model(engine.unwrap_model(m), writer, i) for i, m in enumerate(engine.models)]
         optimizers = [
             strategy.save_optimizer(_owner(engine, optimizer), optimizer.optimizer, writer, index)
             for index, optimizer in enumerate(engine.optimizers)
         ]
         if main:
-            _write_shared(engine, writer, models, optimizers)
+            _write_shared(engine, writer, models, optimizers, callbacks)
         _write_rank(engine, writer)
         writer.seal()
     except BaseException:
@@ -168,7 +170,11 @@ def _owner(engine: Checkpointed, optimizer: PreparedOptimizer) -> nn.Module | No
 
 
 def _write_shared(
-    engine: Checkpointed, writer: CheckpointWriter, models: list[dict[str, Any]], optimizers: list[dict[str, Any]]
+    engine: Checkpointed,
+    writer: CheckpointWriter,
+    models: list[dict[str, Any]],
+    optimizers: list[dict[str, Any]],
+    callbacks: dict[str, dict[str, Any]],
 ) -> None:
     tensors: dict[str, torch.Tensor] = {}
     shared = {
@@ -179,7 +185,7 @@ def _write_shared(
             for i, (optimizer, entry) in enumerate(zip(engine.optimizers, optimizers, strict=True))
         ],
         "schedulers": [encode(s.state_dict(), tensors, f"scheduler_{i}") for i, s in enumerate(engine.schedulers)],
-        "callbacks": {cb.state_key: encode(cb.state_dict(), tensors, cb.state_key) for cb in engine.callbacks},
+        "callbacks": {key: encode(state, tensors, key) for key, state in callbacks.items()},
         "registered": [encode(o.state_dict(), tensors, f"registered_{i}") for i, o in enumerate(engine.registered)],
     }
     writer.write_tensors(SHARED_TENSORS, tensors)
