@@ -18,7 +18,7 @@ from torch import nn
 
 import cadence
 from cadence.accelerate import load_checkpoint_in_model
-from cadence.callbacks import GradientAccumulation
+from cadence.callbacks import GradientAccumulation, MixedPrecision
 from cadence.strategies import SingleDevice
 from cadence.testing.spawn import spawn
 from tests.helpers import RegressionStep, loader, make_model, make_optimizer, parameters
@@ -135,6 +135,19 @@ def test_accumulation_reaches_the_strategys_module_under_the_compiled_wrapper(tm
         optimizer.zero_grad()
     # 5 batches in windows of 2: micro-steps at batches 0 and 2, each given what setup_module returned.
     assert strategy.no_sync_modules == [model, model]
+
+
+def test_mixed_precision_runs_the_compiled_model_under_autocast(tmp_path: Path) -> None:
+    results = []
+    for setting in ({"backend": "aot_eager"}, False):
+        step = RegressionStep()
+        model = step.model
+        run = engine(tmp_path / str(bool(setting)), compile=setting, callbacks=[MixedPrecision("bf16")])
+        run.fit(step, loader(), max_steps=3)
+        assert run.unwrap_model(run.models[0]) is model
+        results.append(parameters(model))
+    for compiled, plain in zip(*results, strict=True):
+        torch.testing.assert_close(compiled, plain, rtol=1e-2, atol=1e-3)
 
 
 # --- checkpoints and exports ---------------------------------------------------------------------------------------
@@ -280,21 +293,71 @@ def ddp_compiled_accumulation(directory: str) -> dict[str, Any]:
     return {"micro": micro_step_gradients, "batches": batches, "weights": parameters(model)}
 
 
+def fsdp_compiled(directory: str) -> dict[str, Any]:
+    """One rank of FSDP2 with Engine(compile=...): the global batches seen, the full weights, a sharded checkpoint."""
+    run = cadence.Engine(accelerator="cpu", strategy="fsdp", compile={"backend": "aot_eager"}, progress_bar=False)
+    model = make_model()
+    prepared, optimizer, data = run.prepare(model, make_optimizer(model), loader(batch_size=PER_RANK))
+    batches = []
+    for inputs, targets in data:
+        run.backward(nn.functional.mse_loss(prepared(inputs), targets))
+        optimizer.step()
+        optimizer.zero_grad()
+        batches.append(torch.cat([run.gather(inputs), run.gather(targets)], dim=1))
+    run.save_state(directory)
+    weights = run.strategy.model_state_dict(run.unwrap_model(prepared))
+    return {"batches": batches, "weights": [weights[key].clone() for key in MODEL_KEYS]}
+
+
+@pytest.fixture(scope="module")
+def distributed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, list[Any]]]:
+    """Both 2-rank jobs in one start of 2 ranks (starting them costs more than the jobs)."""
+    from tests.distributed import workers
+
+    root = tmp_path_factory.mktemp("compiled")
+    jobs = [
+        ("ddp", ddp_compiled_accumulation, (str(root / "ddp_export"),)),
+        ("fsdp", fsdp_compiled, (str(root / "fsdp_checkpoint"),)),
+    ]
+    return root, workers.results_by_job(spawn(2, workers.run_jobs, jobs, timeout=600.0))
+
+
+def one_process(batches: list[torch.Tensor], window: int = 1) -> list[torch.Tensor]:
+    """The plain loop over the global batches the ranks saw together, in windows of ``window``."""
+    model = make_model()
+    optimizer = make_optimizer(model)
+    for start in range(0, len(batches), window):
+        chunk = batches[start : start + window]
+        for batch in chunk:
+            (nn.functional.mse_loss(model(batch[:, :4]), batch[:, 4:]) / len(chunk)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return parameters(model)
+
+
 @pytest.mark.slow
-def test_ddp_compiled_with_accumulation_matches_one_process(tmp_path: Path) -> None:
-    ranks = spawn(2, ddp_compiled_accumulation, str(tmp_path / "export"), timeout=600.0)
+def test_ddp_compiled_with_accumulation_matches_one_process(
+    distributed: tuple[Path, dict[str, list[Any]]],
+) -> None:
+    root, jobs = distributed
+    ranks = jobs["ddp"]
     assert_close(ranks[0]["weights"], ranks[1]["weights"])
     # no_sync reached DDP under the compiled wrapper: after a micro-step each rank holds its own gradients.
     assert any(not torch.equal(a, b) for a, b in zip(ranks[0]["micro"], ranks[1]["micro"], strict=True))
-    # One process on the same global batches, with the same windows, gives the same weights.
-    model = make_model()
-    optimizer = make_optimizer(model)
-    batches = ranks[0]["batches"]
-    for start in range(0, len(batches), WINDOW):
-        window = batches[start : start + WINDOW]
-        for batch in window:
-            (nn.functional.mse_loss(model(batch[:, :4]), batch[:, 4:]) / len(window)).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    assert_close(ranks[0]["weights"], parameters(model))
-    assert saved_keys(tmp_path / "export", "model.safetensors") == sorted(MODEL_KEYS)
+    assert_close(ranks[0]["weights"], one_process(ranks[0]["batches"], WINDOW))
+    assert saved_keys(root / "ddp_export", "model.safetensors") == sorted(MODEL_KEYS)
+
+
+@pytest.mark.slow
+def test_fsdp_compiled_matches_one_process_and_resumes_uncompiled(
+    tmp_path: Path, distributed: tuple[Path, dict[str, list[Any]]]
+) -> None:
+    root, jobs = distributed
+    ranks = jobs["fsdp"]
+    assert_close(ranks[0]["weights"], one_process(ranks[0]["batches"]))
+    # The sharded checkpoint of the compiled run loads into one uncompiled process.
+    run = engine(tmp_path)
+    model = make_model(seed=7)
+    run.prepare(model, make_optimizer(model), loader())
+    run.load_state(root / "fsdp_checkpoint")
+    assert_close(parameters(model), ranks[0]["weights"])
