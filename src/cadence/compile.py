@@ -26,8 +26,9 @@ CompileSetting = bool | Mapping[str, Any]
 
 _FROM_ENGINE = (
     "cadence: this error came from torch.compile, which Engine(compile=...) applied to the prepared model. "
-    "If the model trains without compiling, build the Engine with compile=False (or change the compile options, "
-    "e.g. compile={'backend': 'aot_eager'}); torch's message above says what it could not compile."
+    "If the model trains without compiling, build the Engine with compile=False (Accelerator: dynamo_backend='no'), "
+    "or change the compile options (e.g. compile={'backend': 'aot_eager'}); torch's message above says what it "
+    "could not compile."
 )
 _FROM_USER = (
     "cadence: this error came from torch.compile, which you applied to the model before engine.prepare() (prepare "
