@@ -24,6 +24,7 @@ from cadence.callback import Callback
 from cadence.callbacks import GradientAccumulation, MixedPrecision
 from cadence.callbacks.mixed_precision import PrecisionName
 from cadence.checkpoint.export import load_checkpoint_in_model
+from cadence.compile import compile_options
 from cadence.engine import Engine
 from cadence.strategies import resolve_device
 
@@ -41,8 +42,10 @@ _UNSUPPORTED = {
     "log_with": "attach cadence.callbacks.CSVLogger() (or your own Callback) to the Engine",
     "gradient_accumulation_plugin": "pass gradient_accumulation_steps=N",
     "kwargs_handlers": "configure the Engine and its callbacks directly (e.g. MixedPrecision(init_scale=...))",
-    "dynamo_backend": "call torch.compile(model) before prepare()",
-    "dynamo_plugin": "call torch.compile(model) before prepare()",
+    "dynamo_plugin": (
+        "pass dynamo_backend='inductor' (or another backend), or build cadence.Engine(compile={...}) with "
+        "torch.compile's arguments (mode, fullgraph, dynamic, options)"
+    ),
 }
 
 _Configuration = TypeVar("_Configuration")
@@ -242,6 +245,22 @@ def _check_user_callbacks(callbacks: list[Callback], mixed_precision: object) ->
             )
 
 
+def _compile_setting(dynamo_backend: object) -> dict[str, Any] | bool:
+    """``Engine(compile=...)`` for Accelerate's ``dynamo_backend`` (a name, or its ``DynamoBackend`` enum)."""
+    name = getattr(dynamo_backend, "value", dynamo_backend)  # DynamoBackend.INDUCTOR -> "INDUCTOR"
+    if name is None or (isinstance(name, str) and name.lower() == "no"):
+        return False
+    if not isinstance(name, str):
+        raise TypeError(
+            f"Accelerator(dynamo_backend={dynamo_backend!r}): dynamo_backend must be a torch.compile backend name "
+            f"such as 'inductor', or 'no'; not a {type(dynamo_backend).__name__}."
+        )
+    setting = {"backend": name.lower()}  # Accelerate's names are torch's, upper-cased
+    with _naming("Accelerator", "dynamo_backend", dynamo_backend):
+        compile_options(setting)  # torch checks the backend now, before the Engine is built
+    return setting
+
+
 def _check_device_placement(placement: object, count: int) -> None:
     if isinstance(placement, str | bytes) or not isinstance(placement, Sequence):
         raise TypeError(
@@ -263,7 +282,10 @@ def _check_device_placement(placement: object, count: int) -> None:
 
 
 class Accelerator:
-    """The Accelerate tutorial's ``Accelerator``, running on a ``cadence.Engine`` (``accelerator.engine``)."""
+    """The Accelerate tutorial's ``Accelerator``, running on a ``cadence.Engine`` (``accelerator.engine``).
+
+    ``dynamo_backend`` (``"inductor"``, ``"aot_eager"``, ... or ``"no"``) becomes ``Engine(compile={"backend": ...})``:
+    each prepared model is compiled after the strategy wraps it, and saved weights keep the model's own keys."""
 
     def __init__(
         self,
@@ -277,6 +299,7 @@ class Accelerator:
         project_config: ProjectConfiguration | None = None,
         step_scheduler_with_optimizer: bool = True,
         callbacks: Iterable[Callback] = (),
+        dynamo_backend: str | None = None,
         **unsupported: Any,
     ) -> None:
         # Everything is checked before the Engine is built: building it seeds the RNGs and may join processes.
@@ -301,6 +324,7 @@ class Accelerator:
         user_callbacks = list(callbacks)
         _check_user_callbacks(user_callbacks, mixed_precision)
         features = [*_accumulation_callbacks(gradient_accumulation_steps), _precision_callback(mixed_precision)]
+        compile_setting = _compile_setting(dynamo_backend)
         self.project_configuration = project
         self.project_dir = directory
         self.gradient_accumulation_steps: int = gradient_accumulation_steps
@@ -311,6 +335,7 @@ class Accelerator:
             project_dir=self.project_dir,
             progress_bar=False,
             checkpoint_total_limit=project.total_limit,
+            compile=compile_setting,
         )
         if project.iteration:
             self.engine.checkpoints.advance(project.iteration - 1)

@@ -144,7 +144,7 @@ def test_members_delegate_to_the_engine(tmp_path: Path, capsys: pytest.CaptureFi
     [
         ({"deepspeed_plugin": object()}, r"DeepSpeed.*Engine\(strategy='fsdp'\)"),
         ({"log_with": "wandb"}, r"cadence\.callbacks\.CSVLogger"),
-        ({"dynamo_backend": "inductor"}, r"torch\.compile\(model\)"),
+        ({"dynamo_plugin": object()}, r"pass dynamo_backend='inductor'.*Engine\(compile=\{\.\.\.\}\)"),
         ({"split_batches": True}, "per-rank batch size"),
         ({"mixed_precision": "fp8"}, "use 'no', 'fp16' or 'bf16'"),
         ({"device_placement": False}, "always moves prepared models"),
@@ -204,6 +204,8 @@ BAD_ARGUMENTS = {
         ValueError,
         r"project_dir='a'\) and ProjectConfiguration\(project_dir='b'\) disagree: pass the directory once",
     ),
+    "dynamo_backend int": ({"dynamo_backend": 3}, TypeError, r"dynamo_backend=3\): dynamo_backend must be a torch"),
+    "dynamo_backend unknown": ({"dynamo_backend": "warp"}, ValueError, r"dynamo_backend='warp'\): .*Invalid backend"),
     # Objects of the wrong kind (Accelerate's own configuration classes look just like these).
     "loader config kind": (
         {"dataloader_config": SimpleNamespace(**vars(DataLoaderConfiguration()))},
@@ -359,3 +361,26 @@ def test_migration_example_runs(tmp_path: Path) -> None:
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "optimizer steps back to 10" in result.stdout and "reloaded weights identical: True" in result.stdout
+
+
+@pytest.mark.parametrize("backend", ["EAGER", "aot_eager", "enum"])
+def test_dynamo_backend_compiles_prepared_models_and_saves_their_own_keys(tmp_path: Path, backend: str) -> None:
+    if backend == "enum":  # what Accelerate's TorchDynamoPlugin passes around
+        backend = pytest.importorskip("accelerate.utils", reason="needs accelerate's DynamoBackend").DynamoBackend.EAGER
+    compiled = Accelerator(cpu=True, gradient_accumulation_steps=2, dynamo_backend=backend)
+    losses, weights = tutorial_loop(compiled)
+    assert type(compiled.engine.models[0]).__name__ == "OptimizedModule"
+    expected_losses, expected_weights = tutorial_loop(Accelerator(cpu=True, gradient_accumulation_steps=2))
+    torch.testing.assert_close(losses, expected_losses)
+    for ours, expected in zip(weights, expected_weights, strict=True):
+        torch.testing.assert_close(ours, expected)
+    compiled.save_model(compiled.engine.models[0], tmp_path / "export")
+    fresh, _, _ = build()
+    load_checkpoint_in_model(torch.compile(fresh, backend="eager"), tmp_path / "export")
+    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), weights, strict=True))
+
+
+def test_dynamo_backend_no_leaves_models_uncompiled() -> None:
+    accelerator = Accelerator(cpu=True, dynamo_backend="no")
+    model, _, _ = build()
+    assert accelerator.prepare(model) is model

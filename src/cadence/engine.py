@@ -20,6 +20,7 @@ from cadence.checkpoint.background import CheckpointSaves, PendingCheckpoint
 from cadence.checkpoint.engine_state import load_engine_state
 from cadence.checkpoint.export import save_weights
 from cadence.checkpoint.layout import CheckpointDirectory
+from cadence.compile import CompileSetting, check_compile_sources, compile_options, compile_prepared, split_compiled
 from cadence.data import check_shardable, draw_seed, make_batch_mover, to_stateful
 from cadence.event import Event
 from cadence.inputs import PREPARABLE, check_engine_arguments, check_loss, is_preparable, is_scheduler, seed_everything
@@ -47,6 +48,10 @@ class Engine:
         checkpoint_total_limit: keep at most this many automatically named checkpoints; older ones are deleted
             only after a new one is committed.
         timeout: how long a collective waits for the other ranks before failing (DDP, FSDP).
+        compile: ``torch.compile`` every prepared model, after the strategy wrapped it: True for torch's defaults,
+            or a dict of ``torch.compile`` arguments (``{"backend": "inductor", "mode": "max-autotune"}``), checked
+            here. Checkpoints and ``save_model`` hold the module's own keys, compiled or not. A model compiled by
+            hand before ``prepare`` is recompiled the same way around the strategy's wrapper (leave this False).
     """
 
     def __init__(
@@ -59,8 +64,10 @@ class Engine:
         progress_bar: bool = True,
         checkpoint_total_limit: int | None = None,
         timeout: timedelta = DEFAULT_TIMEOUT,
+        compile: CompileSetting = False,
     ) -> None:
         check_engine_arguments(seed, project_dir, progress_bar, checkpoint_total_limit, timeout)
+        self._compile_options = compile_options(compile)
         self.strategy = resolve_strategy(strategy, accelerator, timeout)
         self.state = State()
         self.seed = seed
@@ -242,9 +249,11 @@ class Engine:
     def _prepare_model(self, model: nn.Module) -> nn.Module:
         if any(model is existing for existing in self._models):
             return model  # already the prepared object (one device, full precision: the model itself)
+        model, recompile = split_compiled(model)
         if any(model is self.unwrap_model(existing) for existing in self._models):
             raise ValueError("This model was already prepared; use the object the first prepare() returned.")
-        wrapped = self.strategy.setup_module(model)
+        check_compile_sources(recompile is not None, self._compile_options)
+        wrapped = compile_prepared(self.strategy.setup_module(model), self._compile_options, recompile)
         if self._precision.wraps_forward:
             wrapped = PreparedModule(wrapped, self)
         self._models.append(wrapped)
@@ -263,10 +272,14 @@ class Engine:
         )
 
     def unwrap_model(self, model: nn.Module) -> nn.Module:
-        """The user's own module inside whatever ``prepare`` wrapped it in."""
+        """The user's own module inside whatever ``prepare`` (or ``torch.compile``) wrapped it in."""
+        return self.strategy.unwrap_module(self._strategy_module(model))
+
+    def _strategy_module(self, model: nn.Module) -> nn.Module:
+        """What the strategy's ``setup_module`` returned, inside the precision and compile wrappers."""
         if isinstance(model, PreparedModule):
             model = model.module
-        return self.strategy.unwrap_module(model)
+        return split_compiled(model)[0]
 
     # --- the step ------------------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, *, num_items: Any = None) -> None:
@@ -300,7 +313,7 @@ class Engine:
         """Run one batch's forward and backward inside it: gradient sync is skipped on accumulation micro-steps."""
         if self.state.sync_gradients:
             return nullcontext()
-        return self.strategy.no_backward_sync(model.module if isinstance(model, PreparedModule) else model)
+        return self.strategy.no_backward_sync(self._strategy_module(model))
 
     def _ready_gradients(self) -> bool:
         if not self.state.sync_gradients:
