@@ -7,6 +7,7 @@ from .csv_logger import CSVLogger
 from .finite_check import FiniteCheck
 from .mixed_precision import MixedPrecision
 from .progress import RichProgressBar
+from .throughput import ThroughputMonitor, measure_flops
 
 __all__ = [
     "CSVLogger",
@@ -16,5 +17,7 @@ __all__ = [
     "GradientClipping",
     "MixedPrecision",
     "RichProgressBar",
+    "ThroughputMonitor",
     "clip_gradients",
+    "measure_flops",
 ]
