@@ -87,6 +87,14 @@ def first_dim_size(batch: Any) -> int:
     )
 
 
+def _synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (``torch.accelerator`` needs torch 2.6; cadence supports 2.4)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
 def _positive(name: str, value: Any, integer: bool) -> None:
     if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)) or not 0 < value < math.inf:
         kind = "an integer >= 1" if integer else "a positive finite number"
@@ -172,8 +180,8 @@ class ThroughputMonitor(Callback):
     def on_batch_end(self, engine: Engine) -> None:
         step = engine.state.step
         due = step > 0 and step % self.log_every_n_steps == 0 and step != self._last_logged_step
-        if due and engine.device.type != "cpu":
-            torch.accelerator.synchronize(engine.device)
+        if due:
+            _synchronize(engine.device)
         now = self.time_fn()
         if self._mark is not None and not self._interrupted:
             samples = self.batch_size_fn(engine.state.batch)

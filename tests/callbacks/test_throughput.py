@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from cadence import Callback, Engine
-from cadence.callbacks import CSVLogger, GradientAccumulation, ThroughputMonitor, measure_flops
+from cadence.callbacks import CSVLogger, GradientAccumulation, ThroughputMonitor, measure_flops, throughput
 from cadence.callbacks.throughput import first_dim_size, peak_flops
 from cadence.testing import FakeEngine, TinyStep, tiny_dataloader
 from tests.helpers import RegressionStep, loader
@@ -190,6 +190,19 @@ def test_one_sum_reduction_per_log_and_none_between_logs() -> None:
     engine.strategy.all_reduce = recording  # type: ignore[method-assign]
     engine.run(steps=7)
     assert reductions == ["sum", "sum"]  # steps 3 and 6
+
+
+def test_the_device_is_synchronised_at_logging_batches_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    synchronize = throughput._synchronize
+    synced: list[torch.device] = []
+    monkeypatch.setattr(throughput, "_synchronize", synced.append)
+    FakeEngine([monitor(Clock(), log_every_n_steps=3)]).run(steps=7)
+    assert synced == [torch.device("cpu")] * 2  # steps 3 and 6
+    cuda_synced: list[Any] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", cuda_synced.append)
+    synchronize(torch.device("cuda", 1))
+    synchronize(torch.device("cpu"))
+    assert cuda_synced == [torch.device("cuda", 1)]
 
 
 class TokenStep(TinyStep):
