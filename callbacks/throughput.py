@@ -7,7 +7,7 @@ import re
 import time
 import warnings
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -55,6 +55,16 @@ def peak_flops(device_name: str, precision: str) -> float | None:
     return None if tflops is None else tflops * 1e12
 
 
+def device_peak_flops(device: torch.device, precision: str) -> float | None:
+    """``peak_flops`` of a CUDA ``device`` in a precision plugin's ``name`` (float32 matmuls count as tf32 when
+    ``torch.backends.cuda.matmul.allow_tf32``); None for any other device."""
+    if device.type != "cuda":
+        return None
+    if precision == "fp32" and torch.backends.cuda.matmul.allow_tf32:
+        precision = "tf32"
+    return peak_flops(torch.cuda.get_device_name(device), precision)
+
+
 def measure_flops(model: nn.Module, example_input: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None) -> int:
     """FLOPs of ``model(example_input)`` (a tuple is unpacked into arguments) and, with ``loss_fn``, of the backward
     of ``loss_fn(output)`` into the trainable parameters, as ``torch.utils.flop_counter.FlopCounterMode`` counts
@@ -72,15 +82,16 @@ def measure_flops(model: nn.Module, example_input: Any, loss_fn: Callable[[Any],
 
 
 def first_dim_size(batch: Any) -> int:
-    """Samples in ``batch``: the length of the first tensor found (in a tuple, list or dict, depth first)."""
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() else 1
-    children = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, Sequence) else ()
-    for child in children if not isinstance(batch, (str, bytes)) else ():
-        try:
-            return first_dim_size(child)
-        except TypeError:
-            continue
+    """Samples in ``batch``: the length of the first tensor found (in tuples, lists and dicts, depth first)."""
+    pending = [batch]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, torch.Tensor):
+            return int(item.shape[0]) if item.ndim else 1
+        if isinstance(item, (tuple, list)):
+            pending.extend(reversed(item))
+        elif isinstance(item, Mapping):
+            pending.extend(reversed(list(item.values())))
     raise TypeError(
         f"ThroughputMonitor found no tensor in the batch (a {type(batch).__name__}) to count its samples. Pass "
         "ThroughputMonitor(batch_size_fn=lambda batch: ...) returning the number of samples as an int."
@@ -224,12 +235,8 @@ class ThroughputMonitor(Callback):
         if self._peak_resolved:
             return self._peak
         self._peak_resolved, self._peak = True, self.peak_flops
-        if self._peak is None and engine.device.type == "cuda":
-            name = torch.cuda.get_device_name(engine.device)
-            precision = engine.precision.name
-            if precision == "fp32" and torch.backends.cuda.matmul.allow_tf32:
-                precision = "tf32"
-            self._peak = peak_flops(name, precision)
+        if self._peak is None:
+            self._peak = device_peak_flops(engine.device, engine.precision.name)
         if self._peak is None and engine.is_main_process:
             warnings.warn(
                 f"ThroughputMonitor knows no peak FLOP/s for {engine.device} in {engine.precision.name}, so it logs no "

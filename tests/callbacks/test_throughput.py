@@ -17,7 +17,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from cadence import Callback, Engine
 from cadence.callbacks import CSVLogger, GradientAccumulation, ThroughputMonitor, measure_flops, throughput
-from cadence.callbacks.throughput import first_dim_size, peak_flops
+from cadence.callbacks.throughput import device_peak_flops, first_dim_size, peak_flops
 from cadence.testing import FakeEngine, TinyStep, tiny_dataloader
 from tests.helpers import RegressionStep, loader
 
@@ -270,6 +270,24 @@ def test_first_dim_size_finds_the_first_tensor() -> None:
 def test_peak_flops_of_known_gpus(name: str, precision: str, tflops: float | None) -> None:
     expected = None if tflops is None else tflops * 1e12
     assert peak_flops(name, precision) == expected
+
+
+@pytest.mark.parametrize(
+    ("allow_tf32", "precision", "tflops"), [(False, "fp32", 67.0), (True, "fp32", 494.5), (True, "bf16", 989.5)]
+)
+def test_a_cuda_devices_peak_follows_its_name_and_the_tf32_switch(
+    monkeypatch: pytest.MonkeyPatch, allow_tf32: bool, precision: str, tflops: float
+) -> None:
+    asked: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: asked.append(device) or "NVIDIA H200")
+    before = torch.backends.cuda.matmul.allow_tf32  # a property, not an attribute monkeypatch could restore
+    torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+    try:
+        assert device_peak_flops(torch.device("cuda", 1), precision) == tflops * 1e12
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+    assert asked == [torch.device("cuda", 1)]
+    assert device_peak_flops(torch.device("cpu"), precision) is None
 
 
 def mlp(a: int, b: int, c: int) -> nn.Module:
