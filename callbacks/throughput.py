@@ -205,15 +205,16 @@ class ThroughputMonitor(Callback):
             self._log(engine)
 
     def _log(self, engine: Engine) -> None:
-        if not self._window:
-            return
+        # Every rank reduces at every logging step, even with an empty window: a rank that skipped would hang the rest.
         seconds, batches, samples = sum(e[0] for e in self._window), len(self._window), sum(e[1] for e in self._window)
         counted = [e[2] for e in self._window if e[2] is not None]
         host_items = sum(float(x) for x in counted if not isinstance(x, torch.Tensor))
         packet = torch.tensor([seconds, batches, samples, host_items], dtype=torch.float64, device=engine.device)
-        device_items = [x.detach().to(torch.float64).sum() for x in counted if isinstance(x, torch.Tensor)]
+        device_items = [
+            x.detach().to(engine.device, torch.float64).sum() for x in counted if isinstance(x, torch.Tensor)
+        ]
         if device_items:
-            packet[3] += torch.stack(device_items).sum().to(engine.device)
+            packet[3] += torch.stack(device_items).sum()
         if engine.world_size > 1:
             packet = engine.reduce(packet, op="sum")
         seconds, batches, samples, items = packet.tolist()  # the one host sync per log

@@ -205,6 +205,17 @@ def test_the_device_is_synchronised_at_logging_batches_only(monkeypatch: pytest.
     assert cuda_synced == [torch.device("cuda", 1)]
 
 
+def test_every_rank_reduces_at_a_logging_step_even_with_nothing_to_log() -> None:
+    clock, logs = Clock(), Logs()
+    engine = FakeEngine([Pause(clock, 100.0, save_at_batch=0), monitor(clock), logs], world_size=2)
+    reductions: list[str] = []
+    all_reduce = engine.strategy.all_reduce
+    engine.strategy.all_reduce = lambda tensor, op="mean": reductions.append(op) or all_reduce(tensor, op)  # type: ignore[method-assign]
+    engine.run(steps=3)
+    assert reductions == ["sum"] * 3
+    assert logs.batches[0] == {} and logs.batches[1][BATCHES] == 2.0  # the first batch held the save
+
+
 class TokenStep(TinyStep):
     """Reports ``num_items`` as a tensor (as a token-level loss would), 3 per sample."""
 
