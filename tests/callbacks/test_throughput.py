@@ -224,7 +224,7 @@ class TokenStep(TinyStep):
         return {"loss": loss, "num_items": torch.tensor(3 * len(batch[0]))}
 
 
-def test_items_come_from_num_items_and_are_read_only_when_logging() -> None:
+def test_items_per_sec_come_from_the_num_items_given_to_backward() -> None:
     logs = Logs()
     FakeEngine([monitor(Clock(), window_size=2), logs]).run(steps=3, step=TokenStep())
     assert [each["throughput/items_per_sec"] for each in logs.logged] == [12.0, 12.0, 12.0]
