@@ -13,6 +13,7 @@ from .mixed_precision import MixedPrecision
 from .preemption import Preemption
 from .progress import RichProgressBar
 from .tensorboard import TensorBoardLogger
+from .throughput import ThroughputMonitor, measure_flops
 from .timer import Timer
 
 __all__ = [
@@ -29,6 +30,8 @@ __all__ = [
     "Preemption",
     "RichProgressBar",
     "TensorBoardLogger",
+    "ThroughputMonitor",
     "Timer",
     "clip_gradients",
+    "measure_flops",
 ]

@@ -145,3 +145,29 @@ def test_drives_training_refuses_anything_but_a_bool_or_none() -> None:
     with pytest.raises(TypeError, match=r"drives_training must be True, False or None; got 'no'.*= False"):
         data.drives_training = "no"  # type: ignore[assignment]
     assert data.drives_training is False
+
+
+class BatchSeen(cadence.Callback):
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, Any]] = []
+
+    def on_batch_start(self, engine: cadence.Engine) -> None:
+        self.seen.append(("start", engine.state.batch))
+
+    def on_batch_end(self, engine: cadence.Engine) -> None:
+        self.seen.append(("end", engine.state.batch))
+
+
+@pytest.mark.parametrize("leave_early", [False, True])
+def test_state_batch_is_the_batch_from_batch_start_to_batch_end_and_none_after(leave_early: bool) -> None:
+    seen = BatchSeen()
+    engine = cadence.Engine(accelerator="cpu", callbacks=[seen], progress_bar=False)
+    data = engine.prepare(DataLoader(TensorDataset(torch.arange(8)), batch_size=4))
+    yielded = []
+    for batch in data:
+        yielded.append(batch)
+        assert engine.state.batch is batch
+        if leave_early:
+            break
+    assert engine.state.batch is None
+    assert seen.seen == [(event, batch) for batch in yielded for event in ("start", "end")]

@@ -77,6 +77,14 @@ class State:
         ),
     )
 
+    batch: Any = field(
+        default=None,
+        metadata=_doc(
+            "The current training batch, on the device, from ``BATCH_START`` through ``BATCH_END``; ``None`` "
+            "between batches (so it holds no device memory during validation). Written by the training dataloader."
+        ),
+    )
+
     sync_gradients: bool = field(
         default=True,
         metadata=_doc(

@@ -284,6 +284,7 @@ class PreparedDataLoader:
                 state.batch_idx = index
                 state.is_last_batch = is_last
                 batch = move(batch)
+                state.batch = batch
                 fire(Event.BATCH_START)
                 pending = True
                 yield batch
@@ -291,6 +292,7 @@ class PreparedDataLoader:
                 # resumes exactly at it.
                 pending = False
                 fire(Event.BATCH_END)
+                state.batch = None
                 if state.should_stop and not is_last:
                     return  # a stop on the epoch's last batch still ends the epoch (EPOCH_END, next epoch)
             fire(Event.EPOCH_END)
@@ -298,6 +300,7 @@ class PreparedDataLoader:
             # The loop was left early (break, exception): the batch still gets its BATCH_END.
             if pending:
                 fire(Event.BATCH_END)
+            state.batch = None
 
     def __repr__(self) -> str:
         return f"PreparedDataLoader({self.loader!r})"
