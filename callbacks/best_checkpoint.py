@@ -150,9 +150,13 @@ class BestCheckpoints:
         """A ``val/`` metric is fresh at ``VALIDATION_END``; any other is scored at the periodic saves."""
         return self.ranking.monitor.startswith("val/")
 
+    def score(self, engine: Engine) -> float:
+        """The main process's score: a save is collective, so every rank must rank alike."""
+        return float(engine.broadcast_object(read_score(engine.state.metrics, self.ranking.monitor)))
+
     def validation_score(self, engine: Engine) -> float | None:
         """The fresh score if a checkpoint should be saved for it (it enters the best k), else None."""
-        score = read_score(engine.state.metrics, self.ranking.monitor)
+        score = self.score(engine)
         if math.isnan(score):
             warnings.warn(
                 f"Checkpoint(monitor={self.ranking.monitor!r}): the score at step {engine.state.step} is NaN; it is "

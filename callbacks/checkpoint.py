@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from cadence import Callback
 
-from .best_checkpoint import BestCheckpoints, Mode, check_ranking_arguments, read_score
+from .best_checkpoint import BestCheckpoints, Mode, check_ranking_arguments
 
 if TYPE_CHECKING:
     from cadence import Engine
@@ -135,8 +135,7 @@ class Checkpoint(Callback):
         if best is None or best.after_validation:
             self._save(engine, periodic=True)
         else:
-            score = read_score(engine.state.metrics, best.ranking.monitor)
-            best.save(engine, score, lambda: self._save(engine, periodic=True))
+            best.save(engine, best.score(engine), lambda: self._save(engine, periodic=True))
 
     def on_validation_end(self, engine: Engine) -> None:
         self._validated = True

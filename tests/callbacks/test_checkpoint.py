@@ -263,6 +263,50 @@ def test_a_metric_other_than_validation_ranks_the_periodic_saves_and_keeps_the_n
     assert {path for _, path in fake.checkpoints.numbered()} == {callback.best_path, newest}
 
 
+def test_every_rank_ranks_by_the_main_process_score(monkeypatch: pytest.MonkeyPatch) -> None:
+    callback = Checkpoint(monitor="val/loss", save_last=False)
+    fake = FakeEngine(callbacks=[callback])
+    main_score = 0.25  # what rank 0 logged: a save is collective, so its score decides on every rank
+    monkeypatch.setattr(fake, "broadcast_object", lambda obj, src=0: main_score if isinstance(obj, float) else obj)
+    validate(fake, 1.0)
+    assert callback.best_score == main_score
+
+
+def test_only_the_main_process_deletes() -> None:
+    class Rank(FakeEngine):
+        main = True
+
+        @property
+        def is_main_process(self) -> bool:
+            return self.main
+
+    callback = Checkpoint(monitor="val/loss", async_save=True, save_last=False)
+    fake = Rank(callbacks=[callback])
+    validate(fake, 2.0)
+    first = fake.wait_for_checkpoint()
+    validate(fake, 1.0)  # the save began on the main process; its commit is seen as another rank sees it
+    fake.main = False
+    fake.wait_for_checkpoint()
+    assert first is not None and first.exists() and callback.best_score == 1.0
+    assert callback.state_dict()["ranking"]["dropped"] == []  # forgotten here: the main process deletes it
+
+
+def test_a_failed_ranked_save_leaves_the_ranking_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    callback = Checkpoint(monitor="val/loss", save_last=False)
+    fake = FakeEngine(callbacks=[callback])
+    validate(fake, 2.0)
+    best = callback.best_path
+
+    def disk_full(*args: Any, **kwargs: Any) -> Any:
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(fake, "save_state", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        validate(fake, 1.0)
+    assert (callback.best_path, callback.best_score) == (best, 2.0) and best is not None and best.exists()
+    assert callback.state_dict()["ranking"]["dropped"] == []
+
+
 def test_resume_restores_the_ranking_and_protects_it_again(tmp_path: Path) -> None:
     callback = Checkpoint(monitor="val/loss", save_top_k=2, save_last=False)
     fake = FakeEngine(callbacks=[callback], project_dir=tmp_path)
