@@ -168,7 +168,12 @@ class BestCheckpoints:
 
     def save(self, engine: Engine, score: float, save: Callable[[], Path | PendingCheckpoint]) -> None:
         """Rank a checkpoint scoring ``score`` and ``save()`` it; a failed save leaves the ranking as it was."""
-        self.settle(engine)
+        try:
+            # The save before this one commits first (save() would wait for it anyway), so what this one pushes
+            # out of the best k is never deleted before this one is committed.
+            engine.wait_for_checkpoint()
+        finally:
+            self.settle(engine)  # forgets that save if it failed
         before = self.ranking.copy()
         entry = self._current = self.ranking.add(score, engine.state.step)
         try:
@@ -224,7 +229,17 @@ class BestCheckpoints:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._loaded = state.get("ranking")  # its paths resolve against the loaded checkpoint: restore()
+        loaded = state.get("ranking")
+        if loaded is not None and not _well_formed(loaded):
+            # The run is being restored already: a hand-edited ranking must not stop it half-way.
+            warnings.warn(
+                f"Checkpoint(monitor={self.ranking.monitor!r}): the checkpoint's ranking is malformed "
+                f"({loaded!r:.80}); the ranking starts afresh.",
+                UserWarning,
+                stacklevel=3,
+            )
+            loaded = None
+        self._loaded = loaded  # its paths resolve against the loaded checkpoint: restore()
 
     def restore(self, engine: Engine) -> None:
         """At ``LOAD_STATE``: the ranking as the loaded checkpoint saved it, protected again; a best checkpoint
@@ -247,6 +262,19 @@ class BestCheckpoints:
         for entry in self.ranking.best:
             if entry.path is not None:
                 checkpoints.protect(entry.path, self.holder)
+
+
+def _well_formed(state: Any) -> bool:
+    def entry(e: Any) -> bool:
+        return (
+            isinstance(e, dict)
+            and isinstance(e.get("score"), (int, float))
+            and isinstance(e.get("step"), int)
+            and (e.get("path") is None or isinstance(e.get("path"), str))
+        )
+
+    lists = [state.get(key) for key in ("best", "dropped")] if isinstance(state, dict) else [None]
+    return all(isinstance(entries, list) and all(entry(e) for e in entries) for entries in lists)
 
 
 def _relative(path: Path | None, root: Path | None) -> str | None:

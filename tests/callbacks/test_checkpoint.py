@@ -348,6 +348,13 @@ def test_resume_warns_and_drops_a_best_checkpoint_deleted_by_hand(tmp_path: Path
     assert resumed.best_score == 2.0
 
 
+def test_a_malformed_ranking_in_a_checkpoint_starts_afresh_without_stopping_the_load() -> None:
+    callback = Checkpoint(monitor="val/loss", save_last=False)
+    with pytest.warns(UserWarning, match="ranking is malformed"):
+        callback.load_state_dict({"last_saved_step": 3, "ranking": {"best": [{"score": "low"}], "dropped": []}})
+    assert callback.state_dict()["last_saved_step"] == 3 and callback.best_path is None
+
+
 def test_a_background_ranked_save_gets_its_path_at_the_commit() -> None:
     callback = Checkpoint(monitor="val/loss", async_save=True, save_last=False)
     fake = FakeEngine(callbacks=[callback])
@@ -357,6 +364,17 @@ def test_a_background_ranked_save_gets_its_path_at_the_commit() -> None:
     validate(fake, 1.0)
     fake.wait_for_checkpoint()
     assert not committed.exists() and fake.checkpoints.best("val/loss") == callback.best_path
+
+
+def test_a_checkpoint_pushed_out_stays_until_the_save_that_pushed_it_out_commits() -> None:
+    callback = Checkpoint(monitor="val/loss", save_top_k=2, async_save=True, save_last=False)
+    fake = FakeEngine(callbacks=[callback])
+    validate(fake, 3.0)
+    first = fake.wait_for_checkpoint()
+    validate(fake, 2.0, 1.0)  # the save for 1.0 pushes 3.0 out, and is still in flight
+    assert first is not None and first.exists()
+    fake.wait_for_checkpoint()
+    assert not first.exists() and len(names(fake)) == 2
 
 
 def test_two_monitors_share_an_engine() -> None:
