@@ -417,3 +417,27 @@ def test_end_to_end_the_best_checkpoint_is_the_lowest_validation_loss(tmp_path: 
     with torch.no_grad():
         losses = torch.stack([step.validation_step(batch)["loss"].to(torch.float64) for batch in val])
     assert float(losses.mean()) == pytest.approx(val_losses[lowest], rel=1e-9)
+
+
+def test_a_resumed_run_ranks_exactly_as_an_uninterrupted_one(tmp_path: Path) -> None:
+    def run(project: Path, epochs: list[int]) -> list[tuple[float, int]]:
+        for max_epochs in epochs:  # each fit() a fresh process would run: a new engine, resume="latest"
+            callback = Checkpoint(monitor="val/loss", save_top_k=2)
+            engine = Engine(accelerator="cpu", progress_bar=False, project_dir=project, seed=0, callbacks=[callback])
+            engine.fit(
+                TinyStep(lr=0.7), tiny_dataloader(batches=4), max_epochs=max_epochs,
+                val_dataloader=tiny_dataloader(batches=2, seed=1), resume="latest",
+            )  # fmt: skip
+        assert callback.best_path is not None and engine.checkpoints.is_checkpoint(callback.best_path)
+        return [(float(e["score"]), e["step"]) for e in callback.state_dict()["ranking"]["best"]]
+
+    straight = run(tmp_path / "straight", [8])
+    assert run(tmp_path / "resumed", [3, 5, 8]) == straight
+
+
+def test_a_validation_monitor_warns_when_fit_never_validates() -> None:
+    callback = Checkpoint(monitor="val/loss")
+    fake = FakeEngine(callbacks=[callback])
+    with pytest.warns(UserWarning, match=r"this fit\(\) ran none: pass fit\(\.\.\., val_dataloader=\.\.\.\)"):
+        fake.fit(TinyStep(), tiny_dataloader(batches=2), max_epochs=1)
+    assert callback.best_path is None and names(fake) == ["checkpoint_0"]  # save_last still saved
