@@ -1,15 +1,19 @@
 """``Checkpoint``: save the engine's state every N optimizer steps, every N epochs, when fit() ends, and when it
-fails."""
+fails; with ``monitor``, keep the k best checkpoints by a logged metric besides the latest."""
 
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cadence import Callback
 
+from .best_checkpoint import BestCheckpoints, Mode, check_ranking_arguments
+
 if TYPE_CHECKING:
     from cadence import Engine
+    from cadence.checkpoint.background import PendingCheckpoint
 
 
 class Checkpoint(Callback):
@@ -37,6 +41,15 @@ class Checkpoint(Callback):
     metrics it logged. The weights and optimizer are those of the last completed optimizer step (or of the
     step that raised, if it raised after ``optimizer.step()``). To resume bit-exactly, resume from the last
     ``every_n_steps`` / ``every_n_epochs`` checkpoint instead: ``engine.fit(..., resume=path)``.
+
+    ``monitor`` (a logged metric) ranks checkpoints, ``mode="min"`` (lower is better) or ``"max"``, and keeps the
+    ``save_top_k`` best besides the latest (default 1; -1 keeps all; 0 saves none, as in Lightning). A ``val/``
+    metric is ranked at ``VALIDATION_END``, with a save only when it enters the best k; any other metric at the
+    ``every_n_steps`` / ``every_n_epochs`` saves. Ties keep the older checkpoint; a NaN score never ranks. A
+    checkpoint this callback saved for the ranking and that falls out of it is deleted (by the main process) once
+    it is no longer the newest; ``checkpoint_total_limit`` never deletes one of the best k. ``best_path`` and
+    ``best_score`` survive a resume (a best checkpoint deleted by hand is dropped with a warning). From disk, in
+    any process: ``engine.load_state(engine.checkpoints.best("val/loss", "min"))``.
     """
 
     def __init__(
@@ -46,14 +59,34 @@ class Checkpoint(Callback):
         on_exception: bool = False,
         save_last: bool = True,
         async_save: bool = False,
+        monitor: str | None = None,
+        mode: Mode = "min",
+        save_top_k: int | None = None,
     ) -> None:
         for name, value in (("every_n_steps", every_n_steps), ("every_n_epochs", every_n_epochs)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None; got {value!r}.")
-        if every_n_steps is None and every_n_epochs is None and not on_exception and not save_last:
+        periodic = every_n_steps is not None or every_n_epochs is not None
+        self._best: BestCheckpoints | None = None
+        if monitor is not None:
+            top_k = 1 if save_top_k is None else save_top_k
+            check_ranking_arguments(monitor, mode, top_k)
+            self._best = BestCheckpoints(monitor, mode, top_k, holder=f"Checkpoint[{monitor}]")
+            if not monitor.startswith("val/") and not periodic:
+                raise ValueError(
+                    f"Checkpoint(monitor={monitor!r}): only 'val/' metrics are ranked after validation; any other is "
+                    "ranked at the periodic saves. Pass every_n_steps=... or every_n_epochs=..., or monitor a "
+                    "validation metric such as 'val/loss'."
+                )
+        elif save_top_k is not None or mode != "min":
             raise ValueError(
-                "Checkpoint needs a trigger: every_n_steps=..., every_n_epochs=..., on_exception=True and/or "
-                "save_last=True."
+                "save_top_k and mode rank checkpoints by a logged metric: pass monitor='val/loss' (or another "
+                "metric) too, or drop them."
+            )
+        if not periodic and not on_exception and not save_last and monitor is None:
+            raise ValueError(
+                "Checkpoint needs a trigger: every_n_steps=..., every_n_epochs=..., on_exception=True, "
+                "save_last=True and/or monitor=..."
             )
         if not isinstance(async_save, bool):
             raise TypeError(f"async_save must be True or False; got {type(async_save).__name__} {async_save!r}.")
@@ -64,8 +97,29 @@ class Checkpoint(Callback):
         self.async_save = async_save
         self._last_saved_step = -1
         self._saving = False
+        self._validated = False
+        self._fit_start_step = 0
 
-    def _save(self, engine: Engine, reason: str | None = None, periodic: bool = False) -> None:
+    @property
+    def state_key(self) -> str:
+        return "Checkpoint" if self._best is None else self._best.holder
+
+    @property
+    def best_path(self) -> Path | None:
+        """The best ranked checkpoint's directory; None before one is committed (``engine.wait_for_checkpoint()``
+        commits a background save)."""
+        return self._best.ranking.best[0].path if self._best is not None and self._best.ranking.best else None
+
+    @property
+    def best_score(self) -> float | None:
+        """The best ranked checkpoint's score on ``monitor``; None before one is ranked."""
+        return self._best.ranking.best[0].score if self._best is not None and self._best.ranking.best else None
+
+    def setup(self, engine: Engine) -> None:
+        if self._best is not None:
+            self._best.root = engine.checkpoints.root
+
+    def _save(self, engine: Engine, reason: str | None = None, periodic: bool = False) -> Path | PendingCheckpoint:
         self._saving = True
         try:
             self._last_saved_step = engine.state.step
@@ -74,6 +128,32 @@ class Checkpoint(Callback):
             self._saving = False
         if reason is not None:
             engine.print(f"Saved checkpoint {saved} at step {engine.state.step} ({reason}).")
+        return saved
+
+    def _periodic_save(self, engine: Engine) -> None:
+        best = self._best
+        if best is None or best.after_validation:
+            self._save(engine, periodic=True)
+        else:
+            best.save(engine, best.score(engine), lambda: self._save(engine, periodic=True))
+
+    def on_validation_end(self, engine: Engine) -> None:
+        self._validated = True
+        best = self._best
+        if best is not None and best.after_validation and (score := best.validation_score(engine)) is not None:
+            best.save(engine, score, lambda: self._save(engine, periodic=True))
+
+    def on_save_state(self, engine: Engine) -> None:
+        if self._best is not None:
+            self._best.settle(engine)
+
+    def on_load_state(self, engine: Engine) -> None:
+        if self._best is not None:
+            self._best.restore(engine)
+
+    def on_fit_start(self, engine: Engine) -> None:
+        self._validated = False
+        self._fit_start_step = engine.state.step
 
     def on_batch_end(self, engine: Engine) -> None:
         state = engine.state
@@ -83,11 +163,11 @@ class Checkpoint(Callback):
             and state.step % self.every_n_steps == 0
             and state.step != self._last_saved_step
         ):
-            self._save(engine, periodic=True)
+            self._periodic_save(engine)
 
     def on_epoch_end(self, engine: Engine) -> None:
         if self.every_n_epochs is not None and (engine.state.epoch + 1) % self.every_n_epochs == 0:
-            self._save(engine, periodic=True)
+            self._periodic_save(engine)
 
     def on_exception(self, engine: Engine) -> None:
         if not self.on_exception_save or self._saving:
@@ -102,9 +182,23 @@ class Checkpoint(Callback):
         # fit() sets state.exception during FIT_END when it is failing: that case belongs to on_exception.
         if self.save_last and engine.state.exception is None and engine.state.step != self._last_saved_step:
             self._save(engine, "fit ended")
+        best = self._best
+        trained = engine.state.step > self._fit_start_step
+        if best is not None and best.after_validation and trained and not self._validated:
+            warnings.warn(
+                f"Checkpoint(monitor={best.ranking.monitor!r}) ranks checkpoints after validation, and this fit() ran "
+                "none: pass fit(..., val_dataloader=...) with a validation_step.",
+                UserWarning,
+                stacklevel=2,
+            )
 
     def state_dict(self) -> dict[str, Any]:
-        return {"last_saved_step": self._last_saved_step}
+        state: dict[str, Any] = {"last_saved_step": self._last_saved_step}
+        if self._best is not None:
+            state.update(self._best.state_dict())
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._last_saved_step = int(state_dict["last_saved_step"])
+        if self._best is not None:
+            self._best.load_state_dict(state_dict)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from cadence import Event
+from cadence import Callback, Engine, Event
 from cadence.callbacks import Checkpoint, GradientAccumulation
 from cadence.testing import FakeEngine, TinyStep, tiny_dataloader
 
@@ -146,3 +147,297 @@ def test_a_failing_fit_does_not_save_last(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="broken step"):
         fake.fit(Fails(), tiny_dataloader(), max_epochs=1)
     assert not (tmp_path / "checkpoints").exists()
+
+
+# --- monitor: the k best checkpoints --------------------------------------------------------------------------
+def validate(fake: FakeEngine, *scores: float, name: str = "val/loss") -> None:
+    """What fit()'s validation does for Checkpoint: log the averaged metric, then fire VALIDATION_END."""
+    for score in scores:
+        fake.log(name, score)
+        fake.fire(Event.VALIDATION_END)
+
+
+def names(fake: FakeEngine) -> list[str]:
+    return sorted(path.name for _, path in fake.checkpoints.numbered())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"monitor": "val/loss", "mode": "avg"}, ValueError, "mode must be 'min'"),
+        ({"monitor": "val/loss", "save_top_k": -2}, ValueError, "save_top_k must be an int"),
+        ({"monitor": "val/loss", "save_top_k": 2.0}, ValueError, "save_top_k must be an int"),
+        ({"monitor": "loss"}, ValueError, r"ranked at the periodic saves\. Pass every_n_steps"),
+        ({"save_top_k": 3}, ValueError, "pass monitor='val/loss'"),
+        ({"mode": "max"}, ValueError, "pass monitor='val/loss'"),
+        ({"monitor": 3}, TypeError, "monitor must be a metric name"),
+    ],
+)
+def test_bad_monitor_arguments(kwargs: dict[str, Any], error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        Checkpoint(**kwargs)
+
+
+def test_a_monitored_checkpoint_needs_no_other_trigger() -> None:
+    Checkpoint(monitor="val/loss", save_last=False)
+
+
+@pytest.mark.parametrize(("mode", "best", "kept"), [("min", 0.5, [1.0, 0.5]), ("max", 4.0, [4.0, 3.0])])
+def test_keeps_the_k_best_and_deletes_only_its_own(mode: Any, best: float, kept: list[float]) -> None:
+    callback = Checkpoint(monitor="val/loss", mode=mode, save_top_k=2, save_last=False)
+    fake = FakeEngine(callbacks=[callback])
+    manual = fake.save_state()  # the user's own save: never the ranking's to delete
+    scores = [3.0, 1.0, 2.0, 0.5, 4.0]
+    saved_at = {}
+    for score in scores:
+        before = names(fake)
+        validate(fake, score)
+        saved_at.update({name: score for name in set(names(fake)) - set(before)})
+    assert callback.best_score == best
+    assert callback.best_path is not None and saved_at[callback.best_path.name] == best
+    on_disk = {saved_at.get(path.name) for _, path in fake.checkpoints.numbered() if path != manual}
+    assert manual.exists() and on_disk == set(kept)
+
+
+def test_a_tie_does_not_replace_the_older_best() -> None:
+    callback = Checkpoint(monitor="val/loss", save_last=False)
+    fake = FakeEngine(callbacks=[callback])
+    validate(fake, 1.0)
+    first = callback.best_path
+    validate(fake, 1.0)
+    assert callback.best_path == first and names(fake) == ["checkpoint_0"]
+
+
+def test_a_nan_score_never_ranks() -> None:
+    callback = Checkpoint(monitor="val/loss", save_last=False)
+    fake = FakeEngine(callbacks=[callback])
+    with pytest.warns(UserWarning, match="NaN; it is not ranked"):
+        validate(fake, float("nan"))
+    assert callback.best_path is None and names(fake) == []
+    validate(fake, 5.0)
+    assert callback.best_score == 5.0
+
+
+def test_a_missing_metric_names_the_metrics_there_and_the_fix() -> None:
+    fake = FakeEngine(callbacks=[Checkpoint(monitor="val/loss")])
+    with pytest.raises(ValueError, match=r"no 'val/loss' among the logged metrics \(val/mse\)\. Log it"):
+        validate(fake, 1.0, name="val/mse")
+    assert names(fake) == []
+
+
+def test_save_top_k_zero_saves_no_ranked_checkpoint() -> None:
+    callback = Checkpoint(monitor="val/loss", save_top_k=0, save_last=False)
+    fake = FakeEngine(callbacks=[callback])
+    validate(fake, 1.0, 0.5)
+    assert callback.best_path is None and names(fake) == []
+
+
+def test_retention_never_deletes_a_best_checkpoint() -> None:
+    callback = Checkpoint(monitor="val/loss", save_last=False)
+    fake = FakeEngine(callbacks=[callback])
+    fake.checkpoint_total_limit = 1
+    validate(fake, 1.0)
+    best = callback.best_path
+    for _ in range(3):
+        newest = fake.save_state()
+    assert best is not None and best.exists() and names(fake) == sorted([best.name, newest.name])
+    validate(fake, 0.5)  # a new best: the old one is released and, no longer the newest, deleted
+    assert callback.best_path is not None and names(fake) == [callback.best_path.name]
+
+
+def test_a_metric_other_than_validation_ranks_the_periodic_saves_and_keeps_the_newest() -> None:
+    logged: list[float] = []
+
+    class Scored(TinyStep):
+        def training_step(self, batch: Any) -> Any:
+            loss = super().training_step(batch)
+            logged.append(float(torch.cos(loss.detach() * 7)))  # up and down: not monotonic in the step
+            return {"loss": loss, "score": logged[-1]}
+
+    callback = Checkpoint(monitor="score", mode="max", every_n_steps=1, save_last=False)
+    fake = FakeEngine(callbacks=[callback])
+    fake.run(steps=6, step=Scored())
+    best = max(range(len(logged)), key=lambda i: (logged[i], -i))
+    assert callback.best_score == logged[best]
+    newest = fake.checkpoints.numbered()[0][1]
+    assert {path for _, path in fake.checkpoints.numbered()} == {callback.best_path, newest}
+
+
+def test_every_rank_ranks_by_the_main_process_score(monkeypatch: pytest.MonkeyPatch) -> None:
+    callback = Checkpoint(monitor="val/loss", save_last=False)
+    fake = FakeEngine(callbacks=[callback])
+    main_score = 0.25  # what rank 0 logged: a save is collective, so its score decides on every rank
+    monkeypatch.setattr(fake, "broadcast_object", lambda obj, src=0: main_score if isinstance(obj, float) else obj)
+    validate(fake, 1.0)
+    assert callback.best_score == main_score
+
+
+def test_only_the_main_process_deletes() -> None:
+    class Rank(FakeEngine):
+        main = True
+
+        @property
+        def is_main_process(self) -> bool:
+            return self.main
+
+    callback = Checkpoint(monitor="val/loss", async_save=True, save_last=False)
+    fake = Rank(callbacks=[callback])
+    validate(fake, 2.0)
+    first = fake.wait_for_checkpoint()
+    validate(fake, 1.0)  # the save began on the main process; its commit is seen as another rank sees it
+    fake.main = False
+    fake.wait_for_checkpoint()
+    assert first is not None and first.exists() and callback.best_score == 1.0
+    assert callback.state_dict()["ranking"]["dropped"] == []  # forgotten here: the main process deletes it
+
+
+def test_a_failed_ranked_save_leaves_the_ranking_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    callback = Checkpoint(monitor="val/loss", save_last=False)
+    fake = FakeEngine(callbacks=[callback])
+    validate(fake, 2.0)
+    best = callback.best_path
+
+    def disk_full(*args: Any, **kwargs: Any) -> Any:
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(fake, "save_state", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        validate(fake, 1.0)
+    assert (callback.best_path, callback.best_score) == (best, 2.0) and best is not None and best.exists()
+    assert callback.state_dict()["ranking"]["dropped"] == []
+
+
+def test_resume_restores_the_ranking_and_protects_it_again(tmp_path: Path) -> None:
+    callback = Checkpoint(monitor="val/loss", save_top_k=2, save_last=False)
+    fake = FakeEngine(callbacks=[callback], project_dir=tmp_path)
+    validate(fake, 2.0, 1.0, 3.0)
+    fake.save_state()  # the latest: its state holds the ranking
+    resumed = Checkpoint(monitor="val/loss", save_top_k=2, save_last=False)
+    fresh = FakeEngine(callbacks=[resumed], project_dir=tmp_path)
+    fresh.load_state()
+    assert (resumed.best_path, resumed.best_score) == (callback.best_path, 1.0)
+    fresh.checkpoint_total_limit = 1
+    fresh.save_state()
+    assert len(names(fresh)) == 3  # the two best and the newest
+    validate(fresh, 0.5)  # 2.0 falls out
+    assert resumed.best_score == 0.5 and len(names(fresh)) == 2
+
+
+def test_resume_from_the_ranked_checkpoint_itself_knows_its_path(tmp_path: Path) -> None:
+    callback = Checkpoint(monitor="val/loss", save_last=False)
+    fake = FakeEngine(callbacks=[callback], project_dir=tmp_path)
+    validate(fake, 2.0)
+    resumed = Checkpoint(monitor="val/loss", save_last=False)
+    fresh = FakeEngine(callbacks=[resumed], project_dir=tmp_path)
+    fresh.load_state()
+    assert resumed.best_path == callback.best_path == fresh.state.checkpoint_dir
+
+
+def test_resume_warns_and_drops_a_best_checkpoint_deleted_by_hand(tmp_path: Path) -> None:
+    callback = Checkpoint(monitor="val/loss", save_top_k=2, save_last=False)
+    fake = FakeEngine(callbacks=[callback], project_dir=tmp_path)
+    validate(fake, 1.0, 2.0)
+    best = callback.best_path
+    fake.save_state()
+    assert best is not None
+    shutil.rmtree(best)
+    resumed = Checkpoint(monitor="val/loss", save_top_k=2, save_last=False)
+    fresh = FakeEngine(callbacks=[resumed], project_dir=tmp_path)
+    with pytest.warns(UserWarning, match=r"checkpoint_0 \(score 1.0, step 0\) is gone"):
+        fresh.load_state()
+    assert resumed.best_score == 2.0
+
+
+def test_a_malformed_ranking_in_a_checkpoint_starts_afresh_without_stopping_the_load() -> None:
+    callback = Checkpoint(monitor="val/loss", save_last=False)
+    with pytest.warns(UserWarning, match="ranking is malformed"):
+        callback.load_state_dict({"last_saved_step": 3, "ranking": {"best": [{"score": "low"}], "dropped": []}})
+    assert callback.state_dict()["last_saved_step"] == 3 and callback.best_path is None
+
+
+def test_a_background_ranked_save_gets_its_path_at_the_commit() -> None:
+    callback = Checkpoint(monitor="val/loss", async_save=True, save_last=False)
+    fake = FakeEngine(callbacks=[callback])
+    validate(fake, 2.0)
+    committed = fake.wait_for_checkpoint()
+    assert callback.best_path == committed and fake.checkpoints.is_protected(committed)
+    validate(fake, 1.0)
+    fake.wait_for_checkpoint()
+    assert not committed.exists() and fake.checkpoints.best("val/loss") == callback.best_path
+
+
+def test_a_checkpoint_pushed_out_stays_until_the_save_that_pushed_it_out_commits() -> None:
+    callback = Checkpoint(monitor="val/loss", save_top_k=2, async_save=True, save_last=False)
+    fake = FakeEngine(callbacks=[callback])
+    validate(fake, 3.0)
+    first = fake.wait_for_checkpoint()
+    validate(fake, 2.0, 1.0)  # the save for 1.0 pushes 3.0 out, and is still in flight
+    assert first is not None and first.exists()
+    fake.wait_for_checkpoint()
+    assert not first.exists() and len(names(fake)) == 2
+
+
+def test_two_monitors_share_an_engine() -> None:
+    loss = Checkpoint(monitor="val/loss", save_last=False)
+    accuracy = Checkpoint(monitor="val/acc", mode="max", save_last=False)
+    fake = FakeEngine(callbacks=[loss, accuracy])
+    fake.log("val/acc", 0.9)
+    validate(fake, 1.0)
+    assert loss.best_path != accuracy.best_path and len(names(fake)) == 2
+    assert fake.checkpoints.best("val/acc", "max") == accuracy.best_path
+
+
+def test_end_to_end_the_best_checkpoint_is_the_lowest_validation_loss(tmp_path: Path) -> None:
+    val_losses: list[float] = []
+
+    class Records(Callback):
+        def on_validation_end(self, engine: Engine) -> None:
+            val_losses.append(float(engine.state.metrics["val/loss"]))
+
+    def data() -> tuple[Any, Any]:
+        return tiny_dataloader(batches=4), tiny_dataloader(batches=2, seed=1)
+
+    engine = Engine(
+        accelerator="cpu", progress_bar=False, project_dir=tmp_path, seed=0, checkpoint_total_limit=1,
+        callbacks=[Records(), Checkpoint(monitor="val/loss", save_top_k=2)],
+    )  # fmt: skip
+    train, val = data()
+    engine.fit(TinyStep(lr=0.7), train, max_epochs=8, val_dataloader=val)
+    lowest = min(range(len(val_losses)), key=lambda i: val_losses[i])
+    # This learning rate overshoots, so the validation loss goes up and down: the best is neither first nor last.
+    assert 0 < lowest < len(val_losses) - 1, val_losses
+    assert len(engine.checkpoints.numbered()) == 3  # the 2 best and the latest, under checkpoint_total_limit=1
+
+    fresh = Engine(accelerator="cpu", progress_bar=False, project_dir=tmp_path)
+    step = TinyStep()
+    train, val = data()
+    step.model, step.optimizer, _, val = fresh.prepare(step.model, step.optimizer, train, val)
+    with pytest.warns(UserWarning, match="holds state for callback"):  # this engine has no Checkpoint
+        fresh.load_state(fresh.checkpoints.best("val/loss"))
+    with torch.no_grad():
+        losses = torch.stack([step.validation_step(batch)["loss"].to(torch.float64) for batch in val])
+    assert float(losses.mean()) == pytest.approx(val_losses[lowest], rel=1e-9)
+
+
+def test_a_resumed_run_ranks_exactly_as_an_uninterrupted_one(tmp_path: Path) -> None:
+    def run(project: Path, epochs: list[int]) -> list[tuple[float, int]]:
+        for max_epochs in epochs:  # each fit() a fresh process would run: a new engine, resume="latest"
+            callback = Checkpoint(monitor="val/loss", save_top_k=2)
+            engine = Engine(accelerator="cpu", progress_bar=False, project_dir=project, seed=0, callbacks=[callback])
+            engine.fit(
+                TinyStep(lr=0.7), tiny_dataloader(batches=4), max_epochs=max_epochs,
+                val_dataloader=tiny_dataloader(batches=2, seed=1), resume="latest",
+            )  # fmt: skip
+        assert callback.best_path is not None and engine.checkpoints.is_checkpoint(callback.best_path)
+        return [(float(e["score"]), e["step"]) for e in callback.state_dict()["ranking"]["best"]]
+
+    straight = run(tmp_path / "straight", [8])
+    assert run(tmp_path / "resumed", [3, 5, 8]) == straight
+
+
+def test_a_validation_monitor_warns_when_fit_never_validates() -> None:
+    callback = Checkpoint(monitor="val/loss")
+    fake = FakeEngine(callbacks=[callback])
+    with pytest.warns(UserWarning, match=r"this fit\(\) ran none: pass fit\(\.\.\., val_dataloader=\.\.\.\)"):
+        fake.fit(TinyStep(), tiny_dataloader(batches=2), max_epochs=1)
+    assert callback.best_path is None and names(fake) == ["checkpoint_0"]  # save_last still saved

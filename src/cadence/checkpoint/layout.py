@@ -1,21 +1,29 @@
-"""Automatic checkpoint naming: ``checkpoint_{n}`` under one directory, newest valid first."""
+"""Automatic checkpoint naming: ``checkpoint_{n}`` under one directory, newest valid first; which of them
+retention must keep (protected), and which one scored best."""
 
 from __future__ import annotations
 
+import json
+import math
 import re
 import shutil
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from cadence.checkpoint.commit import check_replaceable, is_checkpoint, remove_abandoned, temporary_name
+from cadence.checkpoint.engine_state import SHARED_JSON
 from cadence.checkpoint.errors import CheckpointCorrupted, CheckpointError
 
 if TYPE_CHECKING:
     from cadence.checkpoint.files import CheckpointWriter
 
 _NAME = re.compile(r"^checkpoint_(\d+)$")
+
+SCORE_KEY = "checkpoint_score"
+"""A callback whose state (``state_dict()``) holds ``{SCORE_KEY: {"monitor": name, "value": number}}`` says the
+checkpoint it is saved in scored ``value`` on metric ``name``: ``CheckpointDirectory.best`` reads it from disk."""
 
 
 class CheckpointDirectory:
@@ -25,6 +33,7 @@ class CheckpointDirectory:
     def __init__(self, root: Path) -> None:
         self.root = root
         self._next = 0
+        self._protected: dict[Path, set[str]] = {}
 
     def path(self, number: int) -> Path:
         return self.root / f"checkpoint_{number}"
@@ -91,13 +100,78 @@ class CheckpointDirectory:
         detail = f" Checked: {' | '.join(problems)}" if problems else ""
         raise CheckpointError(f"No valid checkpoint in {self.root}.{detail}")
 
+    def protect(self, path: Path, holder: str) -> None:
+        """Keep ``path`` from ``prune`` until ``holder`` (a name, e.g. a callback's ``state_key``) releases it.
+        In memory only: a holder protects its paths again after a restart (from its checkpointed state)."""
+        self._protected.setdefault(path.absolute(), set()).add(holder)
+
+    def release(self, path: Path, holder: str) -> None:
+        """Undo ``protect(path, holder)``; the path stays protected while another holder keeps it."""
+        holders = self._protected.get(path.absolute(), set())
+        holders.discard(holder)
+        if not holders:
+            self._protected.pop(path.absolute(), None)
+
+    def is_protected(self, path: Path) -> bool:
+        return path.absolute() in self._protected
+
+    def is_checkpoint(self, path: Path) -> bool:
+        """True when ``path`` is a committed cadence checkpoint (it has a manifest), here or anywhere else."""
+        return is_checkpoint(path)
+
+    def delete(self, path: Path) -> bool:
+        """Delete ``path`` if it is one of this directory's ``checkpoint_{n}``, committed (with a manifest: anything
+        else under such a name is not cadence's to delete), not a link, and not protected. True if it was."""
+        if path.absolute().parent != self.root.absolute() or not _NAME.match(path.name) or path.is_symlink():
+            return False
+        if self.is_protected(path) or not is_checkpoint(path):
+            return False
+        shutil.rmtree(path, ignore_errors=True)
+        return True
+
     def prune(self, keep: int) -> None:
-        """Delete all but the newest ``keep`` checkpoints (only ``checkpoint_{n}`` directories with a manifest:
-        anything else under this name is not cadence's to delete)."""
+        """Delete the checkpoints older than the newest ``keep``, except protected ones: ``keep`` counts every
+        checkpoint, and a protected one older than the newest ``keep`` stays beyond it (see ``delete``)."""
         for _, directory in self.numbered()[keep:]:
-            if is_checkpoint(directory) and not directory.is_symlink():
-                shutil.rmtree(directory, ignore_errors=True)
+            self.delete(directory)
+
+    def best(self, monitor: str, mode: Literal["min", "max"] = "min") -> Path:
+        """The checkpoint here that scored best on ``monitor`` (lowest with ``mode="min"``, highest with "max"; the
+        older one on a tie), as recorded when it was saved (``Checkpoint(monitor=...)`` records it). Reads only
+        the files on disk, so a fresh process finds it too: ``engine.load_state(engine.checkpoints.best(...))``."""
+        if mode not in ("min", "max"):
+            raise ValueError(f"best(mode=...) must be 'min' or 'max'; got {mode!r}.")
+        scored = [
+            (score if mode == "min" else -score, number, directory)
+            for number, directory in self.numbered()
+            if (score := _recorded_score(directory, monitor)) is not None
+        ]
+        if not scored:
+            raise CheckpointError(
+                f"No checkpoint in {self.root} records a score for {monitor!r}. Save ranked checkpoints with "
+                f"Engine(callbacks=[Checkpoint(monitor={monitor!r})]) and log {monitor!r} (fit() logs validation "
+                "metrics as 'val/<name>'), or load a checkpoint by path."
+            )
+        return min(scored)[2]
 
     def remove_abandoned(self) -> list[Path]:
         """Remove what saves killed mid-way left here (see ``cadence.checkpoint.commit.remove_abandoned``)."""
         return remove_abandoned(self.root)
+
+
+def _recorded_score(directory: Path, monitor: str) -> float | None:
+    """The score on ``monitor`` that a callback recorded in ``directory``'s state (see ``SCORE_KEY``), if any."""
+    if not is_checkpoint(directory):
+        return None
+    try:
+        shared = json.loads((directory / SHARED_JSON).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None  # a damaged checkpoint scores nothing; loading it would fail anyway
+    callbacks = shared.get("callbacks") if isinstance(shared, dict) else None
+    for state in callbacks.values() if isinstance(callbacks, dict) else ():
+        record = state.get(SCORE_KEY) if isinstance(state, dict) else None
+        if isinstance(record, dict) and record.get("monitor") == monitor:
+            value = record.get("value")
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value):
+                return float(value)
+    return None
