@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -192,3 +194,38 @@ def test_a_failing_fit_start_still_fires_exception_and_fit_end() -> None:
     with pytest.raises(RuntimeError, match="cannot start"):
         engine.fit(RegressionStep(), loader(), max_epochs=1)
     assert recorder.events == [Event.FIT_START, Event.EXCEPTION, Event.FIT_END]
+
+
+class ValidationLog(cadence.Callback):
+    """Records (epoch, val/mse) at every validation."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, float]] = []
+
+    def on_validation_end(self, engine: cadence.Engine) -> None:
+        self.seen.append((engine.state.epoch, float(engine.state.metrics["val/mse"])))
+
+
+def test_a_resume_from_an_epoch_end_checkpoint_runs_that_epochs_validation_first(tmp_path: Path) -> None:
+    from cadence.callbacks import Checkpoint
+
+    class SaveAfterFirstValidation(cadence.Callback):
+        def on_validation_end(self, engine: cadence.Engine) -> None:
+            if engine.state.epoch == 0:
+                engine.save_state(tmp_path / "after_validation")
+
+    def run(resume: Path | None, *extra: cadence.Callback) -> list[tuple[int, float]]:
+        log = ValidationLog()
+        engine = cadence.Engine(
+            accelerator="cpu", seed=0, project_dir=tmp_path, progress_bar=False,
+            callbacks=[Checkpoint(every_n_epochs=1, save_last=False), log, *extra],
+        )  # fmt: skip
+        engine.fit(RegressionStep(), loader(shuffle=True), val_dataloader=loader(), max_epochs=3, resume=resume)
+        return log.seen
+
+    straight = run(None, SaveAfterFirstValidation())
+    assert [epoch for epoch, _ in straight] == [0, 1, 2]
+    # checkpoint_0 was taken at EPOCH_END of epoch 0, before that epoch's validation ran: the resume runs it.
+    assert run(tmp_path / "checkpoints" / "checkpoint_0") == straight
+    # A checkpoint taken after the validation does not validate that epoch twice.
+    assert run(tmp_path / "after_validation") == straight[1:]

@@ -61,6 +61,8 @@ def run_fit(
     try:
         # Inside the try: a FIT_START hook that raises still gets FIT_END for the callbacks that started before it.
         engine.fire(Event.FIT_START)
+        if val_loader is not None and resume is not None and _validation_pending(state, train_loader):
+            _validate(engine, step, model, val_loader, train_loader)  # the checkpoint came between the two
         while not state.should_stop and (max_epochs is None or train_loader.epoch < max_epochs):
             model.train()
             epochs_before = train_loader.epoch
@@ -84,7 +86,7 @@ def run_fit(
             # An epoch that ended here is validated even when a resume left none of its batches to run (the
             # checkpoint was taken at its last batch, before the uninterrupted run validated it).
             if val_loader is not None and (train_loader.epoch > epochs_before or (batches and state.should_stop)):
-                _validate(engine, step, model, val_loader)
+                _validate(engine, step, model, val_loader, train_loader)
     except BaseException as error:
         state.exception = error
         engine.fire(Event.EXCEPTION)
@@ -215,7 +217,15 @@ def _unpack_training_output(engine: Engine, output: Any) -> tuple[torch.Tensor, 
     )
 
 
-def _validate(engine: Engine, step: TrainingStep, model: nn.Module, loader: PreparedDataLoader) -> None:
+def _validation_pending(state: State, train_loader: PreparedDataLoader) -> bool:
+    """True when the restored run stopped after an epoch's end (``EPOCH_END`` checkpoint) but before its validation."""
+    return state.validated_epochs is not None and state.validated_epochs == train_loader.epoch - 1
+
+
+def _validate(
+    engine: Engine, step: TrainingStep, model: nn.Module, loader: PreparedDataLoader, train_loader: PreparedDataLoader
+) -> None:
+    engine.state.validated_epochs = train_loader.epoch
     engine.fire(Event.VALIDATION_START)
     model.eval()
     sums: dict[str, torch.Tensor] = {}

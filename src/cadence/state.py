@@ -182,6 +182,15 @@ class State:
         ),
     )
 
+    validated_epochs: int | None = field(
+        default=0,
+        metadata=_doc(
+            "Completed training epochs when ``fit()`` last validated (``None``: unknown, from a checkpoint older than "
+            "this field). A run resumed from a checkpoint taken between an epoch's end and its validation runs that "
+            "validation first, as the uninterrupted run did. Written by ``fit()``."
+        ),
+    )
+
     checkpoint_dir: Path | None = field(
         default=None,
         metadata=_doc(
@@ -268,6 +277,7 @@ class State:
             "batch_idx": self.batch_idx,
             "skipped_steps": dict(self.skipped_steps),
             "non_finite_steps": self.non_finite_steps,
+            "validated_epochs": self.validated_epochs,
         }
 
     def load_counters(self, counters: dict[str, Any]) -> None:
@@ -278,3 +288,5 @@ class State:
         self.skipped_steps = {str(k): int(v) for k, v in counters["skipped_steps"].items()}
         self._non_finite_steps = int(counters.get("non_finite_steps", 0))  # absent before cadence 0.2
         self._window_non_finite = False
+        validated = counters.get("validated_epochs")  # absent before cadence 0.2: unknown
+        self.validated_epochs = None if validated is None else int(validated)
