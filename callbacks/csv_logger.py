@@ -103,7 +103,8 @@ def _step_of(row: dict[str, Any], path: Path) -> int:
 
 
 def _merged(first: list[str], second: Iterable[str]) -> list[str]:
-    return first + [name for name in second if name not in first]
+    """``first``, then each name of ``second`` not seen yet, once (``second`` runs over every buffered row)."""
+    return list(dict.fromkeys([*first, *second]))
 
 
 def _replace_atomically(path: Path, columns: list[str], rows: Iterable[dict[str, Any]]) -> None:

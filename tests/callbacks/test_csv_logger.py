@@ -29,6 +29,17 @@ def test_rows_per_step_with_loss_and_lr(tmp_path: Path) -> None:
     assert all(row["lr"] == "0.25" and float(row["loss"]) > 0 for row in rows)
 
 
+def test_a_flush_of_several_rows_writes_each_column_once(tmp_path: Path) -> None:
+    # csv.DictReader folds repeated header names together: read the header line itself.
+    logger = CSVLogger(flush_every_n_rows=3)
+    fake = FakeEngine(callbacks=[logger], project_dir=str(tmp_path))
+    fake.run(steps=3)
+    header, *lines = (tmp_path / "metrics.csv").read_text().splitlines()
+    assert header == "step,epoch,loss,lr"
+    assert [line.split(",")[0] for line in lines] == ["1", "2", "3"]
+    assert all(len(line.split(",")) == 4 for line in lines)
+
+
 def test_new_metrics_widen_the_header_and_keep_old_rows(tmp_path: Path) -> None:
     logger = CSVLogger(flush_every_n_rows=1)
     fake = FakeEngine(callbacks=[logger], project_dir=str(tmp_path))
