@@ -34,3 +34,20 @@ def test_custom_loop_learns() -> None:
     out = run_example("custom_loop.py", "--epochs", "2")
     accuracies = [float(line.rsplit(" ", 1)[1]) for line in out.splitlines() if "eval accuracy" in line]
     assert len(accuracies) == 2 and accuracies[-1] > 0.9
+
+
+def test_classifier_keeps_the_best_checkpoints_stops_early_and_exports_the_average(tmp_path: Path) -> None:
+    out = run_example("classifier.py", "--epochs", "40", "--project-dir", str(tmp_path))
+    losses = [float(line.split("val/loss ")[1].split(",")[0]) for line in out.splitlines() if "validation:" in line]
+    assert "Stopped at step" in out and "EarlyStopping" in out and len(losses) < 40
+    best_name = out.split("best checkpoint: ")[1].split(" ")[0]
+    assert float(out.split(f"{best_name} (val/loss ")[1].split(")")[0]) == pytest.approx(min(losses), abs=1e-4)
+    # The two best and the newest are kept (checkpoint_total_limit=1 never deletes a best one).
+    kept = sorted(path.name for path in (tmp_path / "checkpoints").iterdir())
+    assert best_name in kept and len(kept) == 3
+    header = (tmp_path / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert len(header) == len(set(header)) and "throughput/samples_per_sec" in header
+    assert (tmp_path / "ema_model" / "model.safetensors").is_file()
+    # Run again: it resumes from the newest checkpoint and says so.
+    again = run_example("classifier.py", "--epochs", "40", "--project-dir", str(tmp_path))
+    assert f"Resumed from {tmp_path / 'checkpoints'}" in again
