@@ -39,7 +39,10 @@ _UNSUPPORTED = {
     "megatron_lm_plugin": "Megatron-LM is not supported; use Engine(strategy='fsdp')",
     "parallelism_config": "use Engine(strategy='ddp' | 'fsdp')",
     "rng_types": "cadence always saves and restores every RNG (python, numpy, torch, each device) per rank",
-    "log_with": "attach cadence.callbacks.CSVLogger() (or your own Callback) to the Engine",
+    "log_with": (
+        "attach cadence.callbacks.CSVLogger() or TensorBoardLogger() (or a cadence.callbacks.Logger of your own) "
+        "to the Engine"
+    ),
     "gradient_accumulation_plugin": "pass gradient_accumulation_steps=N",
     "kwargs_handlers": "configure the Engine and its callbacks directly (e.g. MixedPrecision(init_scale=...))",
     "dynamo_plugin": (
