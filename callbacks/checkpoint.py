@@ -144,6 +144,11 @@ class Checkpoint(Callback):
             best.save(engine, score, lambda: self._save(engine, periodic=True))
 
     def on_save_state(self, engine: Engine) -> None:
+        state = engine.state
+        # Any save that resume="latest" finds (Preemption's, Timer's, the user's) covers its step: save_last and
+        # every_n_steps need not save that step again.
+        if any(path == state.checkpoint_dir for _, path in engine.checkpoints.numbered()):
+            self._last_saved_step = max(self._last_saved_step, state.checkpoint_step or 0)
         if self._best is not None:
             self._best.settle(engine)
 

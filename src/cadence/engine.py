@@ -446,7 +446,7 @@ class Engine:
         else:
             directory, manifest = self.checkpoints.load_latest(lambda path: load_engine_state(self, path))
         self.checkpoints.advance(int(manifest["checkpoint_number"]))
-        self.state.checkpoint_dir = directory
+        self.state.checkpoint_dir, self.state.checkpoint_step = directory, self.state.step
         self.print(f"Resumed from {directory} at step {self.state.step} (epoch {self.state.epoch}).")
         self.fire(Event.LOAD_STATE)
         return directory

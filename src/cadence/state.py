@@ -199,6 +199,14 @@ class State:
         ),
     )
 
+    checkpoint_step: int | None = field(
+        default=None,
+        metadata=_doc(
+            "``step`` as saved in ``checkpoint_dir`` (a background save commits later than the step it holds). "
+            "Written with ``checkpoint_dir``."
+        ),
+    )
+
     exception: BaseException | None = field(
         default=None,
         metadata=_doc("The exception ``fit()`` is handling at ``EXCEPTION``. Written by ``fit()``."),

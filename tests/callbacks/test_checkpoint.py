@@ -138,6 +138,41 @@ def test_save_last_saves_where_the_periodic_saves_stopped(tmp_path: Path) -> Non
     assert fresh.state.step == 6
 
 
+class SaveAndStopAt(Callback):
+    """What Preemption and Timer do: save (here, optionally in the background or outside checkpoints/) and stop."""
+
+    def __init__(self, step: int, path: Path | None = None, blocking: bool = True, stop: bool = True) -> None:
+        self.step, self.path, self.blocking, self.stop = step, path, blocking, stop
+
+    def on_batch_end(self, engine: Engine) -> None:
+        if engine.state.step == self.step:
+            engine.save_state(self.path, blocking=self.blocking)
+            if self.stop:
+                engine.state.stop("saved and stopped")
+
+
+def test_save_last_does_not_save_again_a_step_another_callback_saved(tmp_path: Path) -> None:
+    fake = FakeEngine(callbacks=[Checkpoint(), SaveAndStopAt(4)], project_dir=str(tmp_path))
+    fake.fit(TinyStep(), tiny_dataloader(batches=3), max_epochs=3)
+    assert fake.state.step == 4 and saved(tmp_path) == ["checkpoint_0"]
+
+
+def test_save_last_still_saves_after_a_save_that_resume_latest_would_not_find(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    fake = FakeEngine(callbacks=[Checkpoint(), SaveAndStopAt(4, path=elsewhere)], project_dir=str(tmp_path))
+    fake.fit(TinyStep(), tiny_dataloader(batches=3), max_epochs=3)
+    assert saved(tmp_path) == ["checkpoint_1"] and (elsewhere / "manifest.json").is_file()  # numbers are shared
+
+
+def test_a_background_save_committed_later_counts_for_the_step_it_holds(tmp_path: Path) -> None:
+    checkpoint = Checkpoint()
+    fake = FakeEngine(callbacks=[checkpoint, SaveAndStopAt(2, blocking=False, stop=False)], project_dir=str(tmp_path))
+    fake.fit(TinyStep(), tiny_dataloader(batches=3), max_steps=5)
+    # The background save of step 2 committed at a later step; the final state (step 5) is still saved.
+    assert saved(tmp_path) == ["checkpoint_0", "checkpoint_1"]
+    assert fake.state.checkpoint_step == 5 and checkpoint.state_dict()["last_saved_step"] == 5
+
+
 def test_a_failing_fit_does_not_save_last(tmp_path: Path) -> None:
     class Fails(TinyStep):
         def training_step(self, batch: Any) -> torch.Tensor:

@@ -34,8 +34,10 @@ class _Completion:
     interpreter exits.
     """
 
-    def __init__(self, save: EngineSave, collectives: ObjectCollectives, automatic: bool) -> None:
+    def __init__(self, save: EngineSave, collectives: ObjectCollectives, automatic: bool, step: int) -> None:
         self.automatic = automatic
+        self.step = step
+        """``state.step`` when the state was snapshotted: the step the checkpoint holds."""
         self.committed: tuple[Path, int] | None = None
         self.error: BaseException | None = None
         self._save = save
@@ -105,10 +107,10 @@ class CheckpointSaves:
         number = engine.strategy.broadcast_object(engine.checkpoints.next_number())
         if collectives is None:
             committed, number = save_engine_state(engine, path, number)
-            _after_commit(engine, committed, number, automatic=path is None)
+            _after_commit(engine, committed, number, automatic=path is None, step=engine.state.step)
             return committed
         save = begin_engine_save(engine, path, number, self._buffers)
-        self.in_flight = _Completion(save, collectives, automatic=path is None)
+        self.in_flight = _Completion(save, collectives, automatic=path is None, step=engine.state.step)
         return PendingCheckpoint(self, engine, self.in_flight)
 
     def wait(self, engine: Engine) -> Path | None:
@@ -118,7 +120,7 @@ class CheckpointSaves:
         if completion is None:
             return None
         committed, number = completion.join()
-        _after_commit(engine, committed, number, completion.automatic)
+        _after_commit(engine, committed, number, completion.automatic, completion.step)
         return committed
 
     def close(self, engine: Engine) -> None:
@@ -129,9 +131,10 @@ class CheckpointSaves:
             self._buffers.clear()
 
 
-def _after_commit(engine: Engine, committed: Path, number: int, automatic: bool) -> None:
+def _after_commit(engine: Engine, committed: Path, number: int, automatic: bool, step: int) -> None:
     engine.checkpoints.advance(number)
     if automatic and engine.checkpoint_total_limit is not None and engine.is_main_process:
         engine.checkpoints.prune(keep=engine.checkpoint_total_limit)
     engine.state.checkpoint_dir = committed
+    engine.state.checkpoint_step = step
     engine.fire(Event.SAVE_STATE)
