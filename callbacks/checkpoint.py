@@ -16,6 +16,17 @@ if TYPE_CHECKING:
     from cadence.checkpoint.background import PendingCheckpoint
 
 
+def save_once(engine: Engine) -> Path:
+    """A checkpoint of the current step that ``resume="latest"`` finds: the one already committed when a save of
+    this step landed in ``engine.checkpoints`` (a ``Checkpoint`` every N steps, another stopping callback), else a
+    new blocking save. Waits for a background save first, so the answer is the same on every rank."""
+    engine.wait_for_checkpoint()
+    state = engine.state
+    if state.checkpoint_step == state.step and state.checkpoint_dir and engine.checkpoints.names(state.checkpoint_dir):
+        return state.checkpoint_dir
+    return engine.save_state()
+
+
 class Checkpoint(Callback):
     """Calls ``engine.save_state()`` (automatic naming under ``project_dir/checkpoints``):
 
@@ -147,7 +158,7 @@ class Checkpoint(Callback):
         state = engine.state
         # Any save that resume="latest" finds (Preemption's, Timer's, the user's) covers its step: save_last and
         # every_n_steps need not save that step again.
-        if any(path == state.checkpoint_dir for _, path in engine.checkpoints.numbered()):
+        if state.checkpoint_dir is not None and engine.checkpoints.names(state.checkpoint_dir):
             self._last_saved_step = max(self._last_saved_step, state.checkpoint_step or 0)
         if self._best is not None:
             self._best.settle(engine)

@@ -14,6 +14,8 @@ import torch
 
 from cadence import Callback
 
+from .checkpoint import save_once
+
 if TYPE_CHECKING:
     from cadence import Engine
     from cadence.state import State
@@ -145,7 +147,7 @@ class Preemption(Callback):
         self._acted = True
         name = signal.Signals(received).name
         engine.print(f"Preemption: {name} received; saving a checkpoint at step {state.step}.")
-        saved = engine.save_state()
+        saved = save_once(engine)
         exit_code = self.exit_code if self.exit_on_preemption else None
         state.stop(f"Preemption: {name} received; saved checkpoint {saved}", exit_code=exit_code)
 

@@ -12,6 +12,8 @@ import torch
 
 from cadence import Callback
 
+from .checkpoint import save_once
+
 if TYPE_CHECKING:
     from cadence import Engine
 
@@ -109,7 +111,7 @@ class Timer(Callback):
         elapsed = self.elapsed
         if not self._any_rank_over(engine, elapsed >= self.max_duration):
             return
-        saved = engine.save_state()
+        saved = save_once(engine)
         state.stop(
             f"Timer: {_clock_text(elapsed)} of training reached max_duration {_clock_text(self.max_duration)}; "
             f"saved checkpoint {saved}"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import cadence
-from cadence.callbacks import GradientAccumulation, Timer
+from cadence.callbacks import Checkpoint, GradientAccumulation, Timer
 from cadence.callbacks.timer import parse_duration
 from cadence.testing import FakeEngine, TinyStep, tiny_dataloader
 from tests.helpers import RegressionStep, assert_bitwise_equal, loader, parameters
@@ -79,6 +79,17 @@ def test_time_up_saves_then_stops_at_that_step(capsys: pytest.CaptureFixture[str
         f"Timer: 0:00:40 of training reached max_duration 0:00:35; saved checkpoint {state.checkpoint_dir}"
     )
     assert f"Stopped at step 4 (epoch 0): {state.stop_reason}." in capsys.readouterr().out
+
+
+def test_a_checkpoint_of_that_step_already_saved_is_not_saved_again() -> None:
+    clock = Clock()
+    # Checkpoint saves step 4, Timer's time is up at that same batch end, and save_last runs when fit() ends:
+    # one checkpoint of step 4, not three.
+    callbacks = [SecondsPerBatch(clock), Checkpoint(every_n_steps=4), Timer(35, clock=clock)]
+    fake = FakeEngine(callbacks=callbacks)
+    state = fake.fit(TinyStep(), tiny_dataloader(), max_epochs=5)
+    assert state.step == 4 and [path.name for _, path in fake.checkpoints.numbered()] == ["checkpoint_0"]
+    assert state.stop_reason is not None and state.stop_reason.endswith(f"saved checkpoint {state.checkpoint_dir}")
 
 
 def test_checks_wait_for_the_end_of_an_accumulation_window_and_every_n_steps() -> None:

@@ -38,6 +38,11 @@ class CheckpointDirectory:
     def path(self, number: int) -> Path:
         return self.root / f"checkpoint_{number}"
 
+    def names(self, path: Path) -> bool:
+        """True when ``path`` is one of this directory's ``checkpoint_{n}`` names, the ones ``load_state()`` and
+        ``resume="latest"`` search. Decided from the path alone, so every rank gives the same answer."""
+        return path.absolute().parent == self.root.absolute() and _NAME.match(path.name) is not None
+
     def numbered(self) -> list[tuple[int, Path]]:
         """Existing ``checkpoint_{n}`` directories, newest first."""
         if not self.root.is_dir():
