@@ -87,9 +87,9 @@ def ranking(callback: Checkpoint) -> dict[str, Any]:
     return dict(callback.state_dict()["ranking"])
 
 
-def best_k(project_dir: str) -> dict[str, Any]:
+def best_k(project_dir: str, async_save: bool = False) -> dict[str, Any]:
     """Train with ``Checkpoint(monitor="val/loss", save_top_k=BEST_K)``; what this rank ranked, deleted and found."""
-    callback = Checkpoint(monitor="val/loss", save_top_k=BEST_K)
+    callback = Checkpoint(monitor="val/loss", save_top_k=BEST_K, async_save=async_save)
     step = LocalValidationStep()
     validations = Validations(step)
     run = engine(project_dir, [callback, validations])

@@ -19,13 +19,14 @@ from tests.distributed.workers import results_by_job, run_jobs
 def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Any]]:
     """Every job of this module, run in one start of 2 ranks; each job's results in rank order, by name."""
     root = tmp_path_factory.mktemp("run_callbacks")
-    best, timer = str(root / "best"), str(root / "timer")
+    best, best_async, timer = str(root / "best"), str(root / "best_async"), str(root / "timer")
     ranks = spawn(
         workers.WORLD,
         run_jobs,
         [
             ("best-k", workers.best_k, (best,)),
             ("best-k resumed", workers.resume_best, (best,)),
+            ("best-k async", workers.best_k, (best_async, True)),  # ranked saves commit in the background
             ("throughput and lr", workers.throughput_and_lr, ()),
             ("timer", workers.timed, (timer,)),
             ("timer resumed", workers.timed, (timer,)),
@@ -35,6 +36,9 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Any]]:
     return results_by_job(ranks)
 
 
+BEST_K_JOBS = ["best-k", "best-k async"]
+
+
 def same_on_every_rank(results: list[Any]) -> Any:
     assert all(result == results[0] for result in results[1:]), results
     return results[0]
@@ -42,8 +46,9 @@ def same_on_every_rank(results: list[Any]) -> Any:
 
 # --- best-k -------------------------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_every_rank_ranks_the_averaged_validation_loss_alike(jobs: dict[str, list[Any]]) -> None:
-    ranks = jobs["best-k"]
+@pytest.mark.parametrize("job", BEST_K_JOBS)
+def test_every_rank_ranks_the_averaged_validation_loss_alike(jobs: dict[str, list[Any]], job: str) -> None:
+    ranks = jobs[job]
     validations = [rank["validations"] for rank in ranks]
     logged = same_on_every_rank([[v["logged"] for v in rank] for rank in validations])
     assert len(logged) == workers.BEST_EPOCHS
@@ -59,8 +64,11 @@ def test_every_rank_ranks_the_averaged_validation_loss_alike(jobs: dict[str, lis
 
 
 @pytest.mark.slow
-def test_the_k_best_and_the_latest_stay_on_disk_deleted_by_the_main_process_alone(jobs: dict[str, list[Any]]) -> None:
-    ranks = jobs["best-k"]
+@pytest.mark.parametrize("job", BEST_K_JOBS)
+def test_the_k_best_and_the_latest_stay_on_disk_deleted_by_the_main_process_alone(
+    jobs: dict[str, list[Any]], job: str
+) -> None:
+    ranks = jobs[job]
     main, other = ranks
     assert other["deletes"] == [], "a rank other than the main process deleted checkpoints"
     assert main["deletes"], "nothing left the best k: this run proves nothing about deleting"
@@ -72,8 +80,9 @@ def test_the_k_best_and_the_latest_stay_on_disk_deleted_by_the_main_process_alon
 
 
 @pytest.mark.slow
-def test_every_rank_has_the_same_best_path_and_the_directory_agrees(jobs: dict[str, list[Any]]) -> None:
-    ranks = jobs["best-k"]
+@pytest.mark.parametrize("job", BEST_K_JOBS)
+def test_every_rank_has_the_same_best_path_and_the_directory_agrees(jobs: dict[str, list[Any]], job: str) -> None:
+    ranks = jobs[job]
     best_path = same_on_every_rank([rank["best_path"] for rank in ranks])
     assert [rank["best_on_disk"] for rank in ranks] == [best_path] * workers.WORLD
     logged = [v["logged"] for v in ranks[0]["validations"]]
