@@ -12,8 +12,6 @@ import torch
 
 from cadence import Callback
 
-from .checkpoint import save_once
-
 if TYPE_CHECKING:
     from cadence import Engine
 
@@ -55,9 +53,10 @@ class Timer(Callback):
 
     It checks at the ``BATCH_END`` of every ``check_every_n_steps``-th optimizer step (never inside an accumulation
     window, so the checkpoint resumes exactly). With several ranks, whose clocks differ slightly, one
-    ``engine.reduce(op="max")`` of one number per check makes every rank stop at the same step as soon as any
-    rank's time is up. When the time is up: ``engine.save_state()`` (blocking), then ``state.stop(reason)``. A
-    resumed run whose time was already used up stops before its first batch, with nothing new to save.
+    ``engine.reduce(op="max")`` of one number per check (the time counted) makes every rank stop at the same step
+    as soon as any rank's time is up, counting that rank's time from then on (so the checkpoint holds it). When
+    the time is up: ``engine.save_state()`` (blocking), then ``state.stop(reason)``. A resumed run whose time was
+    already used up stops before its first batch, with nothing new to save.
 
     ``clock``: seconds from any fixed origin (default ``time.monotonic``); tests pass a fake one.
     """
@@ -108,21 +107,26 @@ class Timer(Callback):
         if self._steps_since_check < self.check_every_n_steps:
             return
         self._steps_since_check = 0
-        elapsed = self.elapsed
-        if not self._any_rank_over(engine, elapsed >= self.max_duration):
+        local = self.elapsed
+        elapsed = self._slowest(engine, local)
+        if elapsed < self.max_duration:
             return
-        saved = save_once(engine)
+        # Count the time that ran out on every rank: the checkpoint holds the main process's count, and a resume
+        # from it must find the budget spent even if another rank's clock ran out first.
+        self._used_before += elapsed - local
+        saved = engine.save_state()
         state.stop(
             f"Timer: {_clock_text(elapsed)} of training reached max_duration {_clock_text(self.max_duration)}; "
             f"saved checkpoint {saved}"
         )
 
     @staticmethod
-    def _any_rank_over(engine: Engine, over: bool) -> bool:
+    def _slowest(engine: Engine, elapsed: float) -> float:
+        """The most time any rank counted: every rank stops, and says so, alike."""
         if engine.world_size == 1:
-            return over
-        flag = torch.tensor(float(over), device=engine.device)
-        return bool(engine.reduce(flag, op="max").item())
+            return elapsed
+        seconds = torch.tensor(elapsed, dtype=torch.float64, device=engine.device)
+        return float(engine.reduce(seconds, op="max").item())
 
     def on_fit_end(self, engine: Engine) -> None:
         self._used_before = self.elapsed

@@ -99,6 +99,16 @@ def test_sigterm_saves_at_that_step_stops_and_exits_with_the_code_after_fit_end(
     assert all(signal.getsignal(sig) is guard for sig in SIGNALS)  # and is back in place
 
 
+def test_a_checkpoint_of_that_step_already_committed_is_reused(guard: Guard) -> None:
+    # Checkpoint saves step 3 at the same BATCH_END where Preemption acts, and save_last runs at FIT_END: inside a
+    # grace period one save of the step is enough.
+    callbacks = [SignalAt(2), Checkpoint(every_n_steps=3), Preemption(exit_on_preemption=False)]
+    fake = FakeEngine(callbacks=callbacks)
+    state = fake.fit(TinyStep(), tiny_dataloader(), max_epochs=3)
+    assert state.step == 3 and saved(fake) == ["checkpoint_0"]
+    assert state.stop_reason == f"Preemption: SIGTERM received; saved checkpoint {state.checkpoint_dir}"
+
+
 def test_exit_on_preemption_false_returns_from_fit(guard: Guard) -> None:
     fake = FakeEngine(callbacks=[SignalAt(0, signal.SIGUSR1), Preemption(exit_on_preemption=False)])
     state = fake.fit(TinyStep(), tiny_dataloader(), max_epochs=3)

@@ -81,15 +81,12 @@ def test_time_up_saves_then_stops_at_that_step(capsys: pytest.CaptureFixture[str
     assert f"Stopped at step 4 (epoch 0): {state.stop_reason}." in capsys.readouterr().out
 
 
-def test_a_checkpoint_of_that_step_already_saved_is_not_saved_again() -> None:
+def test_save_last_does_not_save_the_step_the_timer_saved() -> None:
     clock = Clock()
-    # Checkpoint saves step 4, Timer's time is up at that same batch end, and save_last runs when fit() ends:
-    # one checkpoint of step 4, not three.
-    callbacks = [SecondsPerBatch(clock), Checkpoint(every_n_steps=4), Timer(35, clock=clock)]
-    fake = FakeEngine(callbacks=callbacks)
+    fake = FakeEngine(callbacks=[SecondsPerBatch(clock), Checkpoint(), Timer(35, clock=clock)])
     state = fake.fit(TinyStep(), tiny_dataloader(), max_epochs=5)
+    # Timer saves its own checkpoint (it must hold the spent budget), and save_last at FIT_END adds none.
     assert state.step == 4 and [path.name for _, path in fake.checkpoints.numbered()] == ["checkpoint_0"]
-    assert state.stop_reason is not None and state.stop_reason.endswith(f"saved checkpoint {state.checkpoint_dir}")
 
 
 def test_checks_wait_for_the_end_of_an_accumulation_window_and_every_n_steps() -> None:
@@ -100,19 +97,23 @@ def test_checks_wait_for_the_end_of_an_accumulation_window_and_every_n_steps() -
     assert (state.step, state.batch_idx) == (2, 3)
 
 
-def test_ranks_agree_through_one_max_reduce_per_check() -> None:
+def test_ranks_agree_through_one_max_reduce_per_check_and_count_the_slowest_ranks_time() -> None:
     clock = Clock()
-    fake = FakeEngine(callbacks=[SecondsPerBatch(clock), Timer(1000, clock=clock)], rank=1, world_size=2)
+    timer = Timer(1000, clock=clock)
+    fake = FakeEngine(callbacks=[SecondsPerBatch(clock), timer], rank=1, world_size=2)
     calls: list[tuple[float, str]] = []
 
     def all_reduce(tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
         calls.append((tensor.item(), op))
-        return torch.tensor(1.0) if len(calls) == 3 else tensor.clone()  # another rank's time is up at step 3
+        # Another rank counted 1001 s at step 3: its time is up, this rank's (30 s) is not.
+        return torch.tensor(1001.0, dtype=torch.float64) if len(calls) == 3 else tensor.clone()
 
     fake.strategy.all_reduce = all_reduce  # type: ignore[method-assign]
     state = fake.fit(TinyStep(), tiny_dataloader(), max_epochs=5)
-    assert calls == [(0.0, "max")] * 3 and state.step == 3
-    assert state.stop_reason is not None and state.stop_reason.startswith("Timer: 0:00:30 of training reached")
+    assert calls == [(10.0, "max"), (20.0, "max"), (30.0, "max")] and state.step == 3
+    assert state.stop_reason is not None and state.stop_reason.startswith("Timer: 0:16:41 of training reached")
+    # The checkpoint holds the main process's count: it must be the time that ran out, or a resume trains on.
+    assert timer.elapsed == 1001.0 and timer.remaining == 0.0
 
 
 def test_elapsed_counts_over_fits_and_is_in_the_state_dict() -> None:
