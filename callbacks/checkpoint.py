@@ -63,6 +63,8 @@ class Checkpoint(Callback):
     any process: ``engine.load_state(engine.checkpoints.best("val/loss", "min"))``.
     """
 
+    saves_checkpoints = True  # runs after the other callbacks at each event: its saves hold their work
+
     def __init__(
         self,
         every_n_steps: int | None = None,

@@ -62,6 +62,8 @@ class Preemption(Callback):
     reacts as it would have without it. Signals reach only the main thread, so ``fit()`` must run there.
     """
 
+    saves_checkpoints = True  # runs after the other callbacks at each event: its saves hold their work
+
     def __init__(
         self,
         signals: Iterable[int] = DEFAULT_SIGNALS,

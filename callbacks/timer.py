@@ -61,6 +61,8 @@ class Timer(Callback):
     ``clock``: seconds from any fixed origin (default ``time.monotonic``); tests pass a fake one.
     """
 
+    saves_checkpoints = True  # runs after the other callbacks at each event: its saves hold their work
+
     def __init__(
         self,
         max_duration: float | timedelta | str,

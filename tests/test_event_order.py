@@ -229,3 +229,74 @@ def test_a_resume_from_an_epoch_end_checkpoint_runs_that_epochs_validation_first
     assert run(tmp_path / "checkpoints" / "checkpoint_0") == straight
     # A checkpoint taken after the validation does not validate that epoch twice.
     assert run(tmp_path / "after_validation") == straight[1:]
+
+
+def test_callbacks_that_save_checkpoints_run_after_the_others_in_their_given_order() -> None:
+    order: list[str] = []
+
+    class Named(cadence.Callback):
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        @property
+        def state_key(self) -> str:
+            return self.name
+
+        def on_fit_start(self, engine: cadence.Engine) -> None:
+            order.append(self.name)
+
+    class Saver(Named):
+        saves_checkpoints = True
+
+    callbacks = [Saver("saver 1"), Named("plain 1"), Saver("saver 2"), Named("plain 2")]
+    engine = cadence.Engine(accelerator="cpu", progress_bar=False, callbacks=callbacks[:2])
+    for callback in callbacks[2:]:
+        engine.add_callback(callback)
+    engine.fire(Event.FIT_START)
+    assert order == ["plain 1", "plain 2", "saver 1", "saver 2"]
+    assert [callback.name for callback in engine.callbacks] == order  # type: ignore[attr-defined]
+    engine.remove_callback(callbacks[1])
+    order.clear()
+    engine.fire(Event.FIT_START)
+    assert order == ["plain 2", "saver 1", "saver 2"]
+
+
+def test_a_ranked_save_at_validation_end_holds_what_later_listed_callbacks_did(tmp_path: Path) -> None:
+    # Checkpoint is listed before EarlyStopping: its ranked save at VALIDATION_END must still hold that
+    # validation's early-stopping check, or a resume from it misses one check and stops late.
+    from cadence.callbacks import Checkpoint, EarlyStopping
+
+    class FailAt(cadence.Callback):
+        def on_batch_end(self, engine: cadence.Engine) -> None:
+            if engine.state.step == 12:
+                raise RuntimeError("crash")
+
+    def run(project: Path, *extra: cadence.Callback, resume: str | None = None) -> int | None:
+        stopping = EarlyStopping("val/mse", mode="max", patience=3)
+        engine = cadence.Engine(
+            accelerator="cpu", progress_bar=False, project_dir=project, seed=0,
+            callbacks=[Checkpoint(monitor="val/mse", save_top_k=-1), stopping, *extra],
+        )  # fmt: skip
+        engine.fit(RegressionStep(), loader(shuffle=True), val_dataloader=loader(), max_epochs=8, resume=resume)
+        return engine.state.step if engine.state.stop_reason else None
+
+    straight = run(tmp_path / "straight")
+    with pytest.raises(RuntimeError, match="crash"):
+        run(tmp_path / "crashed", FailAt())
+    assert straight is not None and run(tmp_path / "crashed", resume="latest") == straight
+
+
+def test_a_run_paused_mid_epoch_is_not_validated_but_one_that_reached_max_steps_is() -> None:
+    class PauseAtStep(cadence.Callback):
+        def on_batch_end(self, engine: cadence.Engine) -> None:
+            if engine.state.step == 2:
+                engine.state.stop("paused")
+
+    def validations(*callbacks: cadence.Callback, **limits: int) -> list[Event]:
+        recorder = RecordingCallback()
+        engine = cadence.Engine(accelerator="cpu", callbacks=[recorder, *callbacks], progress_bar=False)
+        engine.fit(RegressionStep(), loader(), val_dataloader=loader(), **limits)
+        return [event for event in recorder.events if event is Event.VALIDATION_START]
+
+    assert validations(PauseAtStep(), max_epochs=2) == []
+    assert validations(max_steps=2) == [Event.VALIDATION_START]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 import warnings
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from cadence.event import Event
 
@@ -21,6 +21,12 @@ class Callback:
     A callback talks to the engine only through its public methods and ``engine.state``. Whatever it must carry
     across a restart goes in ``state_dict()``; it is saved under ``state_key``.
     """
+
+    saves_checkpoints: ClassVar[bool] = False
+    """True for a callback that calls ``engine.save_state()`` from its hooks. Such callbacks run after all the others
+    at every event, so a checkpoint holds what every other callback did for that event (an early-stopping check, a
+    logged row): the resumed run, which never replays that event, continues exactly. Lightning orders its checkpoint
+    callbacks last for the same reason."""
 
     def setup(self, engine: Engine) -> None:
         """Called once when the engine is built, before anything is prepared (install a precision here)."""
@@ -110,8 +116,9 @@ def _state_key_collision(existing: Callback, callback: Callback) -> str:
 
 
 class Dispatcher:
-    """Calls callbacks in the order given. Which callbacks override which hook is computed once, at attach time,
-    so an event nobody listens to costs one dictionary lookup."""
+    """Calls callbacks in the order given, except that those which save checkpoints (``saves_checkpoints``) come
+    after all the others, in their own given order. Which callbacks override which hook is computed once, at attach
+    time, so an event nobody listens to costs one dictionary lookup."""
 
     def __init__(self, callbacks: Iterable[Callback] = ()) -> None:
         self._callbacks: list[Callback] = []
@@ -121,6 +128,7 @@ class Dispatcher:
 
     @property
     def callbacks(self) -> Sequence[Callback]:
+        """In the order they run."""
         return tuple(self._callbacks)
 
     def attach(self, callback: Callback) -> None:
@@ -133,18 +141,25 @@ class Dispatcher:
             if existing.state_key == callback.state_key:
                 raise ValueError(_state_key_collision(existing, callback))
         _warn_misspelled_hooks(callback)
-        self._callbacks.append(callback)
-        for event in Event:
-            hook = getattr(type(callback), event.hook_name)
-            if hook is not getattr(Callback, event.hook_name):
-                self._hooks[event] = (*self._hooks[event], getattr(callback, event.hook_name))
+        others = [existing for existing in self._callbacks if not existing.saves_checkpoints]
+        savers = [existing for existing in self._callbacks if existing.saves_checkpoints]
+        (savers if callback.saves_checkpoints else others).append(callback)
+        self._callbacks = others + savers
+        self._index_hooks()
 
     def detach(self, callback: Callback) -> None:
         self._callbacks.remove(callback)
-        for event in Event:
-            self._hooks[event] = tuple(
-                hook for hook in self._hooks[event] if getattr(hook, "__self__", None) is not callback
+        self._index_hooks()
+
+    def _index_hooks(self) -> None:
+        self._hooks = {
+            event: tuple(
+                getattr(callback, event.hook_name)
+                for callback in self._callbacks
+                if getattr(type(callback), event.hook_name) is not getattr(Callback, event.hook_name)
             )
+            for event in Event
+        }
 
     def fire(self, event: Event, engine: Engine) -> None:
         for hook in self._hooks[event]:

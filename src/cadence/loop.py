@@ -84,8 +84,10 @@ def run_fit(
                     "drop_last does not drop every sample."
                 )
             # An epoch that ended here is validated even when a resume left none of its batches to run (the
-            # checkpoint was taken at its last batch, before the uninterrupted run validated it).
-            if val_loader is not None and (train_loader.epoch > epochs_before or (batches and state.should_stop)):
+            # checkpoint was taken at its last batch, before the uninterrupted run validated it). A run that reached
+            # max_steps mid-epoch is validated as it ends; one a callback paused mid-epoch (Timer, Preemption) is
+            # not: the resumed run finishes the epoch and validates it then, as the uninterrupted run does.
+            if val_loader is not None and (train_loader.epoch > epochs_before or (batches and _reached(state))):
                 _validate(engine, step, model, val_loader, train_loader)
     except BaseException as error:
         state.exception = error
@@ -215,6 +217,10 @@ def _unpack_training_output(engine: Engine, output: Any) -> tuple[torch.Tensor, 
         f"training_step must return the loss tensor or a dict with 'loss'; it returned "
         f"{'None' if output is None else type(output).__name__}. Did you forget `return loss`?"
     )
+
+
+def _reached(state: State) -> bool:
+    return state.max_steps is not None and state.step >= state.max_steps
 
 
 def _validation_pending(state: State, train_loader: PreparedDataLoader) -> bool:
