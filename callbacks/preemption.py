@@ -15,6 +15,7 @@ import torch
 from cadence import Callback
 
 from .checkpoint import save_once
+from .timer import warn_outside_fit
 
 if TYPE_CHECKING:
     from cadence import Engine
@@ -89,6 +90,8 @@ class Preemption(Callback):
         self._steps_since_check = 0
         self._acted = False
         self._install_pending = False
+        self._in_fit = False
+        self._warned_outside_fit = False
         self._pid = os.getpid()
 
     @property
@@ -118,12 +121,16 @@ class Preemption(Callback):
                 "Preemption from the engine's callbacks."
             )
         self._received, self._steps_since_check, self._acted = None, 0, False
+        self._in_fit = True
         # Installed at the first batch, not here: FIT_END (which restores them) is guaranteed only once the loop
         # runs, and a failing FIT_START hook must not leave a handler that swallows every later SIGTERM. Until
         # then nothing new was trained, so a signal may take its default course.
         self._install_pending = True
 
     def on_batch_start(self, engine: Engine) -> None:
+        if not self._in_fit and not self._warned_outside_fit:
+            # Handlers without a FIT_END to restore them would swallow every later SIGTERM: none are installed.
+            self._warned_outside_fit = warn_outside_fit("Preemption")
         if self._install_pending:
             self._install_pending = False
             self._pid = os.getpid()
@@ -162,7 +169,7 @@ class Preemption(Callback):
         return local or None
 
     def on_fit_end(self, engine: Engine) -> None:
-        self._install_pending = False
+        self._install_pending = self._in_fit = False
         self._restore()
         if self._received is not None and not self._acted and engine.state.exception is None:
             name = signal.Signals(self._received).name

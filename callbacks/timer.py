@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -79,6 +80,7 @@ class Timer(Callback):
         self._used_before = 0.0
         self._started: float | None = None
         self._steps_since_check = 0
+        self._warned_outside_fit = False
 
     @property
     def elapsed(self) -> float:
@@ -103,7 +105,10 @@ class Timer(Callback):
 
     def on_batch_end(self, engine: Engine) -> None:
         state = engine.state
-        if not state.sync_gradients or self._started is None:
+        if self._started is None:
+            self._warned_outside_fit = self._warned_outside_fit or warn_outside_fit("Timer")
+            return
+        if not state.sync_gradients:
             return
         self._steps_since_check += 1
         if self._steps_since_check < self.check_every_n_steps:
@@ -141,3 +146,14 @@ class Timer(Callback):
         self._used_before = float(state_dict["elapsed"])
         if self._started is not None:  # loaded while a fit() runs: count on from now
             self._started = self.clock()
+
+
+def warn_outside_fit(name: str) -> bool:
+    """Say once that a callback which acts only inside ``fit()`` saw a batch of a hand-written loop; True."""
+    warnings.warn(
+        f"{name} acts only inside engine.fit(): this batch ran in a hand-written loop, so it does nothing here. "
+        "Use fit(), or remove it and check the condition in your loop.",
+        UserWarning,
+        stacklevel=4,
+    )
+    return True

@@ -65,3 +65,16 @@ def assert_same_state(first: dict[str, Any], second: dict[str, Any]) -> None:
             assert torch.equal(value, second[key]), key
         else:
             assert value == second[key], key
+
+
+def hand_written_loop(engine: cadence.Engine) -> None:
+    """One epoch of the imperative API over the tiny data, with no fit() (no FIT_START, no FIT_END)."""
+    from cadence.testing import TinyStep, tiny_dataloader
+
+    step = TinyStep()
+    model, optimizer, dataloader = engine.prepare(step.model, step.optimizer, tiny_dataloader())
+    model.train()
+    for batch in dataloader:
+        engine.backward(step.training_step(batch))
+        optimizer.step()
+        optimizer.zero_grad()

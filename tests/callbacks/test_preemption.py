@@ -23,6 +23,7 @@ from cadence.callbacks import Checkpoint, GradientAccumulation, Preemption
 from cadence.testing import FakeEngine, TinyStep, tiny_dataloader
 from cadence.testing.spawn import free_port
 from tests.callbacks.preemption_worker import BATCHES_PER_EPOCH
+from tests.helpers import hand_written_loop
 
 ROOT = Path(__file__).resolve().parents[2]
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -289,3 +290,11 @@ def test_a_sigterm_from_outside_exits_75_and_the_resume_is_bitwise_identical(tmp
 @pytest.mark.slow
 def test_sigusr1_to_one_of_two_ranks_stops_both_and_the_resume_is_bitwise_identical(tmp_path: Path) -> None:
     preempt_and_resume(tmp_path, world_size=2, sig=signal.SIGUSR1, signalled_rank=1)
+
+
+def test_a_hand_written_loop_is_told_once_and_no_handler_is_installed(guard: Guard) -> None:
+    fake = FakeEngine(callbacks=[Preemption()])
+    with pytest.warns(UserWarning, match=r"Preemption acts only inside engine.fit\(\)") as caught:
+        hand_written_loop(fake)
+    assert len([w for w in caught if "acts only inside" in str(w.message)]) == 1
+    assert all(signal.getsignal(sig) is guard for sig in SIGNALS)

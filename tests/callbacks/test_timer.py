@@ -15,7 +15,7 @@ import cadence
 from cadence.callbacks import Checkpoint, GradientAccumulation, Timer
 from cadence.callbacks.timer import parse_duration
 from cadence.testing import FakeEngine, TinyStep, tiny_dataloader
-from tests.helpers import RegressionStep, assert_bitwise_equal, loader, parameters
+from tests.helpers import RegressionStep, assert_bitwise_equal, hand_written_loop, loader, parameters
 
 
 class Clock:
@@ -159,3 +159,12 @@ def test_stopped_by_the_timer_and_resumed_equals_the_uninterrupted_run_and_elaps
     assert resumed.step == 15 and resumed.stop_reason is None
     assert timer.elapsed == 140.0 + 16 * 10.0  # carried on from the checkpoint's 140 s, not from 0
     assert_bitwise_equal(weights, expected)
+
+
+def test_a_hand_written_loop_is_told_once_that_the_timer_does_nothing_there() -> None:
+    clock = Clock()
+    fake = FakeEngine(callbacks=[SecondsPerBatch(clock), Timer(5, clock=clock)])
+    with pytest.warns(UserWarning, match=r"Timer acts only inside engine.fit\(\)") as caught:
+        hand_written_loop(fake)
+    assert len([w for w in caught if "acts only inside" in str(w.message)]) == 1
+    assert not fake.state.should_stop and fake.checkpoints.numbered() == []
