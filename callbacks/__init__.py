@@ -7,13 +7,14 @@ from .csv_logger import CSVLogger
 from .early_stopping import EarlyStopping
 from .ema import EMA
 from .finite_check import FiniteCheck
+from .flops import measure_flops
 from .logger import Logger
 from .lr_monitor import LearningRateMonitor
 from .mixed_precision import MixedPrecision
 from .preemption import Preemption
 from .progress import RichProgressBar
 from .tensorboard import TensorBoardLogger
-from .throughput import ThroughputMonitor, measure_flops
+from .throughput import ThroughputMonitor
 from .timer import Timer
 
 __all__ = [
