@@ -1,4 +1,4 @@
-"""``CSVLogger``: one row per optimizer step and per validation, in ``project_dir/metrics.csv``."""
+"""``CSVLogger``: one row per real optimizer step and per validation, in ``project_dir/metrics.csv``."""
 
 from __future__ import annotations
 
@@ -18,12 +18,13 @@ if TYPE_CHECKING:
 
 
 class CSVLogger(Logger):
-    """Writes ``step, epoch, loss, lr`` and every logged training metric after each optimizer step (each
-    ``lr``, ``lr_1`` ... is a param group's), and the ``val/`` metrics after each validation.
+    """Writes ``step, epoch, loss, lr`` and every logged training metric after each optimizer step that updated
+    the weights (each ``lr``, ``lr_1`` ... is a param group's; a skipped step writes no row), and the ``val/``
+    metrics after each validation.
 
-    Rows are buffered and written every ``flush_every_n_rows`` rows, whenever a checkpoint is saved, and at the
-    end of ``fit()``; when a new metric appears the file is rewritten with the wider header, so every row lines
-    up with it. Main process only.
+    Rows are buffered and written every ``flush_every_n_rows`` rows, whenever a checkpoint takes its state (before
+    a background save can commit), and at the end of ``fit()``; when a new metric appears the file is rewritten
+    with the wider header, so every row lines up with it. Main process only.
 
     A fresh run starts a new file. A resumed run (``Event.LOAD_STATE``) keeps the file's rows up to and including
     the restored step, under their header, and appends after them: rows of steps the resumed run replays are

@@ -39,11 +39,18 @@ class EarlyStopping(Callback):
     ``check_finite`` stops at once on NaN or infinity. ``stopping_threshold`` stops once the metric is better than
     it; ``divergence_threshold`` stops once the metric is worse than it.
 
-    Under several ranks every rank decides alike: ``val/`` metrics are already averaged across ranks by
-    validation, and any other metric is averaged with ``engine.reduce`` before the check (a collective, so every
-    rank must log it). A monitor missing at a check raises (``strict=False``: warns and skips the check). The wait
-    count, the best value and its step are saved with checkpoints, so a resumed run stops where an uninterrupted
-    one would.
+    Under several ranks every rank stops at the same check, and every rank must run it (it is a collective). Any
+    metric but a ``val/`` one is averaged with ``engine.reduce`` before the check. A ``val/`` metric is read as it
+    is (``fit()``'s validation already averaged it; a hand-written loop may log each rank's own value), and the
+    ranks' decisions are combined instead: one ``"max"`` reduce of one number, so the run stops on every rank
+    when any rank's check says stop. Either way a check costs one reduce and one device sync under several ranks:
+    with ``check_on="step"`` that is one per optimizer step. A monitor missing at a check raises
+    (``strict=False``: warns and skips the check).
+
+    The wait count, the best value and its step are saved with checkpoints, so a resumed run stops where an
+    uninterrupted one would. A run resumed from the checkpoint of the step where this callback stopped it (rerunning
+    a finished script with ``resume="latest"``) stops again at ``FIT_START``, before training or saving anything;
+    resume from an earlier checkpoint to train on.
     """
 
     def __init__(
@@ -89,6 +96,9 @@ class EarlyStopping(Callback):
         self.best_score = math.inf if mode == "min" else -math.inf
         self.best_step: int | None = None
         self.stopped_step: int | None = None
+        self.stop_reason: str | None = None
+        """Why this callback stopped the run at ``stopped_step`` (without the ``"EarlyStopping: "`` prefix)."""
+        self._restored_stop_step: int | None = None  # stopped_step as the last load_state_dict found it
         self._last_check_step = 0  # the step of the last check; a check needs a newer one when check_on='step'
 
     @property
@@ -102,6 +112,7 @@ class EarlyStopping(Callback):
             "best_score": torch.tensor(self.best_score, dtype=torch.float64),  # a tensor keeps inf and NaN exact
             "best_step": self.best_step,
             "stopped_step": self.stopped_step,
+            "stop_reason": self.stop_reason,
             "last_check_step": self._last_check_step,
         }
 
@@ -110,7 +121,20 @@ class EarlyStopping(Callback):
         self.best_score = float(state_dict["best_score"])
         self.best_step = state_dict["best_step"]
         self.stopped_step = state_dict["stopped_step"]
+        self.stop_reason = state_dict.get("stop_reason")  # absent from checkpoints of earlier versions
+        self._restored_stop_step = self.stopped_step
         self._last_check_step = int(state_dict["last_check_step"])
+
+    def on_fit_start(self, engine: Engine) -> None:
+        # A resume from the checkpoint of the step this callback stopped at (a finished script run again with
+        # resume="latest") would otherwise train on past the stop, and save a checkpoint of it.
+        restored, self._restored_stop_step = self._restored_stop_step, None
+        if restored is not None and restored == engine.state.step:
+            why = f", because {self.stop_reason}" if self.stop_reason else ""
+            engine.state.stop(
+                f"EarlyStopping: this run already stopped at step {restored}{why}; resume from an earlier "
+                "checkpoint to train on"
+            )
 
     def on_validation_end(self, engine: Engine) -> None:
         if self.check_on == "validation":
@@ -133,9 +157,21 @@ class EarlyStopping(Callback):
         step = engine.state.step
         self._last_check_step = step
         reason = self._evaluate(current, step)
+        if self.monitor.startswith(_VALIDATION_PREFIX) and engine.world_size > 1:
+            reason = self._agreed(engine, reason, step)
         if reason is not None:
-            self.stopped_step = step
+            self.stopped_step, self.stop_reason = step, reason
             engine.state.stop(f"EarlyStopping: {reason}")
+
+    def _agreed(self, engine: Engine, reason: str | None, step: int) -> str | None:
+        """This rank's reason, or another rank's decision to stop: a ``val/`` value is not reduced, and one a
+        hand-written loop logged per rank differs between them; a rank that went on alone would hang in the next
+        collective."""
+        decision = torch.tensor(0.0 if reason is None else 1.0, device=engine.device)
+        any_rank_stops = float(engine.reduce(decision, "max")) > 0
+        if reason is None and any_rank_stops:
+            return f"another rank's check of {self.monitor} said stop at step {step}"
+        return reason
 
     def _evaluate(self, current: float, step: int) -> str | None:
         """Update the best value and the wait count with ``current``; why the run must stop, or None."""

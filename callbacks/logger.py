@@ -17,15 +17,19 @@ VALIDATION_PREFIX = "val/"
 
 
 class Logger(Callback):
-    """The base of the metrics loggers. It writes a row after each optimizer step (``epoch``, ``loss``, ``lr``,
-    ``lr_1`` ... one per param group, then every logged training metric) and one after each validation
-    (``epoch`` and the ``val/`` metrics), on the main process only.
+    """The base of the metrics loggers. It writes one training row per real optimizer step, one that updated the
+    weights (``epoch``, ``loss``, ``lr``, ``lr_1`` ... one per param group, then every logged training metric),
+    and one row after each validation (``epoch`` and the ``val/`` metrics), on the main process only. A skipped
+    step (accumulating, fp16 overflow, a veto) writes no row: it leaves ``state.step`` where it was, so its row
+    would carry the step number of the next real one; ``state.skipped_steps`` counts them by reason.
 
-    Rows are snapshots, buffered without reading a tensor; every ``flush_every_n_rows`` rows, whenever a
-    checkpoint is saved and at the end of ``fit()`` they are converted to Python numbers (one device-to-host copy
-    per device and dtype for the whole batch, not one sync per value) and handed to the backend in order. A
-    resume (``Event.LOAD_STATE``) drops the buffered rows after the restored step and asks the backend to forget
-    the ones it stored after it, so no step is written twice.
+    Rows are snapshots, buffered without reading a tensor (a tensor is cloned on its device, as a scheduler may
+    update a tensor learning rate in place); every ``flush_every_n_rows`` rows, whenever a checkpoint is saved
+    (when its state is taken, before its files are written, so a background save that commits can never get ahead
+    of the rows) and at the end of ``fit()`` they are converted to Python numbers (one device-to-host copy per
+    device and dtype for the whole batch, not one sync per value) and handed to the backend in order. A resume
+    (``Event.LOAD_STATE``) drops the buffered rows after the restored step and asks the backend to forget the ones
+    it stored after it, so no step is written twice.
 
     A backend implements ``write(step, metrics)`` and, where it needs them, ``persist()``, ``resume(step)`` and
     ``close()``; ``self.project_dir`` is the engine's. In a hand-written loop (no ``fit()``), call ``flush()``
@@ -39,6 +43,7 @@ class Logger(Callback):
         self.project_dir: Path | None = None
         """The engine's ``project_dir``, known from ``setup``; ``None`` on the other ranks, which write nothing."""
         self._pending: list[tuple[int, dict[str, Any]]] = []
+        self._fit_ended = False  # the backend was closed at FIT_END: a later flush closes it again after writing
 
     # --- the backend ---------------------------------------------------------------------------------------------
     def write(self, step: int, metrics: dict[str, Any]) -> None:
@@ -60,10 +65,19 @@ class Logger(Callback):
     def setup(self, engine: Engine) -> None:
         self.project_dir = engine.project_dir if engine.is_main_process else None
 
+    def state_dict(self) -> dict[str, Any]:
+        # Every save asks for this before it snapshots. A background save commits, and fires SAVE_STATE, only when
+        # the engine next waits for it: rows stored only then would be lost to a crash after its commit.
+        self.flush()
+        return {}
+
+    def on_fit_start(self, engine: Engine) -> None:
+        self._fit_ended = False
+
     def on_after_optimizer_step(self, engine: Engine) -> None:
-        if self.project_dir is None:
-            return
         state = engine.state
+        if self.project_dir is None or state.skip_reason is not None:
+            return
         row: dict[str, Any] = {"epoch": state.epoch}
         if state.loss is not None:
             row["loss"] = state.loss
@@ -96,11 +110,13 @@ class Logger(Callback):
         self.flush()
         if self.project_dir is not None:
             self.close()
+            self._fit_ended = True
 
     # --- rows ----------------------------------------------------------------------------------------------------
     def _add(self, step: int, row: dict[str, Any]) -> None:
-        # detach: a logged tensor that still carries its graph must not keep the graph alive in the buffer.
-        self._pending.append((step, {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in row.items()}))
+        # detach: a logged tensor that still carries its graph must not keep the graph alive in the buffer; clone:
+        # the row must keep this step's value of a tensor updated in place (a scheduler's tensor lr, a running sum).
+        self._pending.append((step, {k: _snapshot(v) for k, v in row.items()}))
         if len(self._pending) >= self.flush_every_n_rows:
             self.flush()
 
@@ -112,6 +128,14 @@ class Logger(Callback):
         for step, metrics in zip((step for step, _ in rows), plain_rows([row for _, row in rows]), strict=True):
             self.write(step, metrics)
         self.persist()
+        if self._fit_ended:
+            # Rows that came after FIT_END closed the backend (a save at FIT_END, run after the loggers) reopened
+            # it to be written; leave it closed as fit() did.
+            self.close()
+
+
+def _snapshot(value: Any) -> Any:
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
 
 
 def plain_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+import cadence
 from cadence import Engine, Event
 from cadence.callbacks import Checkpoint, CSVLogger, csv_logger
 from cadence.testing import FakeEngine, TinyStep, tiny_dataloader
@@ -133,6 +134,41 @@ def test_rows_reach_the_file_when_a_checkpoint_is_saved(tmp_path: Path) -> None:
         optimizer.zero_grad()
     fake.save_state()
     assert [row["step"] for row in read(tmp_path / "metrics.csv")] == ["1", "2", "3"]
+
+
+class ReadFileAt(cadence.Callback):
+    """Reads metrics.csv at the BATCH_END of optimizer step ``step``, as a process killed there would leave it."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.steps: list[str] | None = None
+
+    def on_batch_end(self, engine: Engine) -> None:
+        if engine.state.step == self.step:
+            path = engine.project_dir / "metrics.csv"
+            self.steps = [row["step"] for row in read(path)] if path.exists() else []
+
+
+def test_a_background_save_never_commits_ahead_of_the_rows(tmp_path: Path) -> None:
+    # The save of step 4 commits in the background and fires SAVE_STATE only at the next wait (step 8's save):
+    # a kill at step 6 must find the rows a resume from it keeps.
+    probe = ReadFileAt(step=6)
+    checkpoint = Checkpoint(every_n_steps=4, async_save=True)
+    Engine(accelerator="cpu", project_dir=tmp_path, progress_bar=False, callbacks=[checkpoint, CSVLogger(), probe]).fit(
+        RegressionStep(), loader(), max_steps=10
+    )
+    assert probe.steps is not None and probe.steps[:4] == ["1", "2", "3", "4"]
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_save_at_fit_end_after_the_logger_closed_loses_no_row(tmp_path: Path, async_save: bool) -> None:
+    # Checkpoint(save_last) saves at FIT_END, after the logger's FIT_END closed it: its flush has nothing left.
+    callbacks = [CSVLogger(), Checkpoint(every_n_steps=3, async_save=async_save)]
+    Engine(accelerator="cpu", project_dir=tmp_path, progress_bar=False, callbacks=callbacks).fit(
+        RegressionStep(), loader(), max_steps=10, val_dataloader=loader()
+    )
+    assert [row["step"] for row in read(tmp_path / "metrics.csv") if row["loss"]] == [str(s) for s in range(1, 11)]
+    assert (tmp_path / "checkpoints" / "checkpoint_3").is_dir()  # steps 3, 6, 9, then the last one at 10
 
 
 def test_a_failed_rewrite_leaves_the_old_file_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

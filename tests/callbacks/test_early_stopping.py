@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 
 import cadence
 from cadence import Event
-from cadence.callbacks import EarlyStopping, GradientAccumulation
+from cadence.callbacks import Checkpoint, EarlyStopping, GradientAccumulation
 from cadence.testing import FakeEngine, FakeStrategy
 from cadence.testing.spawn import spawn
 from tests.helpers import RegressionStep, loader, regression_data
@@ -135,15 +135,19 @@ def test_a_metric_that_is_not_a_scalar_is_refused(value: Any) -> None:
 
 
 class OtherRankDisagrees(FakeStrategy):
-    """Rank 0 of 2 whose peer logged ``peer``: a mean all-reduce averages the two."""
+    """Rank 0 of 2 whose peer logged ``peer``: a mean all-reduce averages the two; a max all-reduce of a stop
+    decision sees the peer's, ``peer_stops``."""
 
-    def __init__(self, peer: float) -> None:
+    def __init__(self, peer: float, peer_stops: bool = False) -> None:
         super().__init__(rank=0, world_size=2)
         self.peer = peer
-        self.reduced: list[float] = []
+        self.peer_stops = peer_stops
+        self.reduced: list[tuple[Any, float]] = []
 
     def all_reduce(self, tensor: torch.Tensor, op: Any = "mean") -> torch.Tensor:
-        self.reduced.append(float(tensor))
+        self.reduced.append((op, float(tensor)))
+        if op == "max":
+            return torch.maximum(tensor, torch.tensor(float(self.peer_stops), dtype=tensor.dtype))
         return (tensor + self.peer) / 2
 
 
@@ -157,8 +161,27 @@ def test_a_training_metric_is_averaged_across_ranks_and_a_validation_metric_is_n
     engine.log_dict({"loss": torch.tensor(1.0), "val/loss": 1.0})
     engine.fire(Event.EPOCH_END)
     engine.fire(Event.VALIDATION_END)
-    assert strategy.reduced == [1.0]  # only the training metric went through engine.reduce
+    # the training metric's value is averaged; the validation one is not, only the check's decision goes through
+    assert strategy.reduced == [("mean", 1.0), ("max", 0.0)]
     assert train.best_score == 2.0 and val.best_score == 1.0
+
+
+@pytest.mark.parametrize("peer_stops", [False, True])
+def test_a_validation_check_stops_every_rank_when_any_rank_says_stop(tmp_path: Path, peer_stops: bool) -> None:
+    # A hand-written loop logs each rank's own validation value: rank 0 improves, its peer may not. A rank that
+    # trained on alone would hang in the next collective.
+    strategy = OtherRankDisagrees(peer=0.0, peer_stops=peer_stops)
+    engine = cadence.Engine(strategy=strategy, project_dir=tmp_path, progress_bar=False)
+    callback = EarlyStopping("val/loss", patience=0)
+    engine.add_callback(callback)
+    for value in (1.0, 0.9):
+        engine.log("val/loss", value)
+        callback.check(engine)
+    assert strategy.reduced == [("max", 0.0), ("max", 0.0)]  # one number per check; this rank never said stop
+    assert engine.state.should_stop is peer_stops
+    if peer_stops:
+        assert callback.stopped_step == 0
+        assert engine.state.stop_reason == "EarlyStopping: another rank's check of val/loss said stop at step 0"
 
 
 def test_step_checks_run_once_per_applied_update() -> None:
@@ -179,6 +202,44 @@ def test_state_round_trip_continues_the_patience_counter() -> None:
     second.load_state_dict(saved)
     assert validate(FakeEngine(callbacks=[second]), [0.6]) == [True]
     assert second.best_score == 0.5
+
+
+def stopped_state(values: list[float]) -> tuple[dict[str, Any], int]:
+    """The state of an EarlyStopping that stopped a run after validating ``values``, and the step it stopped at."""
+    callback = EarlyStopping("val/loss", patience=1)
+    fake = FakeEngine(callbacks=[callback])
+    fake.state.step = 20
+    assert validate(fake, values)[-1]
+    return callback.state_dict(), fake.state.step
+
+
+def test_a_run_resumed_at_the_step_it_stopped_at_stops_before_training() -> None:
+    saved, stopped_at = stopped_state([0.5, 0.6])
+    callback = EarlyStopping("val/loss", patience=1)
+    callback.load_state_dict(saved)
+    fake = FakeEngine(callbacks=[callback])
+    fake.state.step = stopped_at
+    fake.fire(Event.FIT_START)
+    assert fake.state.should_stop
+    assert fake.state.stop_reason == (
+        "EarlyStopping: this run already stopped at step 20, because val/loss did not improve for 1 check "
+        "(best 0.5 at step 20); resume from an earlier checkpoint to train on"
+    )
+
+
+def test_a_run_resumed_before_the_stop_or_fit_again_without_a_load_trains_on() -> None:
+    saved, stopped_at = stopped_state([0.5, 0.6])
+    callback = EarlyStopping("val/loss", patience=1)
+    callback.load_state_dict(saved)
+    earlier = FakeEngine(callbacks=[callback])
+    earlier.state.step = stopped_at - 4
+    earlier.fire(Event.FIT_START)
+    assert not earlier.state.should_stop
+    # Only the FIT_START that follows the load decides: the state it found was used.
+    again = FakeEngine(callbacks=[callback])
+    again.state.step = stopped_at
+    again.fire(Event.FIT_START)
+    assert not again.state.should_stop
 
 
 def test_a_fresh_state_round_trips_its_infinite_best() -> None:
@@ -245,6 +306,28 @@ def test_an_interrupted_and_resumed_run_stops_at_the_same_step(tmp_path: Path) -
     assert callback.stopped_step == straight.state.step
 
 
+def rerun(project: Path) -> cadence.Engine:
+    """A script that trains until EarlyStopping stops it, saving at the end, and resumes the latest checkpoint."""
+    callbacks = [EarlyStopping("val/mse", patience=3, min_delta=1e-3), Checkpoint()]
+    engine = cadence.Engine(accelerator="cpu", callbacks=callbacks, project_dir=project, progress_bar=False)
+    engine.fit(RegressionStep(), loader(), max_epochs=200, val_dataloader=val_loader(), resume="latest")
+    return engine
+
+
+def test_rerunning_an_early_stopped_script_trains_and_saves_nothing_more(tmp_path: Path) -> None:
+    first = rerun(tmp_path)
+    stopped_at, first_reason = first.state.step, first.state.stop_reason
+    assert first_reason is not None and first.state.epoch + 1 < 200
+    saved = sorted(path.name for path in (tmp_path / "checkpoints").iterdir())
+    again = rerun(tmp_path)
+    assert again.state.step == stopped_at
+    assert again.state.stop_reason == (
+        f"EarlyStopping: this run already stopped at step {stopped_at}, because "
+        f"{first_reason.removeprefix('EarlyStopping: ')}; resume from an earlier checkpoint to train on"
+    )
+    assert sorted(path.name for path in (tmp_path / "checkpoints").iterdir()) == saved
+
+
 # --- two real ranks ---------------------------------------------------------------------------------------------
 # Per-rank values of a training metric, one per epoch. Averaged they improve until epoch 3, then stall: every rank
 # must stop at epoch 5. Rank 0 alone would stop at epoch 2; the ranks would then disagree and the run would hang.
@@ -274,3 +357,23 @@ def test_ranks_that_log_different_values_stop_together() -> None:
     per_epoch = step // (epoch + 1)  # checks at EPOCH_END, so the best (the mean 0) is at epoch 3's last step
     assert epoch == 5 and step == 6 * per_epoch
     assert reason == f"EarlyStopping: disagreeing did not improve for 2 checks (best 0 at step {4 * per_epoch})"
+
+
+def stop_in_a_hand_written_loop() -> list[bool]:
+    """One rank of a hand-written DDP loop that logs its own validation loss: rank 0's improves, rank 1's does
+    not. Whether the run was stopped after each check."""
+    callback = EarlyStopping("val/loss", patience=0)
+    with cadence.Engine(
+        accelerator="cpu", strategy="ddp", callbacks=[callback], progress_bar=False, timeout=timedelta(seconds=60)
+    ) as engine:
+        stopped = []
+        for check, value in enumerate([1.0, 0.9]):
+            engine.log("val/loss", value + (0.2 * check if engine.rank == 1 else 0.0))
+            callback.check(engine)
+            stopped.append(engine.state.should_stop)
+        return stopped
+
+
+@pytest.mark.slow
+def test_ranks_that_validate_different_values_by_hand_stop_together() -> None:
+    assert spawn(2, stop_in_a_hand_written_loop, timeout=300.0) == [[False, True], [False, True]]

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+import cadence
 from cadence import Engine, Event
 from cadence.callbacks import Checkpoint, Logger
 from cadence.callbacks.logger import plain_rows
@@ -88,7 +89,8 @@ def test_rows_hold_epoch_loss_lr_and_metrics_as_python_numbers(tmp_path: Path) -
     assert rows[3][1] == {"epoch": 0, "val/loss": 0.5}
     # batches of two rows, the rest at the end of fit(): each batch persisted once
     calls = [call[0] for call in recorder.calls]
-    assert calls == ["write", "write", "persist", "write", "persist", "close", "write", "persist"]
+    # and the row made after fit() reopens the backend and leaves it closed, as fit() did
+    assert calls == ["write", "write", "persist", "write", "persist", "close", "write", "persist", "close"]
 
 
 def test_a_batch_of_rows_is_read_with_one_copy_per_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -150,6 +152,77 @@ def test_load_state_drops_buffered_rows_after_the_restored_step(tmp_path: Path) 
     fake.fire(Event.LOAD_STATE)
     assert [call[0] for call in recorder.calls] == ["resume", "write", "write", "persist"]
     assert recorder.calls[0] == ("resume", 2) and [step for step, _ in written(recorder)] == [1, 2]
+
+
+class TensorLearningRateStep(TinyStep):
+    """SGD with a tensor learning rate, which StepLR halves in place after every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=torch.tensor(0.1))
+        self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=1, gamma=0.5)
+
+
+class LearningRateUsed(cadence.Callback):
+    def __init__(self) -> None:
+        self.used: list[float] = []
+
+    def on_before_optimizer_step(self, engine: Engine) -> None:
+        assert engine.state.optimizer is not None
+        self.used.append(float(engine.state.optimizer.param_groups[0]["lr"]))
+
+
+def test_a_tensor_learning_rate_is_logged_as_each_step_used_it(tmp_path: Path) -> None:
+    recorder, used = Recorder(), LearningRateUsed()
+    FakeEngine(callbacks=[used, recorder], project_dir=tmp_path).run(steps=4, step=TensorLearningRateStep())
+    assert len(set(used.used)) == 4  # the scheduler did change it every step
+    assert [metrics["lr"] for _, metrics in written(recorder)] == used.used
+
+
+class VetoStep(cadence.Callback):
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+        self.seen = 0
+
+    def on_before_optimizer_step(self, engine: Engine) -> None:
+        self.seen += 1
+        if self.seen == self.batch:
+            engine.state.veto_step("test veto")
+
+
+def test_a_skipped_step_writes_no_row(tmp_path: Path) -> None:
+    recorder = Recorder()
+    state = FakeEngine(callbacks=[VetoStep(batch=2), recorder], project_dir=tmp_path).run(steps=4)
+    assert state.skipped_steps == {"test veto": 1} and state.step == 3
+    # one row per real optimizer step: the vetoed batch would have repeated the step number of the next one
+    assert [step for step, _ in written(recorder)] == [1, 2, 3]
+
+
+def hand_steps(fake: FakeEngine, steps: int) -> None:
+    step = TinyStep()
+    model, optimizer, data = fake.prepare(step.model, step.optimizer, loader(batch_size=4))
+    for inputs, targets in list(data)[:steps]:
+        fake.backward(torch.nn.functional.mse_loss(model(inputs), targets))
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def test_the_rows_are_stored_when_a_save_takes_its_state_not_when_it_commits(tmp_path: Path) -> None:
+    # A background save commits, and fires SAVE_STATE, only when the engine next waits for it: a process killed
+    # after the commit but before that wait must still find the rows up to the checkpoint stored.
+    recorder = Recorder(flush_every_n_rows=100)
+    fake = FakeEngine(callbacks=[recorder], project_dir=tmp_path)
+    hand_steps(fake, 3)
+    pending = fake.save_state(blocking=False)
+    assert [step for step, _ in written(recorder)] == [1, 2, 3] and recorder.calls[-1] == ("persist",)
+    pending.result()
+
+
+def test_other_ranks_store_nothing_when_a_save_takes_their_state(tmp_path: Path) -> None:
+    recorder = Recorder(flush_every_n_rows=1)
+    fake = FakeEngine(callbacks=[recorder], rank=1, world_size=2, project_dir=tmp_path)
+    hand_steps(fake, 2)
+    assert recorder.state_dict() == {} and recorder.calls == []
 
 
 def test_a_backend_without_write_says_what_to_implement(tmp_path: Path) -> None:

@@ -72,6 +72,24 @@ def test_every_csv_metric_is_a_scalar_at_its_step(tmp_path: Path, read_events: A
     assert_one_value_per_step(scalars)  # epoch is in the training and the validation row of steps 5, 10, 15
 
 
+def test_rows_made_after_fit_end_reach_the_events_before_a_background_save_commits(
+    tmp_path: Path, read_events: Any
+) -> None:
+    # FIT_END closed the writer; a later save (a Checkpoint after the logger, or a user's save after fit()) takes
+    # the logger's state first: the rows are written by a reopened writer, which is closed again.
+    logger = TensorBoardLogger()
+    fake = FakeEngine(callbacks=[logger, Checkpoint()], project_dir=tmp_path)
+    fake.run(steps=3)
+    assert logger._writer is None
+    fake.log("val/score", 0.5)
+    fake.fire(Event.VALIDATION_END)
+    pending = fake.save_state(blocking=False)
+    scalars = read_events(tmp_path / "tensorboard")
+    assert scalars["val/score"] == [(3, 0.5)] and [step for step, _ in scalars["loss"]] == [1, 2, 3]
+    assert logger._writer is None
+    pending.result()
+
+
 def test_a_resumed_run_reads_back_as_an_uninterrupted_one(tmp_path: Path, read_events: Any) -> None:
     train(tmp_path / "straight", fail_at=None)
     interrupted = tmp_path / "interrupted"
