@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import os
 import tempfile
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,10 +39,43 @@ class CSVLogger(Logger):
         self.path: Path | None = None
         self._written_columns: list[str] = []
         self._unwritten: list[dict[str, Any]] = []
+        self._claimed = False
 
     def setup(self, engine: Engine) -> None:
         super().setup(engine)
         self.path = engine.project_dir / self.filename
+
+    def on_fit_start(self, engine: Engine) -> None:
+        super().on_fit_start(engine)
+        if engine.is_main_process:
+            self._claim()  # a file in the way is refused before anything is trained
+
+    def _claim(self) -> None:
+        """Before a fresh run's first row: keep an earlier run's file under the next free ``name.N.csv`` (never
+        overwrite it), and refuse a file this logger did not write. A resumed run claimed its file at the load."""
+        if self._claimed or self.path is None:
+            return
+        self._claimed = True
+        if not self.path.exists():
+            return
+        columns, _ = _read_csv(self.path)
+        if columns and "step" not in columns:
+            raise ValueError(
+                f"{self.path} exists and was not written by CSVLogger (it has no 'step' column); cadence never "
+                "replaces a file it did not write. Move it aside, or pass CSVLogger(filename=...) to log elsewhere."
+            )
+        kept = next(
+            candidate
+            for number in range(1, 1_000_000)
+            if not (candidate := self.path.with_name(f"{self.path.stem}.{number}{self.path.suffix}")).exists()
+        )
+        os.rename(self.path, kept)
+        warnings.warn(
+            f"CSVLogger: {self.path.name} holds an earlier run's metrics; kept as {kept.name}, and this run starts a "
+            f"new {self.path.name}. To continue the earlier run's file, resume it: fit(..., resume='latest').",
+            UserWarning,
+            stacklevel=2,
+        )
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         self._unwritten.append({"step": step, **metrics})
@@ -49,6 +83,7 @@ class CSVLogger(Logger):
     def persist(self) -> None:
         if not self._unwritten or self.path is None:
             return
+        self._claim()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         columns = _merged(self._written_columns, (name for row in self._unwritten for name in row))
         if columns != self._written_columns:
@@ -62,6 +97,7 @@ class CSVLogger(Logger):
         self._unwritten.clear()
 
     def resume(self, step: int) -> None:
+        self._claimed = True
         if self.path is None or not self.path.exists():
             return
         columns, rows = _read_logged_rows(self.path)
@@ -114,6 +150,8 @@ def _replace_atomically(path: Path, columns: list[str], rows: Iterable[dict[str,
     path.parent.mkdir(parents=True, exist_ok=True)
     descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        # mkstemp creates the file readable by its owner only: give it the mode the file had, or a log file's usual.
+        os.chmod(temporary, path.stat().st_mode & 0o777 if path.exists() else 0o644)
         with os.fdopen(descriptor, "w", newline="") as handle:
             writer = csv.DictWriter(handle, fieldnames=columns)
             writer.writeheader()

@@ -117,10 +117,24 @@ def test_load_state_keeps_rows_up_to_the_restored_step_and_appends_after_them(tm
     assert rows[:4] == before[:4]
 
 
-def test_a_fresh_run_starts_a_new_file(tmp_path: Path) -> None:
+def test_a_fresh_run_starts_a_new_file_and_keeps_the_earlier_runs(tmp_path: Path) -> None:
     log_rows(tmp_path)
-    FakeEngine(callbacks=[CSVLogger(flush_every_n_rows=1)], project_dir=str(tmp_path)).run(steps=1)
-    assert [row["step"] for row in read(tmp_path / "metrics.csv")] == ["1"]
+    earlier = (tmp_path / "metrics.csv").read_bytes()
+    for kept in ("metrics.1.csv", "metrics.2.csv"):
+        with pytest.warns(UserWarning, match=f"kept as {kept}"):
+            FakeEngine(callbacks=[CSVLogger(flush_every_n_rows=1)], project_dir=str(tmp_path)).run(steps=1)
+        assert [row["step"] for row in read(tmp_path / "metrics.csv")] == ["1"]
+    assert (tmp_path / "metrics.1.csv").read_bytes() == earlier
+    assert (tmp_path / "metrics.csv").stat().st_mode & 0o777 == 0o644
+
+
+def test_a_fresh_run_refuses_a_file_the_logger_did_not_write_before_training(tmp_path: Path) -> None:
+    (tmp_path / "metrics.csv").write_text("mine,not,cadence's\n1,2,3\n")
+    fake = FakeEngine(callbacks=[CSVLogger()], project_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="was not written by CSVLogger .* CSVLogger\\(filename=...\\)"):
+        fake.run(steps=2)
+    assert fake.state.step == 0
+    assert (tmp_path / "metrics.csv").read_text() == "mine,not,cadence's\n1,2,3\n"
 
 
 def test_rows_reach_the_file_when_a_checkpoint_is_saved(tmp_path: Path) -> None:
