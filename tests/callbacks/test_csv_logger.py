@@ -131,7 +131,7 @@ def test_a_fresh_run_starts_a_new_file_and_keeps_the_earlier_runs(tmp_path: Path
 def test_a_fresh_run_refuses_a_file_the_logger_did_not_write_before_training(tmp_path: Path) -> None:
     (tmp_path / "metrics.csv").write_text("mine,not,cadence's\n1,2,3\n")
     fake = FakeEngine(callbacks=[CSVLogger()], project_dir=str(tmp_path))
-    with pytest.raises(ValueError, match="was not written by CSVLogger .* CSVLogger\\(filename=...\\)"):
+    with pytest.raises(ValueError, match=r"was not written by CSVLogger .* CSVLogger\(filename=...\)"):
         fake.run(steps=2)
     assert fake.state.step == 0
     assert (tmp_path / "metrics.csv").read_text() == "mine,not,cadence's\n1,2,3\n"
