@@ -183,13 +183,17 @@ class EMA(Callback):
         return {"weights": {name: _full(s) for name, s in zip(self._names, self._shadow, strict=True)}}
 
     @torch.no_grad()
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def check_state_dict(self, state_dict: dict[str, Any]) -> None:
         saved, engine = state_dict.get("weights"), self._engine
         if saved is not None:
             if engine is None:
                 raise RuntimeError("EMA state loads through engine.load_state(): attach the EMA to the engine first.")
             names, params = self._tracked(engine)
             _check_saved(saved, dict(zip(names, params, strict=True)))
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.check_state_dict(state_dict)  # load_state checked already; a direct call is checked here
+        saved, engine = state_dict.get("weights"), self._engine
         self._trained = None  # the loaded checkpoint's weights are the trained ones now
         self._shadow = None
         if saved is not None and engine is not None:

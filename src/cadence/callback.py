@@ -42,8 +42,13 @@ class Callback:
         written."""
         return {}
 
+    def check_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Raise if ``state_dict`` cannot be loaded into this callback (say why and what to do). ``load_state`` calls it
+        for every callback with saved state before it changes anything (weights, optimizers, other callbacks), so
+        a refusal leaves the whole run as it was; ``load_state_dict`` then runs only once every check passed."""
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what ``state_dict()`` returned."""
+        """Restore what ``state_dict()`` returned (after ``check_state_dict`` accepted it)."""
 
     def on_fit_start(self, engine: Engine) -> None:
         """See ``Event.FIT_START``."""

@@ -444,3 +444,42 @@ def test_an_epoch_checkpointed_at_its_last_batch_is_still_validated_after_resume
         RegressionStep(seed=4), loader(), max_epochs=1, val_dataloader=loader(samples=16), resume="latest"
     )
     assert state.step == 5 and "val/mse" in state.metrics
+
+
+class Counted(cadence.Callback):
+    """Saves a counter; refuses to load one above ``limit``."""
+
+    def __init__(self, limit: int = 10**9) -> None:
+        self.count, self.limit, self.loaded = 0, limit, False
+
+    def on_after_optimizer_step(self, engine: cadence.Engine) -> None:
+        self.count += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"count": self.count}
+
+    def check_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict["count"] > self.limit:
+            raise ValueError(f"count {state_dict['count']} is above {self.limit}")
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.count, self.loaded = state_dict["count"], True
+
+
+def test_a_callback_refusing_its_state_leaves_the_whole_run_as_it_was(tmp_path: Path) -> None:
+    saver = cadence.Engine(accelerator="cpu", seed=0, progress_bar=False, callbacks=[Counted()])
+    saver.fit(RegressionStep(), loader(), max_steps=3)
+    path = saver.save_state(tmp_path / "checkpoint")
+
+    class Other(Counted):  # listed first: its load_state_dict would run before the refusing one's
+        pass
+
+    other, refusing = Other(), Counted(limit=2)
+    engine = cadence.Engine(accelerator="cpu", seed=1, progress_bar=False, callbacks=[other, refusing])
+    step = RegressionStep(seed=1)
+    engine.prepare(step.model, step.optimizer, loader())
+    before = [p.detach().clone() for p in parameters(step.model)]
+    with pytest.raises(ValueError, match="count 3 is above 2"):
+        engine.load_state(path)
+    assert_bitwise_equal(parameters(step.model), before)
+    assert not other.loaded and not refusing.loaded and engine.state.step == 0

@@ -254,6 +254,9 @@ def load_engine_state(engine: Checkpointed, directory: Path) -> dict[str, Any]:
         key: decoded(saved, tensors, shared_origin, f"callback {key!r}") for key, saved in shared["callbacks"].items()
     }
     warn_unmatched_callbacks(engine.callbacks, callback_states)
+    for callback in engine.callbacks:
+        if callback.state_key in callback_states:
+            callback.check_state_dict(callback_states[callback.state_key])
     registered_states = [
         decoded(saved, tensors, shared_origin, f"registered object {index}")
         for index, saved in enumerate(shared["registered"])
