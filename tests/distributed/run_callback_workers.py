@@ -109,13 +109,14 @@ def best_k(project_dir: str, async_save: bool = False) -> dict[str, Any]:
 
 
 class AtLoad(cadence.Callback):
-    """What the resumed run restored: its step and the ranking's best, as ``LOAD_STATE`` left them."""
+    """What the resumed run restored: its step and the ranking's best, once every ``LOAD_STATE`` hook ran (the
+    Checkpoint, which saves, runs after this callback at every event)."""
 
     def __init__(self, checkpoint: Checkpoint) -> None:
         self.checkpoint = checkpoint
         self.loaded: dict[str, Any] = {}
 
-    def on_load_state(self, engine: cadence.Engine) -> None:
+    def on_fit_start(self, engine: cadence.Engine) -> None:
         self.loaded = {
             "step": engine.state.step,
             "best_path": self.checkpoint.best_path,
