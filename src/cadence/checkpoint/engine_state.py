@@ -221,9 +221,10 @@ def load_engine_state(engine: Checkpointed, directory: Path) -> dict[str, Any]:
             )
             rank_json, rank_safetensors = _rank_files(0)
         models = [name for index in range(len(engine.models)) for name in strategy.model_files(index)]
-        # Weights are copied into the parameters (load_state_dict copies), so they are read through a mapping;
-        # optimizer state and gradients are kept as loaded, so they get memory of their own.
-        reader.prefetch([SHARED_JSON, SHARED_TENSORS, rank_json, rank_safetensors, *models], mapped=models)
+        # Tensor files are checked, then mapped: what is loaded is copied out of the page cache into the live
+        # tensors (or into memory of its own, for state that had none), one tensor at a time, never held twice.
+        tensor_files = [SHARED_TENSORS, rank_safetensors, *models]
+        reader.prefetch([SHARED_JSON, rank_json, *tensor_files], mapped=tensor_files)
         shared = check_shared(reader.json(SHARED_JSON), str(directory / SHARED_JSON))
         per_rank = check_rank(reader.json(rank_json), str(directory / rank_json))
         check_count("model", shared["models"], engine.models)
@@ -260,22 +261,22 @@ def load_engine_state(engine: Checkpointed, directory: Path) -> dict[str, Any]:
         loader.check_state_dict(saved)
     rng_states = decoded(per_rank["rng"], rank_tensors, rank_origin, "the RNG states") if restore_rng else None
 
-    # Every check passed: apply.
+    # Every check passed: apply. What is kept rather than copied out gets memory of its own (``reader.owned``).
     for apply in (*apply_models, *apply_optimizers):
         apply()
     for scheduler, scheduler_state in zip(engine.schedulers, scheduler_states, strict=True):
-        scheduler.load_state_dict(scheduler_state)
+        scheduler.load_state_dict(reader.owned(scheduler_state))
         scheduler.resync()
     for callback in engine.callbacks:
         if callback.state_key in callback_states:
-            callback.load_state_dict(callback_states[callback.state_key])
+            callback.load_state_dict(reader.owned(callback_states[callback.state_key]))
     for registered, registered_state in zip(engine.registered, registered_states, strict=True):
-        registered.load_state_dict(registered_state)
+        registered.load_state_dict(reader.owned(registered_state))
     engine.state.load_counters(shared["counters"])
     for loader, loader_state in zip(engine.dataloaders, loader_states, strict=True):
-        loader.load_state_dict(loader_state)
+        loader.load_state_dict(reader.owned(loader_state))
     if rng_states is not None:
-        restore_rng_states(rng_states)
+        restore_rng_states(reader.owned(rng_states))
     return manifest
 
 
