@@ -30,7 +30,9 @@ reference's MB/s over the operation's): 1.00 runs at the reference's speed, 2.00
     python benchmarks/checkpoint.py [--params 100_000_000] [--repeats 5] [--dir PATH] [--loads | --background]
         [--threads N]
 
-``--loads`` times only the three full loads, taking turns round after round, from checkpoints saved once.
+``--loads`` times only the full loads (cadence, Accelerate, torch) against the raw cold read of the same bytes,
+and cadence's save, taking turns round after round (after a warm-up round), from checkpoints saved once; beside
+each time, the peak resident memory of the process during it, over the checkpoint's size.
 
 ``--background`` measures background saves (``save_state(blocking=False)``) while the same model trains (AdamW,
 batches of ``BACKGROUND_BATCH``): the training stall per checkpoint (the time ``save_state`` takes to return, plus
@@ -503,37 +505,118 @@ def run(root: Path, params: int, repeats: int) -> None:
     )
 
 
+class Memory:
+    """The process's resident memory (Linux's /proc/self/status) and its peak since ``reset``: what an operation
+    holds at its peak beyond what was resident before it. Mapped file pages count while mapped and touched."""
+
+    STATUS = Path("/proc/self/status")
+    CLEAR_REFS = Path("/proc/self/clear_refs")
+
+    def __init__(self) -> None:
+        self.available = self.STATUS.exists() and self.CLEAR_REFS.exists()
+        self.before = 0
+
+    def _read(self) -> tuple[int, int]:
+        fields = dict(line.split(":", 1) for line in self.STATUS.read_text().splitlines() if ":" in line)
+        return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
+
+    def reset(self) -> None:
+        if self.available:
+            gc.collect()
+            self.CLEAR_REFS.write_text("5")  # the peak starts again from the resident memory now
+            self.before = self._read()[0]
+
+    def peak(self) -> tuple[int, int]:
+        """The peak since ``reset``: beyond what was resident at ``reset``, and in all."""
+        if not self.available:
+            return 0, 0
+        peak = self._read()[1]
+        return peak - self.before, peak
+
+
+@dataclass
+class Measured:
+    seconds: list[float] = field(default_factory=list)
+    extra: list[int] = field(default_factory=list)
+    """Peak resident bytes beyond those resident before."""
+    total: list[int] = field(default_factory=list)
+
+
 def run_loads(root: Path, params: int, repeats: int) -> None:
-    """Loads only: each library's checkpoint is saved once, then the cold loads take turns, round after round, so
-    that no load follows its own library's save (which leaves the machine in its own state: dirty pages written
-    back, memory freed) and each pair of loads meets the same conditions."""
+    """Loads only: each library's checkpoint is saved once, then the cold loads take turns with the raw cold read
+    of the same bytes and with cadence's save, round after round (after a warm-up round that is not counted), each
+    round in a rotated order, so that no load follows its own library's save (which leaves the machine in its own
+    state: dirty pages written back, memory freed) and each operation meets the same conditions. Each operation's
+    peak resident memory is reported beside its time, over the size of cadence's checkpoint."""
     model, optimizer, engine, _, accelerator = set_up(root, params)
-    if accelerator is None:
-        raise SystemExit("--loads compares against Accelerate: install it (pip install -e '.[bench]').")
     ours, theirs, pickled = root / "cadence_state", root / "accelerate_state", root / "torch_state.pt"
     engine.save_state(ours)
-    accelerator.save_state(str(theirs))
+    state_bytes = size_of(ours)
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, pickled)
+    read_buffer = memoryview(bytearray(8 * 2**20))
+    saved = root / "cadence_save"
 
-    loads: list[tuple[str, Path, Callable[[], Any]]] = [
+    def save() -> None:
+        engine.save_state(saved)
+
+    operations: list[tuple[str, Path | None, Callable[[], Any]]] = [
+        (READ_BOUND, ours, lambda: raw_read(ours, read_buffer)),
         ("cadence load_state", ours, lambda: engine.load_state(ours)),
-        ("accelerate load_state", theirs, lambda: accelerator.load_state(str(theirs))),
         ("torch.load mmap + clone every tensor", pickled, lambda: torch_load_touch(pickled)),
+        ("cadence save_state", None, save),
     ]
-    seconds: dict[str, list[float]] = {name: [] for name, _, _ in loads}
-    for _ in range(repeats):
-        for name, path, load in loads:
-            drop_cache(path)
+    if accelerator is not None:
+        accelerator.save_state(str(theirs))
+        operations.insert(2, ("accelerate load_state", theirs, lambda: accelerator.load_state(str(theirs))))
+    else:
+        print("accelerate is not installed: its row is skipped.")
+    memory = Memory()
+    measured = {name: Measured() for name, _, _ in operations}
+    for round_index in range(repeats + 1):  # round 0 warms up
+        shift = round_index % len(operations)
+        for name, path, operation in operations[shift:] + operations[:shift]:
+            if path is not None:
+                drop_cache(path)
+            else:
+                settle()
+            memory.reset()
             start = time.perf_counter()
-            load()
-            seconds[name].append(time.perf_counter() - start)
-    print(f"cold loads of {size_of(ours) / MB:,.0f} MB, {repeats} rounds, taking turns:")
-    print("| load | best | quartile 1 | median | quartile 3 |\n|---|---:|---:|---:|---:|")
-    for name, times in seconds.items():
-        quartiles = statistics.quantiles(times, n=4) if len(times) > 1 else times * 3
-        print(f"| {name} | {min(times):.2f} | {quartiles[0]:.2f} | {quartiles[1]:.2f} | {quartiles[2]:.2f} |")
-    faster = sum(a <= b for a, b in zip(seconds["cadence load_state"], seconds["accelerate load_state"], strict=True))
-    print(f"cadence was at least as fast as Accelerate in {faster} of {repeats} rounds.")
+            operation()
+            elapsed = time.perf_counter() - start
+            extra, total = memory.peak()
+            remove(saved)
+            if round_index:
+                measured[name].seconds.append(elapsed)
+                measured[name].extra.append(extra)
+                measured[name].total.append(total)
+    print(
+        f"{state_bytes / MB:,.0f} MB checkpoint ({params:,} parameters + AdamW); {repeats} rounds after a warm-up, "
+        f"taking turns in a rotated order; {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}"
+    )
+    raw = statistics.median(measured[READ_BOUND].seconds)
+    print(
+        "| operation | best s | median s | median / raw read | peak RSS beyond before / state | "
+        "peak RSS / state |\n|---|---:|---:|---:|---:|---:|"
+    )
+    for name, result in measured.items():
+        seconds = statistics.median(result.seconds)
+        memory_cells = (
+            [f"{statistics.median(values) / state_bytes:.2f}" for values in (result.extra, result.total)]
+            if memory.available
+            else ["n/a", "n/a"]
+        )
+        print(
+            f"| {name} | {min(result.seconds):.2f} | {seconds:.2f} | {seconds / raw:.2f} | {' | '.join(memory_cells)} |"
+        )
+    print(
+        "peak RSS: the process's resident memory at its highest during the operation (mapped file pages included), "
+        "beyond what was resident just before it and in all, over the checkpoint's size; the live model and "
+        "optimizer state (the checkpoint's size) and the interpreter are resident before every operation."
+    )
+    if accelerator is not None:
+        ours_seconds, theirs_seconds = measured["cadence load_state"].seconds, measured["accelerate load_state"].seconds
+        faster = sum(a <= b for a, b in zip(ours_seconds, theirs_seconds, strict=True))
+        print(f"cadence was at least as fast as Accelerate in {faster} of {repeats} rounds.")
 
 
 # --- background saves ------------------------------------------------------------------------------------------
@@ -648,7 +731,10 @@ def main() -> None:
     )
     modes = parser.add_mutually_exclusive_group()
     modes.add_argument(
-        "--loads", action="store_true", help="only the cold loads of cadence, Accelerate and torch, taking turns"
+        "--loads",
+        action="store_true",
+        help="only the cold loads of cadence, Accelerate and torch against the raw cold read, and cadence's save, "
+        "taking turns; with peak memory",
     )
     modes.add_argument(
         "--background", action="store_true", help="background saves: training stall and run time (see above)"

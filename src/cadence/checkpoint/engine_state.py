@@ -221,10 +221,12 @@ def load_engine_state(engine: Checkpointed, directory: Path) -> dict[str, Any]:
             )
             rank_json, rank_safetensors = _rank_files(0)
         models = [name for index in range(len(engine.models)) for name in strategy.model_files(index)]
-        # Tensor files are checked, then mapped: what is loaded is copied out of the page cache into the live
-        # tensors (or into memory of its own, for state that had none), one tensor at a time, never held twice.
-        tensor_files = [SHARED_TENSORS, rank_safetensors, *models]
-        reader.prefetch([SHARED_JSON, rank_json, *tensor_files], mapped=tensor_files)
+        # Files whose tensors are copied into live ones (weights; optimizer state where the optimizer has some)
+        # are checked, then mapped, and copied out of the page cache one tensor at a time: the state is never held
+        # twice. Where nothing live would be replaced (a fresh optimizer), one read into memory of its own is both
+        # cheaper and kept as it is.
+        copied = [*models, *([SHARED_TENSORS] if any(o.optimizer.state for o in engine.optimizers) else [])]
+        reader.prefetch([SHARED_JSON, SHARED_TENSORS, rank_json, rank_safetensors, *models], mapped=copied)
         shared = check_shared(reader.json(SHARED_JSON), str(directory / SHARED_JSON))
         per_rank = check_rank(reader.json(rank_json), str(directory / rank_json))
         check_count("model", shared["models"], engine.models)
