@@ -559,22 +559,34 @@ def run_loads(root: Path, params: int, repeats: int) -> None:
     def save() -> None:
         engine.save_state(saved)
 
-    operations: list[tuple[str, Path | None, Callable[[], Any]]] = [
-        (READ_BOUND, ours, lambda: raw_read(ours, read_buffer)),
-        ("cadence load_state", ours, lambda: engine.load_state(ours)),
-        ("torch.load mmap + clone every tensor", pickled, lambda: torch_load_touch(pickled)),
-        ("cadence save_state", None, save),
+    def into_fresh() -> Callable[[], Any]:
+        """A load as a resumed process does it: into a new model and an optimizer with no state yet (built here,
+        untimed; the optimizer's state is new memory the load must allocate, counted in its peak)."""
+        fresh = cadence.Engine(accelerator="cpu", progress_bar=False, project_dir=root / "fresh")
+        fresh_model = make_model(params)
+        fresh.prepare(fresh_model, torch.optim.AdamW(fresh_model.parameters(), lr=1e-3))
+        return lambda: fresh.load_state(ours)
+
+    # Each entry: its name, the files to drop from the page cache first (None: a save), and what builds the timed
+    # action (untimed).
+    operations: list[tuple[str, Path | None, Callable[[], Callable[[], Any]]]] = [
+        (READ_BOUND, ours, lambda: lambda: raw_read(ours, read_buffer)),
+        ("cadence load_state", ours, lambda: lambda: engine.load_state(ours)),
+        ("cadence load_state, fresh model and optimizer", ours, into_fresh),
+        ("torch.load mmap + clone every tensor", pickled, lambda: lambda: torch_load_touch(pickled)),
+        ("cadence save_state", None, lambda: save),
     ]
     if accelerator is not None:
         accelerator.save_state(str(theirs))
-        operations.insert(2, ("accelerate load_state", theirs, lambda: accelerator.load_state(str(theirs))))
+        operations.insert(3, ("accelerate load_state", theirs, lambda: lambda: accelerator.load_state(str(theirs))))
     else:
         print("accelerate is not installed: its row is skipped.")
     memory = Memory()
     measured = {name: Measured() for name, _, _ in operations}
     for round_index in range(repeats + 1):  # round 0 warms up
         shift = round_index % len(operations)
-        for name, path, operation in operations[shift:] + operations[:shift]:
+        for name, path, make in operations[shift:] + operations[:shift]:
+            operation = make()
             if path is not None:
                 drop_cache(path)
             else:
@@ -584,6 +596,7 @@ def run_loads(root: Path, params: int, repeats: int) -> None:
             operation()
             elapsed = time.perf_counter() - start
             extra, total = memory.peak()
+            del operation
             remove(saved)
             if round_index:
                 measured[name].seconds.append(elapsed)
