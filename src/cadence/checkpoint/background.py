@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cadence.checkpoint.engine_state import EngineSave, begin_engine_save, save_engine_state
-from cadence.checkpoint.snapshot import HostBuffers
+from cadence.checkpoint.snapshot import HostBuffers, below_this_thread
 from cadence.event import Event
 
 if TYPE_CHECKING:
@@ -40,10 +40,12 @@ class _Completion:
         self.error: BaseException | None = None
         self._save = save
         self._collectives = collectives
+        self._lower_priority = below_this_thread()
         self._thread = threading.Thread(target=self._run, name="cadence-checkpoint-save")
         self._thread.start()
 
     def _run(self) -> None:
+        self._lower_priority()
         try:
             self.committed = self._save.complete(self._collectives)
         except BaseException as error:  # kept for the training thread, which raises it

@@ -42,7 +42,7 @@ from cadence.checkpoint.format import (
 )
 from cadence.checkpoint.hashed_io import CHECKSUMS, WRITE_CHUNK, FileBuffer, checksums_of, read_checked, write_hashed
 from cadence.checkpoint.schema import check_manifest
-from cadence.checkpoint.snapshot import HostBuffers
+from cadence.checkpoint.snapshot import HostBuffers, below_this_thread
 
 FORMAT_VERSION = 1
 PART_BYTES = 256 * 1024 * 1024
@@ -85,8 +85,13 @@ class CheckpointWriter:
         self.files: dict[str, dict[str, Any]] = {}
         # One thread per core writes and hashes; one more lets a file's fsync wait without idling a core. A snapshot
         # is written while training goes on: it takes half the cores, so training keeps the other half.
+        # Its threads also run at a lower priority (``below_this_thread``), so training is slowed by little more
+        # than what it leaves idle.
         cores = os.cpu_count() or 1
-        self._pool = ThreadPoolExecutor(max_workers=cores + 1 if buffers is None else max(1, cores // 2))
+        if buffers is None:
+            self._pool = ThreadPoolExecutor(max_workers=cores + 1)
+        else:
+            self._pool = ThreadPoolExecutor(max_workers=max(1, cores // 2), initializer=below_this_thread())
         self._hashes: dict[str, Future[dict[str, str]]] = {}
         self._buffers = buffers
         self._deferred: list[tuple[str, Callable[[Path], dict[str, str]]]] | None = None
