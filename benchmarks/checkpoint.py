@@ -32,7 +32,9 @@ reference's MB/s over the operation's): 1.00 runs at the reference's speed, 2.00
 
 ``--loads`` times only the full loads (cadence, Accelerate, torch) against the raw cold read of the same bytes,
 and cadence's save, taking turns round after round (after a warm-up round), from checkpoints saved once; beside
-each time, the peak resident memory of the process during it, over the checkpoint's size.
+each time, the peak resident memory of the process during it, over the checkpoint's size; then the peak of a save
+and of two loads (into live state, and into a fresh model and optimizer), each in a process of its own that holds
+only the model and its optimizer, so the interpreter's own memory can be told apart.
 
 ``--background`` measures background saves (``save_state(blocking=False)``) while the same model trains (AdamW,
 batches of ``BACKGROUND_BATCH``): the training stall per checkpoint (the time ``save_state`` takes to return, plus
@@ -53,6 +55,8 @@ import os
 import platform
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import warnings
@@ -516,7 +520,8 @@ class Memory:
         self.available = self.STATUS.exists() and self.CLEAR_REFS.exists()
         self.before = 0
 
-    def _read(self) -> tuple[int, int]:
+    def resident(self) -> tuple[int, int]:
+        """Resident bytes now, and at their peak."""
         fields = dict(line.split(":", 1) for line in self.STATUS.read_text().splitlines() if ":" in line)
         return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
 
@@ -524,13 +529,13 @@ class Memory:
         if self.available:
             gc.collect()
             self.CLEAR_REFS.write_text("5")  # the peak starts again from the resident memory now
-            self.before = self._read()[0]
+            self.before = self.resident()[0]
 
     def peak(self) -> tuple[int, int]:
         """The peak since ``reset``: beyond what was resident at ``reset``, and in all."""
         if not self.available:
             return 0, 0
-        peak = self._read()[1]
+        peak = self.resident()[1]
         return peak - self.before, peak
 
 
@@ -540,6 +545,58 @@ class Measured:
     extra: list[int] = field(default_factory=list)
     """Peak resident bytes beyond those resident before."""
     total: list[int] = field(default_factory=list)
+
+
+MEMORY_MODES = ("save_state", "load_state into live state", "load_state into a fresh model and optimizer")
+
+
+def measure_memory(root: Path, params: int, mode: str) -> None:
+    """In a process of its own (``--memory-of``): the interpreter's resident memory, then a model and AdamW built
+    (stepped, except for a fresh load), then one cadence save to, or cold load from, ``root / "cadence_state"``;
+    prints the interpreter's, the before and the peak resident bytes, and the checkpoint's size."""
+    memory = Memory()
+    gc.collect()
+    interpreter = memory.resident()[0]
+    torch.manual_seed(1)
+    model = make_model(params)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if mode != MEMORY_MODES[2]:
+        step_once(model, optimizer)
+    engine = cadence.Engine(accelerator="cpu", progress_bar=False, project_dir=root / f"memory-{os.getpid()}")
+    engine.prepare(model, optimizer)
+    state = root / "cadence_state"
+    if mode == MEMORY_MODES[0]:
+        state = root / f"memory-save-{os.getpid()}"
+        settle()
+        memory.reset()
+        engine.save_state(state)
+    else:
+        drop_cache(state)
+        memory.reset()
+        engine.load_state(state)
+    peak = memory.peak()[1]
+    print(f"memory {interpreter} {memory.before} {peak} {size_of(state)}")
+    if mode == MEMORY_MODES[0]:
+        remove(state)
+
+
+def memory_rows(root: Path, params: int) -> None:
+    """Peak resident memory of a save and of loads, each in a fresh process holding only the model and its
+    optimizer, over the checkpoint's size: in all, and without the interpreter's own (torch, cadence)."""
+    if not Memory().available:
+        print("peak memory in a process of its own: not measured (needs Linux's /proc/self/clear_refs)")
+        return
+    print("| in a process of its own | interpreter / state | before / state | peak / state | peak less interpreter "
+          "/ state |\n|---|---:|---:|---:|---:|")  # fmt: skip
+    for mode in MEMORY_MODES:
+        result = subprocess.run(
+            [sys.executable, __file__, "--params", str(params), "--dir", str(root), "--memory-of", mode],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        line = next(line for line in result.stdout.splitlines() if line.startswith("memory "))
+        interpreter, before, peak, state = (int(value) for value in line.split()[1:])
+        cells = [interpreter / state, before / state, peak / state, (peak - interpreter) / state]
+        print(f"| {mode} | {' | '.join(f'{cell:.2f}' for cell in cells)} |")
 
 
 def run_loads(root: Path, params: int, repeats: int) -> None:
@@ -626,6 +683,8 @@ def run_loads(root: Path, params: int, repeats: int) -> None:
         "beyond what was resident just before it and in all, over the checkpoint's size; the live model and "
         "optimizer state (the checkpoint's size) and the interpreter are resident before every operation."
     )
+    print()
+    memory_rows(root, params)
     if accelerator is not None:
         ours_seconds, theirs_seconds = measured["cadence load_state"].seconds, measured["accelerate load_state"].seconds
         faster = sum(a <= b for a, b in zip(ours_seconds, theirs_seconds, strict=True))
@@ -759,7 +818,11 @@ def main() -> None:
         help="torch's intra-op threads (default: torch's choice); with --background, fewer threads than cores "
         "leave the writer a core, as training on an accelerator does",
     )
+    parser.add_argument("--memory-of", choices=MEMORY_MODES, help=argparse.SUPPRESS)  # --loads runs it in a child
     args = parser.parse_args()
+    if args.memory_of is not None:
+        measure_memory(args.dir, args.params, args.memory_of)
+        return
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if args.params < LAYERS or args.repeats < 1:

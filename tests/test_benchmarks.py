@@ -48,6 +48,9 @@ def test_checkpoint_benchmark_loads_mode_compares_the_loads_with_the_raw_read_an
         assert float(best) <= float(median) and float(ratio) > 0, rows[name]
         assert 0 <= float(beyond) <= float(total) and float(total) > 0, rows[name]  # measured (Linux's /proc)
     assert rows["raw read, cold (bound)"][2].strip() == "1.00"
+    for mode in ("save_state", "load_state into live state", "load_state into a fresh model and optimizer"):
+        interpreter, before, peak, beyond_interpreter = (float(cell.strip(" |")) for cell in rows[mode])
+        assert 0 < interpreter < before <= peak and beyond_interpreter > 0, rows[mode]  # a process of its own
     assert "as fast as Accelerate in" in output and list(tmp_path.iterdir()) == []
 
 
