@@ -30,7 +30,11 @@ reference's MB/s over the operation's): 1.00 runs at the reference's speed, 2.00
     python benchmarks/checkpoint.py [--params 100_000_000] [--repeats 5] [--dir PATH] [--loads | --background]
         [--threads N]
 
-``--loads`` times only the three full loads, taking turns round after round, from checkpoints saved once.
+``--loads`` times only the full loads (cadence, Accelerate, torch) against the raw cold read of the same bytes,
+and cadence's save, taking turns round after round (after a warm-up round), from checkpoints saved once; beside
+each time, the peak resident memory of the process during it, over the checkpoint's size; then the peak of a save
+and of two loads (into live state, and into a fresh model and optimizer), each in a process of its own that holds
+only the model and its optimizer, so the interpreter's own memory can be told apart.
 
 ``--background`` measures background saves (``save_state(blocking=False)``) while the same model trains (AdamW,
 batches of ``BACKGROUND_BATCH``): the training stall per checkpoint (the time ``save_state`` takes to return, plus
@@ -51,6 +55,8 @@ import os
 import platform
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import warnings
@@ -503,37 +509,186 @@ def run(root: Path, params: int, repeats: int) -> None:
     )
 
 
+class Memory:
+    """The process's resident memory (Linux's /proc/self/status) and its peak since ``reset``: what an operation
+    holds at its peak beyond what was resident before it. Mapped file pages count while mapped and touched."""
+
+    STATUS = Path("/proc/self/status")
+    CLEAR_REFS = Path("/proc/self/clear_refs")
+
+    def __init__(self) -> None:
+        self.available = self.STATUS.exists() and self.CLEAR_REFS.exists()
+        self.before = 0
+
+    def resident(self) -> tuple[int, int]:
+        """Resident bytes now, and at their peak."""
+        fields = dict(line.split(":", 1) for line in self.STATUS.read_text().splitlines() if ":" in line)
+        return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
+
+    def reset(self) -> None:
+        if self.available:
+            gc.collect()
+            self.CLEAR_REFS.write_text("5")  # the peak starts again from the resident memory now
+            self.before = self.resident()[0]
+
+    def peak(self) -> tuple[int, int]:
+        """The peak since ``reset``: beyond what was resident at ``reset``, and in all."""
+        if not self.available:
+            return 0, 0
+        peak = self.resident()[1]
+        return peak - self.before, peak
+
+
+@dataclass
+class Measured:
+    seconds: list[float] = field(default_factory=list)
+    extra: list[int] = field(default_factory=list)
+    """Peak resident bytes beyond those resident before."""
+    total: list[int] = field(default_factory=list)
+
+
+MEMORY_MODES = ("save_state", "load_state into live state", "load_state into a fresh model and optimizer")
+
+
+def measure_memory(root: Path, params: int, mode: str) -> None:
+    """In a process of its own (``--memory-of``): the interpreter's resident memory, then a model and AdamW built
+    (stepped, except for a fresh load), then one cadence save to, or cold load from, ``root / "cadence_state"``;
+    prints the interpreter's, the before and the peak resident bytes, and the checkpoint's size."""
+    memory = Memory()
+    gc.collect()
+    interpreter = memory.resident()[0]
+    torch.manual_seed(1)
+    model = make_model(params)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if mode != MEMORY_MODES[2]:
+        step_once(model, optimizer)
+    engine = cadence.Engine(accelerator="cpu", progress_bar=False, project_dir=root / f"memory-{os.getpid()}")
+    engine.prepare(model, optimizer)
+    state = root / "cadence_state"
+    if mode == MEMORY_MODES[0]:
+        state = root / f"memory-save-{os.getpid()}"
+        settle()
+        memory.reset()
+        engine.save_state(state)
+    else:
+        drop_cache(state)
+        memory.reset()
+        engine.load_state(state)
+    peak = memory.peak()[1]
+    print(f"memory {interpreter} {memory.before} {peak} {size_of(state)}")
+    if mode == MEMORY_MODES[0]:
+        remove(state)
+
+
+def memory_rows(root: Path, params: int) -> None:
+    """Peak resident memory of a save and of loads, each in a fresh process holding only the model and its
+    optimizer, over the checkpoint's size: in all, and without the interpreter's own (torch, cadence)."""
+    if not Memory().available:
+        print("peak memory in a process of its own: not measured (needs Linux's /proc/self/clear_refs)")
+        return
+    print("| in a process of its own | interpreter / state | before / state | peak / state | peak less interpreter "
+          "/ state |\n|---|---:|---:|---:|---:|")  # fmt: skip
+    for mode in MEMORY_MODES:
+        result = subprocess.run(
+            [sys.executable, __file__, "--params", str(params), "--dir", str(root), "--memory-of", mode],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        line = next(line for line in result.stdout.splitlines() if line.startswith("memory "))
+        interpreter, before, peak, state = (int(value) for value in line.split()[1:])
+        cells = [interpreter / state, before / state, peak / state, (peak - interpreter) / state]
+        print(f"| {mode} | {' | '.join(f'{cell:.2f}' for cell in cells)} |")
+
+
 def run_loads(root: Path, params: int, repeats: int) -> None:
-    """Loads only: each library's checkpoint is saved once, then the cold loads take turns, round after round, so
-    that no load follows its own library's save (which leaves the machine in its own state: dirty pages written
-    back, memory freed) and each pair of loads meets the same conditions."""
+    """Loads only: each library's checkpoint is saved once, then the cold loads take turns with the raw cold read
+    of the same bytes and with cadence's save, round after round (after a warm-up round that is not counted), each
+    round in a rotated order, so that no load follows its own library's save (which leaves the machine in its own
+    state: dirty pages written back, memory freed) and each operation meets the same conditions. Each operation's
+    peak resident memory is reported beside its time, over the size of cadence's checkpoint."""
     model, optimizer, engine, _, accelerator = set_up(root, params)
-    if accelerator is None:
-        raise SystemExit("--loads compares against Accelerate: install it (pip install -e '.[bench]').")
     ours, theirs, pickled = root / "cadence_state", root / "accelerate_state", root / "torch_state.pt"
     engine.save_state(ours)
-    accelerator.save_state(str(theirs))
+    state_bytes = size_of(ours)
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, pickled)
+    read_buffer = memoryview(bytearray(8 * 2**20))
+    saved = root / "cadence_save"
 
-    loads: list[tuple[str, Path, Callable[[], Any]]] = [
-        ("cadence load_state", ours, lambda: engine.load_state(ours)),
-        ("accelerate load_state", theirs, lambda: accelerator.load_state(str(theirs))),
-        ("torch.load mmap + clone every tensor", pickled, lambda: torch_load_touch(pickled)),
+    def save() -> None:
+        engine.save_state(saved)
+
+    def into_fresh() -> Callable[[], Any]:
+        """A load as a resumed process does it: into a new model and an optimizer with no state yet (built here,
+        untimed; the optimizer's state is new memory the load must allocate, counted in its peak)."""
+        fresh = cadence.Engine(accelerator="cpu", progress_bar=False, project_dir=root / "fresh")
+        fresh_model = make_model(params)
+        fresh.prepare(fresh_model, torch.optim.AdamW(fresh_model.parameters(), lr=1e-3))
+        return lambda: fresh.load_state(ours)
+
+    # Each entry: its name, the files to drop from the page cache first (None: a save), and what builds the timed
+    # action (untimed).
+    operations: list[tuple[str, Path | None, Callable[[], Callable[[], Any]]]] = [
+        (READ_BOUND, ours, lambda: lambda: raw_read(ours, read_buffer)),
+        ("cadence load_state", ours, lambda: lambda: engine.load_state(ours)),
+        ("cadence load_state, fresh model and optimizer", ours, into_fresh),
+        ("torch.load mmap + clone every tensor", pickled, lambda: lambda: torch_load_touch(pickled)),
+        ("cadence save_state", None, lambda: save),
     ]
-    seconds: dict[str, list[float]] = {name: [] for name, _, _ in loads}
-    for _ in range(repeats):
-        for name, path, load in loads:
-            drop_cache(path)
+    if accelerator is not None:
+        accelerator.save_state(str(theirs))
+        operations.insert(3, ("accelerate load_state", theirs, lambda: lambda: accelerator.load_state(str(theirs))))
+    else:
+        print("accelerate is not installed: its row is skipped.")
+    memory = Memory()
+    measured = {name: Measured() for name, _, _ in operations}
+    for round_index in range(repeats + 1):  # round 0 warms up
+        shift = round_index % len(operations)
+        for name, path, make in operations[shift:] + operations[:shift]:
+            operation = make()
+            if path is not None:
+                drop_cache(path)
+            else:
+                settle()
+            memory.reset()
             start = time.perf_counter()
-            load()
-            seconds[name].append(time.perf_counter() - start)
-    print(f"cold loads of {size_of(ours) / MB:,.0f} MB, {repeats} rounds, taking turns:")
-    print("| load | best | quartile 1 | median | quartile 3 |\n|---|---:|---:|---:|---:|")
-    for name, times in seconds.items():
-        quartiles = statistics.quantiles(times, n=4) if len(times) > 1 else times * 3
-        print(f"| {name} | {min(times):.2f} | {quartiles[0]:.2f} | {quartiles[1]:.2f} | {quartiles[2]:.2f} |")
-    faster = sum(a <= b for a, b in zip(seconds["cadence load_state"], seconds["accelerate load_state"], strict=True))
-    print(f"cadence was at least as fast as Accelerate in {faster} of {repeats} rounds.")
+            operation()
+            elapsed = time.perf_counter() - start
+            extra, total = memory.peak()
+            del operation
+            remove(saved)
+            if round_index:
+                measured[name].seconds.append(elapsed)
+                measured[name].extra.append(extra)
+                measured[name].total.append(total)
+    print(
+        f"{state_bytes / MB:,.0f} MB checkpoint ({params:,} parameters + AdamW); {repeats} rounds after a warm-up, "
+        f"taking turns in a rotated order; {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}"
+    )
+    raw = statistics.median(measured[READ_BOUND].seconds)
+    print(
+        "| operation | best s | median s | median / raw read | peak RSS beyond before / state | "
+        "peak RSS / state |\n|---|---:|---:|---:|---:|---:|"
+    )
+    for name, result in measured.items():
+        seconds = statistics.median(result.seconds)
+        memory_cells = (
+            [f"{statistics.median(values) / state_bytes:.2f}" for values in (result.extra, result.total)]
+            if memory.available
+            else ["n/a", "n/a"]
+        )
+        print(
+            f"| {name} | {min(result.seconds):.2f} | {seconds:.2f} | {seconds / raw:.2f} | {' | '.join(memory_cells)} |"
+        )
+    print(
+        "peak RSS: the process's resident memory at its highest during the operation (mapped file pages included), "
+        "beyond what was resident just before it and in all, over the checkpoint's size; the live model and "
+        "optimizer state (the checkpoint's size) and the interpreter are resident before every operation."
+    )
+    print()
+    memory_rows(root, params)
+    if accelerator is not None:
+        ours_seconds, theirs_seconds = measured["cadence load_state"].seconds, measured["accelerate load_state"].seconds
+        faster = sum(a <= b for a, b in zip(ours_seconds, theirs_seconds, strict=True))
+        print(f"cadence was at least as fast as Accelerate in {faster} of {repeats} rounds.")
 
 
 # --- background saves ------------------------------------------------------------------------------------------
@@ -648,7 +803,10 @@ def main() -> None:
     )
     modes = parser.add_mutually_exclusive_group()
     modes.add_argument(
-        "--loads", action="store_true", help="only the cold loads of cadence, Accelerate and torch, taking turns"
+        "--loads",
+        action="store_true",
+        help="only the cold loads of cadence, Accelerate and torch against the raw cold read, and cadence's save, "
+        "taking turns; with peak memory",
     )
     modes.add_argument(
         "--background", action="store_true", help="background saves: training stall and run time (see above)"
@@ -660,7 +818,11 @@ def main() -> None:
         help="torch's intra-op threads (default: torch's choice); with --background, fewer threads than cores "
         "leave the writer a core, as training on an accelerator does",
     )
+    parser.add_argument("--memory-of", choices=MEMORY_MODES, help=argparse.SUPPRESS)  # --loads runs it in a child
     args = parser.parse_args()
+    if args.memory_of is not None:
+        measure_memory(args.dir, args.params, args.memory_of)
+        return
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if args.params < LAYERS or args.repeats < 1:

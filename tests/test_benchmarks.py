@@ -33,10 +33,24 @@ def test_checkpoint_benchmark_measures_every_row(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []  # the benchmark removes what it wrote
 
 
-def test_checkpoint_benchmark_loads_mode_compares_the_three_loads(tmp_path: Path) -> None:
+def test_checkpoint_benchmark_loads_mode_compares_the_loads_with_the_raw_read_and_their_memory(tmp_path: Path) -> None:
     output = run_checkpoint_benchmark(tmp_path, "--repeats", "2", "--loads")
-    for name in ("cadence load_state", "accelerate load_state", "torch.load mmap + clone every tensor"):
-        assert f"| {name} | " in output
+    rows = {line.split(" | ")[0].removeprefix("| "): line.split(" | ")[1:] for line in output.splitlines()}
+    for name in (
+        "raw read, cold (bound)",
+        "cadence load_state",
+        "cadence load_state, fresh model and optimizer",
+        "accelerate load_state",
+        "torch.load mmap + clone every tensor",
+        "cadence save_state",
+    ):
+        best, median, ratio, beyond, total = (cell.strip(" |") for cell in rows[name])
+        assert float(best) <= float(median) and float(ratio) > 0, rows[name]
+        assert 0 <= float(beyond) <= float(total) and float(total) > 0, rows[name]  # measured (Linux's /proc)
+    assert rows["raw read, cold (bound)"][2].strip() == "1.00"
+    for mode in ("save_state", "load_state into live state", "load_state into a fresh model and optimizer"):
+        interpreter, before, peak, beyond_interpreter = (float(cell.strip(" |")) for cell in rows[mode])
+        assert 0 < interpreter < before <= peak and beyond_interpreter > 0, rows[mode]  # a process of its own
     assert "as fast as Accelerate in" in output and list(tmp_path.iterdir()) == []
 
 

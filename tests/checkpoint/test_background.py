@@ -4,7 +4,9 @@ checkpoint as a blocking save; one save at a time; failures raised on the traini
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +21,7 @@ from cadence import Event
 from cadence.callbacks import Checkpoint, GradientAccumulation
 from cadence.checkpoint import files
 from cadence.checkpoint.background import PendingCheckpoint
+from cadence.checkpoint.snapshot import BACKGROUND_NICENESS
 from tests.helpers import RegressionStep, assert_bitwise_equal, loader, parameters
 
 
@@ -281,3 +284,27 @@ def test_a_background_save_starts_no_subprocess(tmp_path: Path, monkeypatch: pyt
     loop.steps(1)
     loop.engine.save_state(blocking=False).result()
     assert started == []
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own priority is Linux's")
+def test_a_background_save_writes_at_a_lower_priority_than_training(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    priorities: list[int] = []
+    original = files.write_safetensors
+
+    def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], **kwargs: Any) -> dict[str, str]:
+        priorities.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return original(path, tensors, **kwargs)
+
+    monkeypatch.setattr(files, "write_safetensors", write_safetensors)
+    loop = Loop(tmp_path)
+    loop.steps(2)
+    training = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    loop.engine.save_state(blocking=False).result()
+    background = list(priorities)
+    priorities.clear()
+    loop.engine.save_state()
+    assert background and all(value == min(training + BACKGROUND_NICENESS, 19) for value in background)
+    assert priorities and all(value == training for value in priorities)  # a blocking save keeps every core's share
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == training  # training's own is unchanged

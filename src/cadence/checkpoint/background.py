@@ -2,8 +2,10 @@
 
 A background save (``engine.save_state(blocking=False)``) takes the training thread only for its snapshot: every
 rank claims and copies its state into host buffers kept from save to save (``snapshot.HostBuffers``), then a thread
-writes, fsyncs, hashes and commits exactly as a synchronous save does. Until the commit the previous checkpoint is
-the newest valid one, so a crash mid-write loses only the save in flight.
+writes, fsyncs, hashes and commits exactly as a synchronous save does, at a lower CPU priority than the training
+thread (``snapshot.below_this_thread``), so that where training keeps the cores busy the save takes what it leaves
+idle rather than slowing its steps. Until the commit the previous checkpoint is the newest valid one, so a crash
+mid-write loses only the save in flight.
 
 What happens after a commit (the next automatic number, pruning to ``checkpoint_total_limit``, ``state.checkpoint_dir``
 and ``Event.SAVE_STATE``) changes the engine and runs callbacks, which are not thread-safe: it happens on the
@@ -19,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cadence.checkpoint.engine_state import EngineSave, begin_engine_save, save_engine_state
-from cadence.checkpoint.snapshot import HostBuffers
+from cadence.checkpoint.snapshot import HostBuffers, below_this_thread
 from cadence.event import Event
 
 if TYPE_CHECKING:
@@ -42,10 +44,12 @@ class _Completion:
         self.error: BaseException | None = None
         self._save = save
         self._collectives = collectives
+        self._lower_priority = below_this_thread()
         self._thread = threading.Thread(target=self._run, name="cadence-checkpoint-save")
         self._thread.start()
 
     def _run(self) -> None:
+        self._lower_priority()
         try:
             self.committed = self._save.complete(self._collectives)
         except BaseException as error:  # kept for the training thread, which raises it

@@ -227,9 +227,12 @@ def load_engine_state(engine: Checkpointed, directory: Path) -> dict[str, Any]:
             )
             rank_json, rank_safetensors = _rank_files(0)
         models = [name for index in range(len(engine.models)) for name in strategy.model_files(index)]
-        # Weights are copied into the parameters (load_state_dict copies), so they are read through a mapping;
-        # optimizer state and gradients are kept as loaded, so they get memory of their own.
-        reader.prefetch([SHARED_JSON, SHARED_TENSORS, rank_json, rank_safetensors, *models], mapped=models)
+        # Files whose tensors are copied into live ones (weights; optimizer state where the optimizer has some)
+        # are checked, then mapped, and copied out of the page cache one tensor at a time: the state is never held
+        # twice. Where nothing live would be replaced (a fresh optimizer), one read into memory of its own is both
+        # cheaper and kept as it is.
+        copied = [*models, *([SHARED_TENSORS] if any(o.optimizer.state for o in engine.optimizers) else [])]
+        reader.prefetch([SHARED_JSON, SHARED_TENSORS, rank_json, rank_safetensors, *models], mapped=copied)
         shared = check_shared(reader.json(SHARED_JSON), str(directory / SHARED_JSON))
         per_rank = check_rank(reader.json(rank_json), str(directory / rank_json))
         check_count("model", shared["models"], engine.models)
@@ -269,22 +272,22 @@ def load_engine_state(engine: Checkpointed, directory: Path) -> dict[str, Any]:
         loader.check_state_dict(saved)
     rng_states = decoded(per_rank["rng"], rank_tensors, rank_origin, "the RNG states") if restore_rng else None
 
-    # Every check passed: apply.
+    # Every check passed: apply. What is kept rather than copied out gets memory of its own (``reader.owned``).
     for apply in (*apply_models, *apply_optimizers):
         apply()
     for scheduler, scheduler_state in zip(engine.schedulers, scheduler_states, strict=True):
-        scheduler.load_state_dict(scheduler_state)
+        scheduler.load_state_dict(reader.owned(scheduler_state))
         scheduler.resync()
     for callback in engine.callbacks:
         if callback.state_key in callback_states:
-            callback.load_state_dict(callback_states[callback.state_key])
+            callback.load_state_dict(reader.owned(callback_states[callback.state_key]))
     for registered, registered_state in zip(engine.registered, registered_states, strict=True):
-        registered.load_state_dict(registered_state)
+        registered.load_state_dict(reader.owned(registered_state))
     engine.state.load_counters(shared["counters"])
     for loader, loader_state in zip(engine.dataloaders, loader_states, strict=True):
-        loader.load_state_dict(loader_state)
+        loader.load_state_dict(reader.owned(loader_state))
     if rng_states is not None:
-        restore_rng_states(rng_states)
+        restore_rng_states(reader.owned(rng_states))
     return manifest
 
 

@@ -42,7 +42,7 @@ from cadence.checkpoint.format import (
 )
 from cadence.checkpoint.hashed_io import CHECKSUMS, WRITE_CHUNK, FileBuffer, checksums_of, read_checked, write_hashed
 from cadence.checkpoint.schema import check_manifest
-from cadence.checkpoint.snapshot import HostBuffers
+from cadence.checkpoint.snapshot import HostBuffers, below_this_thread
 
 FORMAT_VERSION = 1
 PART_BYTES = 256 * 1024 * 1024
@@ -85,8 +85,13 @@ class CheckpointWriter:
         self.files: dict[str, dict[str, Any]] = {}
         # One thread per core writes and hashes; one more lets a file's fsync wait without idling a core. A snapshot
         # is written while training goes on: it takes half the cores, so training keeps the other half.
+        # Its threads also run at a lower priority (``below_this_thread``), so training is slowed by little more
+        # than what it leaves idle.
         cores = os.cpu_count() or 1
-        self._pool = ThreadPoolExecutor(max_workers=cores + 1 if buffers is None else max(1, cores // 2))
+        if buffers is None:
+            self._pool = ThreadPoolExecutor(max_workers=cores + 1)
+        else:
+            self._pool = ThreadPoolExecutor(max_workers=max(1, cores // 2), initializer=below_this_thread())
         self._hashes: dict[str, Future[dict[str, str]]] = {}
         self._buffers = buffers
         self._deferred: list[tuple[str, Callable[[Path], dict[str, str]]]] | None = None
@@ -242,7 +247,7 @@ def read_manifest(directory: Path) -> dict[str, Any]:
 
 
 class CheckpointReader:
-    """Reads a committed checkpoint's files, each once, checking it against the manifest as it is read.
+    """Reads a committed checkpoint's files, checking each against the manifest before any of its bytes is used.
 
     ``prefetch`` starts reading (and hashing) files on background threads, one core each, so the checksums of
     a large checkpoint cost about the time to read it rather than the sum of every file's hashing.
@@ -255,6 +260,7 @@ class CheckpointReader:
         self.manifest = read_manifest(directory)
         self._pool: ThreadPoolExecutor | None = None
         self._pending: dict[str, Future[FileBuffer]] = {}
+        self._mapped: list[FileBuffer] = []
 
     def __enter__(self) -> CheckpointReader:
         return self
@@ -269,10 +275,12 @@ class CheckpointReader:
     def prefetch(self, names: list[str], mapped: Collection[str] = ()) -> None:
         """Start reading ``names`` in the background, largest first.
 
-        Files in ``mapped`` are hashed through a copy-on-write mapping of the page cache rather than read into
-        fresh memory: right for tensors that are only copied out (model weights, into the parameters), since it
-        saves a copy and the first touch of as many fresh pages. Tensors that are kept (optimizer state,
-        gradients) come from the other files, in memory of their own, so they never pin a checkpoint file.
+        Files in ``mapped`` are checked by reading them once through a small buffer and are then mapped, untouched
+        (``map_hashed``): their tensors are views whose pages come from the page cache only when copied out, and
+        ``release`` gives them back, so a load never holds a second copy of the state in the process's memory. The
+        price is that what is copied out is read a second time, from the page cache (or, if memory ran short
+        meanwhile, from the disk). State that is kept rather than copied out goes through ``owned``. The other
+        files are read into memory of their own, as they are checked.
         """
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=max(1, min(len(names), os.cpu_count() or 1)))
@@ -344,12 +352,41 @@ class CheckpointReader:
             raise CheckpointCorrupted(f"{self.directory} has no {name} in its manifest.")
         tensors: dict[str, torch.Tensor] = {}
         for part in parts:
-            tensors.update(tensors_from_safetensors(self._read(part), self.directory / part))
+            buffer = self._read(part)
+            if buffer.mapping is not None:
+                self._mapped.append(buffer)
+            tensors.update(tensors_from_safetensors(buffer, self.directory / part))
         for alias, stored in (aliases or {}).items():
             if stored not in tensors:
                 raise CheckpointCorrupted(f"{self.directory / name} has no {stored!r}, which alias {alias!r} names.")
             tensors[alias] = tensors[stored]
         return tensors
+
+    def release(self, tensor: torch.Tensor) -> None:
+        """``tensor`` was copied out and will not be read again: if it is a view into a mapped file, its pages
+        leave the process's resident memory (so copying a whole checkpoint out holds one tensor's pages at a time)."""
+        for buffer in self._mapped:
+            if buffer.holds(tensor):
+                buffer.release(tensor)
+                return
+
+    def owned(self, value: Any) -> Any:
+        """``value`` (tensors, possibly inside dicts, lists and tuples) with every view into a mapped file replaced
+        by a copy in memory of its own, for state that is kept rather than copied out: a mapping kept alive would
+        hold a deleted checkpoint's disk space, and the first write to it would copy its pages anyway."""
+        if isinstance(value, torch.Tensor):
+            if not any(buffer.holds(value) for buffer in self._mapped):
+                return value
+            copy = value.clone()
+            self.release(value)
+            return copy
+        if isinstance(value, dict):
+            return {key: self.owned(item) for key, item in value.items()}
+        if isinstance(value, list):
+            return [self.owned(item) for item in value]
+        if isinstance(value, tuple):
+            return tuple(self.owned(item) for item in value)
+        return value
 
 
 def _part_name(name: str, index: int) -> str:

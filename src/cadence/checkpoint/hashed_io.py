@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import io
 import mmap
 import os
 import sys
 import zlib
 from collections.abc import Collection, Iterable
 from pathlib import Path
+from typing import IO
 
 import torch
 
@@ -116,18 +118,40 @@ class FileBuffer:
 
     @classmethod
     def map(cls, path: Path, size: int) -> FileBuffer:
-        """The file's pages, mapped copy-on-write: reading them costs no fresh memory and no copy, and writes
-        through a view would stay private to this process. Checkpoint files are never rewritten in place (a save
-        writes a new directory and renames it), so the mapping stays valid until its last view is gone; a
-        deleted file's pages live on until then."""
+        """The file's pages, mapped copy-on-write (see ``map_open``)."""
+        with path.open("rb") as handle:
+            return cls.map_open(handle, path, size)
+
+    @classmethod
+    def map_open(cls, handle: IO[bytes], path: Path, size: int) -> FileBuffer:
+        """The pages of the open file ``handle``, mapped copy-on-write: reading them costs no fresh memory and no
+        copy, and writes through a view would stay private to this process. Checkpoint files are never rewritten
+        in place (a save writes a new directory and renames it), so the mapping stays valid until its last view is
+        gone; a deleted file's pages live on until then."""
         if not size:
             return cls.allocate(0)
-        with path.open("rb") as handle:
-            try:
-                mapping = mmap.mmap(handle.fileno(), size, access=mmap.ACCESS_COPY)
-            except ValueError as error:  # the file is shorter than its manifest says
-                raise CheckpointCorrupted(f"{path} cannot be mapped as {size} bytes ({error}).") from error
+        try:
+            mapping = mmap.mmap(handle.fileno(), size, access=mmap.ACCESS_COPY)
+        except ValueError as error:  # the file is shorter than its manifest says
+            raise CheckpointCorrupted(f"{path} cannot be mapped as {size} bytes ({error}).") from error
         return cls(torch.frombuffer(mapping, dtype=torch.uint8), memoryview(mapping), mapping)
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is a view into this buffer."""
+        start = self.data.data_ptr()
+        return tensor.device.type == "cpu" and start <= tensor.data_ptr() < start + len(self)
+
+    def release(self, tensor: torch.Tensor) -> None:
+        """Give back the pages of a mapped file that ``tensor`` (a view into this buffer, only ever read) was read
+        from: they leave the process's resident memory and stay in the page cache; reading the view again maps
+        them again. Neighbouring tensors' pages at either end may go too, which costs them only a fault."""
+        if self.mapping is None or not self.holds(tensor) or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        offset = tensor.data_ptr() - self.data.data_ptr()
+        start = offset - offset % mmap.PAGESIZE
+        end = offset + tensor.numel() * tensor.element_size()
+        if end > start:
+            self.mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def __len__(self) -> int:
         return len(self.view)
@@ -151,22 +175,47 @@ def read_hashed(path: Path, size: int, digest: Checksums) -> FileBuffer:
 
 
 def map_hashed(path: Path, size: int, digest: Checksums) -> FileBuffer:
-    """Map ``path`` and hash it through the mapping (see ``FileBuffer.map``)."""
-    buffer = FileBuffer.map(path, size)
-    advise = buffer.mapping is not None and hasattr(mmap, "MADV_SEQUENTIAL")
-    if advise:
-        buffer.mapping.madvise(mmap.MADV_SEQUENTIAL)  # type: ignore[union-attr]  # read ahead aggressively
-    for start in range(0, size, _READ_CHUNK):
-        digest.update(buffer.view[start : start + _READ_CHUNK])
-    if advise:
-        # SEQUENTIAL also makes the pages first to go under memory pressure; they are read again when copied out.
-        buffer.mapping.madvise(mmap.MADV_NORMAL)  # type: ignore[union-attr]
-    return buffer
+    """Check ``path`` by reading it once through a small scratch buffer, then map the same open file (see
+    ``FileBuffer.map``) without touching its pages.
+
+    The mapping costs no memory until its pages are read, and then only the pages of the tensors being copied out
+    (``FileBuffer.release`` gives them back), so a load holds the checked bytes in the page cache rather than in a
+    second copy of the state in the process's own memory. Hashing through the mapping instead would put every page
+    of the file in the process's memory at once. The mapping is of the very file that was read (the same open
+    descriptor, so a checkpoint renamed over this one meanwhile changes nothing), and it is refused if the file was
+    written since its check began.
+    """
+    with path.open("rb", buffering=0) as handle:
+        before = os.fstat(handle.fileno())
+        _hash_stream(handle, path, size, digest)
+        if _identity(os.fstat(handle.fileno())) != _identity(before):
+            raise CheckpointCorrupted(f"{path} was written to while it was being checked; it will not be loaded.")
+        return FileBuffer.map_open(handle, path, size)
+
+
+def _identity(stat: os.stat_result) -> tuple[int, int, int, int]:
+    return stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns
+
+
+def _hash_stream(handle: io.FileIO, path: Path, size: int, digest: Checksums) -> None:
+    """Hash the first ``size`` bytes of ``handle`` through one reused buffer (it stays in the CPU cache, and no
+    fresh page is touched)."""
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+    scratch = memoryview(bytearray(min(size, _READ_CHUNK)))
+    start = 0
+    while start < size:
+        count = handle.readinto(scratch[: min(len(scratch), size - start)]) or 0
+        if count == 0:
+            raise CheckpointCorrupted(f"{path} ended after {start} of its {size} bytes.")
+        digest.update(scratch[:count])
+        start += count
 
 
 def read_checked(path: Path, size: int, algorithms: Collection[str], mapped: bool) -> tuple[FileBuffer, dict[str, str]]:
-    """``path``'s bytes (mapped copy-on-write, or read into fresh memory) and their checksums, each byte hashed
-    as it arrives; a file system that cannot map files (some network and FUSE mounts) is read instead."""
+    """``path``'s bytes (checked, then mapped copy-on-write; or read into fresh memory) and their checksums, each
+    byte hashed as it arrives; a file system that cannot map files (some network and FUSE mounts) is read
+    instead."""
     digest = Checksums(algorithms)
     try:
         buffer = (map_hashed if mapped else read_hashed)(path, size, digest)

@@ -18,7 +18,7 @@ from torch import nn
 from cadence.checkpoint.errors import CheckpointError
 from cadence.checkpoint.matching import mismatch
 from cadence.checkpoint.schema import check_optimizer_state
-from cadence.strategies.optimizer_state import indexed_optimizer_state
+from cadence.strategies.optimizer_state import indexed_optimizer_state, parameters_by_name, positions
 
 if TYPE_CHECKING:
     from cadence.checkpoint.files import CheckpointReader, CheckpointWriter
@@ -75,12 +75,39 @@ def read_model(
     grads = reader.tensors(grad_file(index)) if entry["grads"] else {}
 
     def apply() -> None:
-        strategy.load_model_state_dict(module, weights)
+        live = module.state_dict(keep_vars=True)
+        # Each weight is copied into its parameter here, one at a time, so only that tensor's pages of the file are
+        # in memory at once; the parameter itself then goes to the strategy, whose load_state_dict copy of a tensor
+        # onto itself does nothing. Tensors a strategy shards (DTensors) are left for it to copy.
+        loaded = {name: _copy_into(live.get(name), saved, reader) for name, saved in weights.items()}
+        strategy.load_model_state_dict(module, loaded)
         # A checkpoint taken mid-accumulation-window carries the gradients so far; any other clears them.
         for name, parameter in module.named_parameters():
-            parameter.grad = grads[name].to(parameter.device) if name in grads else None
+            if name not in grads:
+                parameter.grad = None
+                continue
+            grad = _copy_into(parameter.grad, grads[name], reader)
+            parameter.grad = grad if grad is parameter.grad else reader.owned(grad).to(parameter.device)
 
     return apply
+
+
+def _reusable(target: object, saved: torch.Tensor) -> bool:
+    """Whether ``saved`` can be copied into ``target`` in place, giving what loading it would: a plain tensor (or
+    parameter) of the same shape and dtype."""
+    if type(target) not in (torch.Tensor, nn.Parameter):
+        return False
+    return isinstance(target, torch.Tensor) and target.shape == saved.shape and target.dtype == saved.dtype
+
+
+def _copy_into(target: torch.Tensor | None, saved: torch.Tensor, reader: CheckpointReader) -> torch.Tensor:
+    """``target`` holding ``saved``'s values, if it can (``_reusable``); otherwise ``saved``."""
+    if target is None or not _reusable(target, saved):
+        return saved
+    with torch.no_grad():
+        target.copy_(saved)
+    reader.release(saved)
+    return target
 
 
 def full_optimizer_entry(
@@ -106,13 +133,40 @@ def read_optimizer(
     state = check_optimizer_state(entry["state"], str(reader.directory), f"optimizers[{index}].state")
     if entry["keyed_by"] == BY_INDEX:
         _check_group_sizes(index, optimizer, state)
-        return lambda: optimizer.load_state_dict(state)
+        return lambda: optimizer.load_state_dict(_into_live_state(optimizer, state, positions(optimizer), reader))
     owner = _named_owner(index, module)
     try:
         indexed_optimizer_state(owner, optimizer, state)
     except ValueError as error:
         raise CheckpointError(f"Optimizer {index} does not match the checkpoint: {error}") from error
-    return lambda: strategy.load_optimizer_state_dict(owner, optimizer, state)
+
+    def apply() -> None:
+        named = _into_live_state(optimizer, state, parameters_by_name(owner), reader)
+        strategy.load_optimizer_state_dict(owner, optimizer, named)
+
+    return apply
+
+
+def _into_live_state(
+    optimizer: torch.optim.Optimizer, state_dict: dict[str, Any], parameters: dict[Any, Any], reader: CheckpointReader
+) -> dict[str, Any]:
+    """``state_dict`` with each saved tensor copied into the optimizer's live tensor for the same parameter and
+    key, where there is one it fits (``_reusable``), and that live tensor in its place: ``load_state_dict`` keeps
+    a tensor already of the parameter's dtype and device, so the state is loaded without a second copy of it in
+    memory. Any other saved tensor gets memory of its own (``reader.owned``)."""
+    state = {}
+    for key, saved in state_dict["state"].items():
+        parameter = parameters.get(key)
+        live = optimizer.state.get(parameter, {}) if parameter is not None else {}
+        entry = {}
+        for field, value in saved.items():
+            target = live.get(field)
+            if isinstance(value, torch.Tensor) and _reusable(target, value):
+                entry[field] = _copy_into(target, value, reader)
+            else:
+                entry[field] = reader.owned(value)
+        state[key] = entry
+    return {**state_dict, "state": state}
 
 
 def _named_owner(index: int, module: nn.Module | None) -> nn.Module:

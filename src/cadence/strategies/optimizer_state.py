@@ -28,6 +28,17 @@ def parameter_names(module: nn.Module) -> dict[int, str]:
     return names
 
 
+def parameters_by_name(module: nn.Module) -> dict[str, nn.Parameter]:
+    """The inverse of ``parameter_names``: the names a named optimizer state is keyed by, to their parameters."""
+    parameters = {id(parameter): parameter for parameter in module.parameters()}
+    return {name: parameters[key] for key, name in parameter_names(module).items()}
+
+
+def positions(optimizer: torch.optim.Optimizer) -> dict[int, torch.Tensor]:
+    """The positions ``optimizer.state_dict()`` keys its state by, to their parameters."""
+    return dict(enumerate(parameter for group in optimizer.param_groups for parameter in group["params"]))
+
+
 def _names_in_groups(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
     names = parameter_names(module)
     groups = []
