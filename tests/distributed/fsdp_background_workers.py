@@ -20,9 +20,15 @@ from tests.distributed.workers import dataset, full_weights, model, train_step
 BATCH = 4  # per rank: 4 steps an epoch on 2 ranks
 
 
-def _engine() -> tuple[cadence.Engine, nn.Module, Any, Any]:
+def uneven_model() -> nn.Module:
+    """Rows that 2 ranks cannot split evenly: 3 (2 and 1) and 1 (1 and an empty shard)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 1), nn.Linear(1, 2))
+
+
+def _engine(build: Callable[[], nn.Module] = model) -> tuple[cadence.Engine, nn.Module, Any, Any]:
     engine = cadence.Engine(accelerator="cpu", strategy="fsdp", seed=5, progress_bar=False)
-    net = model()
+    net = build()
     net, optimizer, data = engine.prepare(
         net, torch.optim.AdamW(net.parameters(), lr=0.01), DataLoader(dataset(), BATCH, shuffle=True)
     )
@@ -101,8 +107,9 @@ def _writes_held(opened: threading.Event, threads: list[str]) -> Iterator[None]:
 
 def mutate_after_snapshot(directory: str) -> dict[str, Any]:
     """Train 2 steps, save in the background, and change every weight and optimizer tensor in place as soon as
-    ``save_state`` returns (before DCP writes anything). Returns the values at the save and the ones loaded back."""
-    engine, net, optimizer, data = _engine()
+    ``save_state`` returns (before DCP writes anything). Returns the values at the save and the ones loaded back.
+    The model is sharded unevenly, down to an empty shard, which the snapshot copies as it is."""
+    engine, net, optimizer, data = _engine(uneven_model)
     for _, (inputs, targets, _ids) in zip(range(2), data, strict=False):
         train_step(engine, net, optimizer, inputs, targets)
     weights, moments = full_weights(engine, net), _local_optimizer_state(optimizer)
