@@ -6,11 +6,13 @@ import hashlib
 import json
 import zlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from cadence.checkpoint.files import CheckpointReader, CheckpointWriter
+from cadence.checkpoint.snapshot import HostBuffers
 
 
 def expected_checksums(data: bytes) -> dict[str, str]:
@@ -113,3 +115,43 @@ def test_a_file_system_that_cannot_map_files_is_read_instead(tmp_path: Path, mon
         reader.prefetch(["tensors.safetensors"], mapped=["tensors.safetensors"])
         loaded = reader.tensors("tensors.safetensors")
     assert torch.equal(loaded["weight"], mixed_tensors()["weight"])
+
+
+def write_tree_of(tensors: dict[str, torch.Tensor], written: list[dict[str, torch.Tensor]]) -> Any:
+    """A tree writer like DCP's: files of its own under the directory it is given."""
+
+    def write(directory: Path) -> None:
+        written.append({key: value.clone() for key, value in tensors.items()})
+        directory.mkdir()
+        (directory / "part.bin").write_bytes(b"".join(t.numpy().tobytes() for t in tensors.values()))
+
+    return write
+
+
+def test_a_snapshot_holds_tree_tensors_in_buffers_and_writes_the_tree_at_start(tmp_path: Path) -> None:
+    live = torch.arange(6, dtype=torch.float32)
+    writer = CheckpointWriter(tmp_path / "checkpoint", buffers=HostBuffers())
+    assert writer.snapshot
+    held = writer.hold("tree", "weight", live)
+    assert held is not live
+    written: list[dict[str, torch.Tensor]] = []
+    writer.write_tree("tree", write_tree_of({"weight": held}, written), record=True)
+    writer.seal()
+    live.add_(100.0)  # training goes on: the tree is written from the snapshot
+    assert written == [] and not (writer.directory / "tree").exists()
+    path = writer.commit(step=1)
+    assert torch.equal(written[0]["weight"], torch.arange(6, dtype=torch.float32))
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["files"]["tree/part.bin"]["size"] == 24
+
+
+def test_without_a_snapshot_a_tree_is_written_from_the_live_tensors_at_once(tmp_path: Path) -> None:
+    live = torch.arange(3, dtype=torch.float32)
+    writer = CheckpointWriter(tmp_path / "checkpoint")
+    assert not writer.snapshot
+    assert writer.hold("tree", "weight", live) is live
+    written: list[dict[str, torch.Tensor]] = []
+    writer.write_tree("tree", write_tree_of({"weight": live}, written), record=False)
+    assert len(written) == 1 and (writer.directory / "tree" / "part.bin").is_file()
+    manifest = json.loads((writer.commit(step=1) / "manifest.json").read_text())
+    assert "tree/part.bin" not in manifest["files"]  # another rank records it

@@ -96,6 +96,7 @@ class CheckpointWriter:
         self._buffers = buffers
         self._deferred: list[tuple[str, Callable[[Path], dict[str, str]]]] | None = None
         self._copied: Callable[[], None] | None = None
+        self._trees: list[Callable[[], None]] = []
         if buffers is not None:
             buffers.begin()
             self._deferred = []
@@ -111,6 +112,33 @@ class CheckpointWriter:
         if self._buffers is None:
             return tensor.cpu()
         return self._buffers.copy(f"{name}/{key}", tensor)
+
+    @property
+    def snapshot(self) -> bool:
+        """Whether this writer takes a snapshot: files are written later, on another thread (``start``)."""
+        return self._buffers is not None
+
+    def hold(self, name: str, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        """What a tree's writer (``write_tree``) should read for ``tensor``: under a snapshot, its copy in a host
+        buffer kept under ``name`` and ``key``; otherwise ``tensor`` itself, written before it changes."""
+        if self._buffers is None:
+            return tensor
+        return self._buffers.copy(f"{name}/{key}", tensor)
+
+    def write_tree(self, subdirectory: str, write: Callable[[Path], None], record: bool) -> None:
+        """Have ``write(path)`` (another library's writer, DCP: a collective of every rank) fill ``subdirectory``,
+        then, when ``record``, add its files to the manifest. Under a snapshot it runs in ``start``, on the thread
+        that completes the save, in the order the trees were handed over (the same on every rank)."""
+
+        def step() -> None:
+            write(self.directory / subdirectory)
+            if record:
+                self.record_tree(subdirectory)
+
+        if self._deferred is None:
+            step()
+        else:
+            self._trees.append(step)
 
     def seal(self) -> None:
         """End a snapshot, on the thread that took it: nothing more is handed over (device copies are recorded as
@@ -128,6 +156,9 @@ class CheckpointWriter:
         deferred, self._deferred = self._deferred, None
         for name, write in deferred:
             self._submit(name, write)
+        trees, self._trees = self._trees, []
+        for tree in trees:
+            tree()
 
     def write_tensors(self, name: str, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
         """Save ``tensors`` as the safetensors file ``name``, or, past ``PART_BYTES``, as parts

@@ -7,6 +7,7 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -20,7 +21,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from cadence.strategies.base import ObjectCollectives
-from cadence.strategies.distributed import DEFAULT_TIMEOUT, DistributedStrategy
+from cadence.strategies.distributed import DEFAULT_TIMEOUT, DistributedStrategy, _GroupCollectives
 from cadence.strategies.fsdp_checkpoint import save_sharded_model, save_sharded_optimizer
 
 if TYPE_CHECKING:
@@ -36,7 +37,9 @@ class FSDPStrategy(DistributedStrategy):
     ``engine.prepare(model, optimizer)`` re-points an optimizer made earlier (``prepare_optimizer``).
     Checkpoints are sharded: every rank writes its part through DCP (``fsdp_checkpoint``), and any number of
     ranks, or one process, reads them back resharded. A full-state checkpoint (from one process or DDP) loads
-    through ``load_model_state_dict`` / ``load_optimizer_state_dict``.
+    through ``load_model_state_dict`` / ``load_optimizer_state_dict``. A background save snapshots every rank's
+    own shards to host memory on the training thread and writes them with DCP on the save's thread, over a gloo
+    group of its own: the files are the same as a blocking save's.
     """
 
     name = "fsdp"
@@ -48,6 +51,8 @@ class FSDPStrategy(DistributedStrategy):
         super().__init__(device_type, timeout)
         self._replaced: dict[int, nn.Parameter] = {}
         """``id(parameter before fully_shard) -> its sharded replacement``, for optimizers built before."""
+        self._background_group: Any = None
+        """The gloo group of background saves (``background_collectives``), created at the first."""
 
     def configure_precision(self, precision: Any) -> None:
         if getattr(precision, "dtype", None) == torch.bfloat16 and not hasattr(precision, "scaler"):
@@ -113,16 +118,22 @@ class FSDPStrategy(DistributedStrategy):
         return {}
 
     def background_collectives(self) -> ObjectCollectives:
-        raise RuntimeError(
-            "strategy='fsdp' cannot save a checkpoint in the background yet: its shards are written by "
-            "torch.distributed.checkpoint collectives on the training process group, which a background thread "
-            "would interleave with training's. Save with engine.save_state(blocking=True), or "
-            "Checkpoint(async_save=False)."
-        )
+        # The save's thread writes the shards with DCP, whose plans and results are gathered by collectives: on the
+        # training group they would interleave with FSDP's all-gathers and reduce-scatters in a different order on
+        # each rank, and hang. DCP runs on the same gloo group of its own as the commit (one thread uses both, one
+        # after the other). Created at the first background save, which every rank reaches in the same order.
+        if self._background is None:
+            self._background_group = dist.new_group(backend="gloo", timeout=self._timeout)
+            self._background = _GroupCollectives(self._background_group)
+        return self._background
+
+    def _dcp_group(self, writer: CheckpointWriter) -> Any:
+        """The group DCP writes on: a snapshot is written on the save's thread, over the background group."""
+        return self._background_group if writer.snapshot else None
 
     def save_model(self, module: nn.Module, writer: CheckpointWriter, index: int) -> dict[str, Any]:
         _refuse_accumulated_gradients(module)
-        return save_sharded_model(module, writer, index, main=self.rank == 0)
+        return save_sharded_model(module, writer, index, main=self.rank == 0, group=self._dcp_group(writer))
 
     def save_optimizer(
         self, module: nn.Module | None, optimizer: torch.optim.Optimizer, writer: CheckpointWriter, index: int
@@ -131,7 +142,9 @@ class FSDPStrategy(DistributedStrategy):
             # Before the first step there is nothing to shard (and DCP's functions would first take a step to
             # create it): the full, empty state serves.
             return super().save_optimizer(module, optimizer, writer, index)
-        return save_sharded_optimizer(module, optimizer, writer, index, main=self.rank == 0)
+        return save_sharded_optimizer(
+            module, optimizer, writer, index, main=self.rank == 0, group=self._dcp_group(writer)
+        )
 
 
 def _refuse_accumulated_gradients(module: nn.Module) -> None:

@@ -8,6 +8,7 @@ reading a checkpoint never unpickles anything (DCP's default layer pickles its `
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +20,7 @@ from torch.distributed.checkpoint import state_dict as dcp_state
 from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.tensor import DTensor
 
 from cadence.checkpoint.errors import CheckpointError
 from cadence.strategies.checkpoint_state import SHARDED_MODEL, SHARDS, check_model_shapes
@@ -50,9 +52,27 @@ def _load(state: dict[str, Any], path: Path) -> None:
         dcp_load(state, storage_reader=_reader(path))
 
 
-def save_model_shards(module: nn.Module, path: Path) -> None:
-    """Every rank writes its shards of ``module``'s state under ``path`` (a collective)."""
-    dcp_save(get_model_state_dict(module), storage_writer=_writer(path))
+def _save(state: dict[str, Any], path: Path, group: Any = None) -> None:
+    """Every rank of ``group`` (the default group: None) writes its shards of ``state`` under ``path``."""
+    dcp_save(state, storage_writer=_writer(path), process_group=group)
+
+
+def _held(writer: CheckpointWriter, name: str, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` as ``writer.hold`` gives each tensor: a snapshot copies every rank's own shards to host memory."""
+    return {key: _hold(writer, name, key, value) for key, value in state.items()}
+
+
+def _hold(writer: CheckpointWriter, name: str, key: str, value: torch.Tensor) -> torch.Tensor:
+    if not isinstance(value, DTensor):
+        return writer.hold(name, key, value)
+    local = value.to_local()
+    held = writer.hold(name, key, local)
+    if held is local:
+        return value
+    # The host copy keeps the shard's place (mesh, placements, global shape), which is all DCP writes from.
+    # DTensor.from_local would move it back to the mesh's device; DCP's own staging rewraps its host copies the
+    # same way (torch.distributed._state_dict_utils).
+    return DTensor(held, value._spec, requires_grad=False)  # type: ignore[no-untyped-call]
 
 
 def saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:
@@ -69,13 +89,12 @@ def load_model_shards(module: nn.Module, path: Path) -> None:
 
 
 def model_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
-    """The full shape of every entry ``save_model_shards`` would write for ``module``."""
+    """The full shape of every entry ``save_sharded_model`` writes for ``module``."""
     return {key: tuple(value.shape) for key, value in get_model_state_dict(module).items()}
 
 
-def save_optimizer_shards(module: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> dict[str, Any]:
-    """Every rank writes its shards of the optimizer's tensors; returns the rest (param groups, scalars) for the
-    checkpoint's JSON."""
+def _optimizer_shards(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The optimizer's tensors, flat, for DCP, and the rest (param groups, scalars) for the checkpoint's JSON."""
     state = get_optimizer_state_dict(module, optimizer)
     tensors = {}
     scalars: dict[str, dict[str, Any]] = {}
@@ -85,8 +104,7 @@ def save_optimizer_shards(module: nn.Module, optimizer: torch.optim.Optimizer, p
                 tensors[f"{name}{_SEPARATOR}{key}"] = value
             else:
                 scalars.setdefault(str(name), {})[key] = value
-    dcp_save(tensors, storage_writer=_writer(path))
-    return {"param_groups": state["param_groups"], "scalars": scalars}
+    return tensors, {"param_groups": state["param_groups"], "scalars": scalars}
 
 
 def load_optimizer_shards(
@@ -114,13 +132,15 @@ def _shard_directory(kind: str, index: int) -> str:
     return f"{kind}_{index}.shards"
 
 
-def save_sharded_model(module: nn.Module, writer: CheckpointWriter, index: int, main: bool) -> dict[str, Any]:
-    """Every rank writes its shards of model ``index`` (a collective); the main rank lists them in the manifest
-    (DCP returns only once every rank's files are written) and returns the state.json entry."""
+def save_sharded_model(
+    module: nn.Module, writer: CheckpointWriter, index: int, main: bool, group: Any = None
+) -> dict[str, Any]:
+    """Every rank writes its shards of model ``index`` (a collective over ``group``, None: the default one); the
+    main rank lists them in the manifest (DCP returns only once every rank's files are written) and returns the
+    state.json entry. Under a snapshot the shards are copied now and written when the writer starts."""
     shards = _shard_directory("model", index)
-    save_model_shards(module, writer.directory / shards)
-    if main:
-        writer.record_tree(shards)
+    state = _held(writer, shards, get_model_state_dict(module))
+    writer.write_tree(shards, functools.partial(_save, state, group=group), record=main)
     return {"format": SHARDED_MODEL, "aliases": {}, "grads": False}
 
 
@@ -138,19 +158,23 @@ def read_sharded_model(module: nn.Module, reader: CheckpointReader, index: int) 
 
 
 def save_sharded_optimizer(
-    module: nn.Module | None, optimizer: torch.optim.Optimizer, writer: CheckpointWriter, index: int, main: bool
+    module: nn.Module | None,
+    optimizer: torch.optim.Optimizer,
+    writer: CheckpointWriter,
+    index: int,
+    main: bool,
+    group: Any = None,
 ) -> dict[str, Any]:
-    """Every rank writes its shards of optimizer ``index``'s tensors (a collective); returns the state.json entry
-    with the rest (param groups, scalars)."""
+    """Every rank writes its shards of optimizer ``index``'s tensors (a collective over ``group``, as
+    ``save_sharded_model``); returns the state.json entry with the rest (param groups, scalars)."""
     if module is None:
         raise CheckpointError(
             "A sharded checkpoint saves each optimizer with the model it updates, but this optimizer's parameters "
             "span several models: give each model its own optimizer."
         )
     shards = _shard_directory("optimizer", index)
-    rest = save_optimizer_shards(module, optimizer, writer.directory / shards)
-    if main:
-        writer.record_tree(shards)
+    tensors, rest = _optimizer_shards(module, optimizer)
+    writer.write_tree(shards, functools.partial(_save, _held(writer, shards, tensors), group=group), record=main)
     return {"keyed_by": SHARDS, "state": rest}
 
 
