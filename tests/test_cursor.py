@@ -18,12 +18,15 @@ from tests.helpers import assert_same_state
 BATCH = 4
 
 
-def cursor(samples: int = 16, *, own_sampler: bool = False, seed: int = 4) -> DataCursor:
+def cursor(
+    samples: int = 16, *, own_sampler: bool = False, seed: int = 4, workers: int = 0, persistent: bool = False
+) -> DataCursor:
     dataset = TensorDataset(torch.arange(samples))
+    options: dict[str, Any] = {"batch_size": BATCH, "num_workers": workers, "persistent_workers": persistent}
     if own_sampler:
         sampler = SubsetRandomSampler(range(samples), generator=torch.Generator().manual_seed(1))
-        return DataCursor(to_stateful(DataLoader(dataset, batch_size=BATCH, sampler=sampler), seed=seed))
-    return DataCursor(to_stateful(DataLoader(dataset, batch_size=BATCH, shuffle=True), seed=seed))
+        return DataCursor(to_stateful(DataLoader(dataset, sampler=sampler, **options), seed=seed))
+    return DataCursor(to_stateful(DataLoader(dataset, shuffle=True, **options), seed=seed))
 
 
 def ids(batch: Any) -> list[int]:
@@ -91,6 +94,43 @@ def test_an_exception_inside_a_pass_pauses_the_cursor_too() -> None:
                 raise ZeroDivisionError
     assert data.state_dict()["batches_done"] == 3 and data.epoch == 0
     assert len(run_pass(data)) == 1
+
+
+@pytest.mark.slow  # starts worker processes
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("own_sampler", [False, True])
+def test_a_pass_left_early_stops_its_worker_processes_at_once(own_sampler: bool, persistent: bool) -> None:
+    # Left running, the workers were stopped only when the garbage collector reached the loader, which then waited
+    # 5 s per worker in whatever code triggered the collection.
+    data = cursor(own_sampler=own_sampler, workers=2, persistent=persistent)
+    iterator = data.epoch_batches()
+    taken = [ids(next(iterator)[0])]
+    workers = list(data.loader._iterator._workers)
+    assert len(workers) == 2 and all(worker.is_alive() for worker in workers)
+    iterator.close()  # type: ignore[attr-defined]
+    assert not any(worker.is_alive() for worker in workers)
+    without_workers = cursor(own_sampler=own_sampler)
+    assert taken + run_pass(data) == stop_after(without_workers, 1) + run_pass(without_workers)
+
+
+@pytest.mark.slow  # starts worker processes
+def test_close_stops_persistent_workers_and_the_next_pass_continues() -> None:
+    data, reference = cursor(workers=2, persistent=True), cursor()
+    assert run_pass(data) == run_pass(reference)
+    workers = list(data.loader._iterator._workers)
+    assert len(workers) == 2 and all(worker.is_alive() for worker in workers)  # persistent: kept between passes
+    data.close()
+    assert not any(worker.is_alive() for worker in workers)
+    assert run_pass(data) == run_pass(reference)
+
+
+def test_close_inside_a_running_pass_is_refused_and_the_pass_goes_on() -> None:
+    data, reference = cursor(), cursor()
+    iterator = data.epoch_batches()
+    taken = [ids(next(iterator)[0])]
+    with pytest.raises(RuntimeError, match=r"Leave the loop first \(break\), then call close\(\)"):
+        data.close()
+    assert taken + [ids(batch) for batch, _ in iterator] == run_pass(reference)
 
 
 def test_a_whole_pass_moves_to_the_next_epoch_with_no_pending_position() -> None:

@@ -225,3 +225,22 @@ def test_an_unshardable_sampler_is_named_with_the_argument_to_drop() -> None:
     batches = BatchSampler(SequentialSampler(dataset), batch_size=4, drop_last=False)
     with pytest.raises(ValueError, match=r"BatchSampler passed as batch_sampler=.*DistributedSampler"):
         check_shardable(DataLoader(dataset, batch_sampler=batches))
+
+
+@pytest.mark.slow  # iterating starts two worker processes
+def test_close_stops_the_persistent_workers_of_a_prepared_loader_and_keeps_its_position() -> None:
+    def prepared(workers: int) -> Any:
+        loader = DataLoader(
+            ids_dataset(12), batch_size=4, shuffle=True, num_workers=workers, persistent_workers=bool(workers)
+        )
+        return engine().prepare(loader)
+
+    data, reference = prepared(2), prepared(0)
+    first = next(iter(data))
+    rest = [ids(batch) for batch in data]
+    workers = list(data.loader._iterator._workers)
+    assert len(workers) == 2 and all(worker.is_alive() for worker in workers)  # persistent: kept after the pass
+    data.close()
+    assert not any(worker.is_alive() for worker in workers)
+    assert [ids(first), *rest] == [ids(batch) for batch in reference]
+    assert [ids(batch) for batch in data] == [ids(batch) for batch in reference]

@@ -81,6 +81,19 @@ class DataCursor:
         self._start_index = start
         return self._pass(start)
 
+    def close(self) -> None:
+        """Stop the loader's worker processes now: those ``persistent_workers`` keep waiting between passes (a pass
+        left early stops its own). The position is kept; the next pass starts fresh workers where it stands."""
+        if self._in_epoch:
+            raise RuntimeError(
+                "close() was called while a pass over this dataloader is running; its workers are still feeding it. "
+                "Leave the loop first (break), then call close()."
+            )
+        iterator = getattr(self.loader, "_iterator", None)  # the StatefulDataLoader keeps it between passes
+        self.loader.load_state_dict({})  # drops the loader's iterator; a pending position stays in next_iter_state
+        if iterator is not None:
+            _stop_workers(iterator)
+
     def num_batches(self) -> int | None:
         """Batches in a whole epoch, ``None`` without a length."""
         try:
@@ -129,7 +142,10 @@ class DataCursor:
         finally:
             self.in_last_batch = False
             if not finished:
-                self._pause(generator)
+                try:
+                    self._pause(generator)
+                finally:
+                    _stop_workers(iterator)
             self._in_epoch = False
             self._state_before_read_ahead = None
         self.empty_epoch = start == 0 and self._batches_done == 0
@@ -140,8 +156,12 @@ class DataCursor:
         taken now continues with the next batch instead of restarting the epoch."""
         self._pending_batches = self._batches_done
         self._pending_samples = self._samples_done()
+        # Either call also drops the loader's iterator, so the next pass opens a fresh one (with persistent workers
+        # it would otherwise reset the one _stop_workers shut).
         if self.sampler is None:
             self.loader.load_state_dict(self._loader_state())
+        else:
+            self.loader.load_state_dict({})  # the sampler's start_sample carries the position
         self._pending_generator_state = None if generator is None else generator.get_state()
 
     def _read_ahead(self, iterator: Iterator[Any]) -> Iterator[tuple[Any, bool]]:
@@ -325,3 +345,13 @@ class DataCursor:
             return len(self.loader)
         except TypeError:
             return None
+
+
+def _stop_workers(iterator: Any) -> None:
+    """Stop a loader iterator's worker processes now. Left to the garbage collector (the engine and its loaders form
+    reference cycles), the iterator is finalized after its queues' own finalizers have stopped their feeder threads:
+    the shutdown message never reaches the workers, and each join waits out torch's 5 s timeout, stalling whatever
+    code happens to trigger that collection."""
+    shutdown = getattr(iterator, "_shutdown_workers", None)  # torch has no public close for an iterator
+    if shutdown is not None:
+        shutdown()

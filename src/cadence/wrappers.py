@@ -253,6 +253,11 @@ class PreparedDataLoader:
         """Restore a ``state_dict()``, after ``check_state_dict`` accepted it."""
         self.cursor.load_state_dict(state_dict)
 
+    def close(self) -> None:
+        """Stop the worker processes that ``persistent_workers`` keep between passes, now rather than when the
+        garbage collector reaches this loader (which costs seconds per worker). The position is kept."""
+        self.cursor.close()
+
     def __iter__(self) -> Iterator[Any]:
         training = self._drives_training
         if training is None:
