@@ -244,3 +244,14 @@ def test_close_stops_the_persistent_workers_of_a_prepared_loader_and_keeps_its_p
     assert not any(worker.is_alive() for worker in workers)
     assert [ids(first), *rest] == [ids(batch) for batch in reference]
     assert [ids(batch) for batch in data] == [ids(batch) for batch in reference]
+
+
+@pytest.mark.slow  # iterating starts two worker processes
+def test_engine_close_stops_the_persistent_workers_of_its_loaders() -> None:
+    run = engine()
+    data = run.prepare(DataLoader(ids_dataset(12), batch_size=4, num_workers=2, persistent_workers=True))
+    assert len([batch for batch in data]) == 3
+    workers = list(data.loader._iterator._workers)
+    assert all(worker.is_alive() for worker in workers)
+    run.close()
+    assert not any(worker.is_alive() for worker in workers)

@@ -243,8 +243,10 @@ class Engine:
         return prepared
 
     def _release_dataloader(self, loader: PreparedDataLoader) -> None:
-        """Stop saving and restoring ``loader`` with the engine (a dataloader an earlier ``fit()`` used)."""
+        """Stop saving and restoring ``loader`` with the engine (a dataloader an earlier ``fit()`` used), and stop
+        the worker processes it keeps (``persistent_workers``) now rather than when the garbage collector finds it."""
         self._dataloaders = [prepared for prepared in self._dataloaders if prepared is not loader]
+        loader.close()
 
     def _prepare_model(self, model: nn.Module) -> nn.Module:
         if any(model is existing for existing in self._models):
@@ -374,12 +376,17 @@ class Engine:
         return 0
 
     def close(self) -> None:
-        """Wait for a checkpoint still saving in the background (raising its failure), then release the strategy's
-        resources (the process group it created). The engine is unusable after."""
+        """Wait for a checkpoint still saving in the background (raising its failure), stop the worker processes
+        prepared dataloaders keep (``persistent_workers``), then release the strategy's resources (the process group
+        it created). The engine is unusable after."""
         try:
             self._saves.close(self)
         finally:
-            self.strategy.teardown()
+            try:
+                for loader in self._dataloaders:
+                    loader.close()
+            finally:
+                self.strategy.teardown()
 
     def __enter__(self) -> Engine:
         """``with Engine(...) as engine:`` closes the engine (and the process group it created) on leaving the
