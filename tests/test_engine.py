@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 import cadence
 from cadence.testing import FakeEngine, RecordingCallback
@@ -488,3 +488,10 @@ def test_a_non_finite_loss_skipped_by_fp16_scaling_is_not_counted() -> None:
     eng = engine(callbacks=[MixedPrecision("fp16")])
     eng.fit(BlowsUpOnce(), loader(), max_steps=3)
     assert eng.state.non_finite_steps == 0 and eng.state.skipped_steps == {"overflow": 1}
+
+
+def test_an_exception_leaving_a_with_engine_block_mid_pass_is_the_one_raised() -> None:
+    with pytest.raises(ZeroDivisionError), cadence.Engine(accelerator="cpu", progress_bar=False) as run:
+        batches = iter(run.prepare(DataLoader(TensorDataset(torch.arange(8.0)), batch_size=2)))
+        next(batches)
+        raise ZeroDivisionError  # close() runs while the pass `batches` holds is still suspended

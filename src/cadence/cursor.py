@@ -81,6 +81,11 @@ class DataCursor:
         self._start_index = start
         return self._pass(start)
 
+    @property
+    def in_pass(self) -> bool:
+        """True while a pass is running (started and neither finished nor left)."""
+        return self._in_epoch
+
     def close(self) -> None:
         """Stop the loader's worker processes now: those ``persistent_workers`` keep waiting between passes (a pass
         left early stops its own). The position is kept; the next pass starts fresh workers where it stands."""

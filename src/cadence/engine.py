@@ -246,7 +246,8 @@ class Engine:
         """Stop saving and restoring ``loader`` with the engine (a dataloader an earlier ``fit()`` used), and stop
         the worker processes it keeps (``persistent_workers``) now rather than when the garbage collector finds it."""
         self._dataloaders = [prepared for prepared in self._dataloaders if prepared is not loader]
-        loader.close()
+        if not loader.in_pass:
+            loader.close()
 
     def _prepare_model(self, model: nn.Module) -> nn.Module:
         if any(model is existing for existing in self._models):
@@ -383,8 +384,11 @@ class Engine:
             self._saves.close(self)
         finally:
             try:
+                # A pass still running (close() from a `with Engine()` block an exception is leaving) stops its
+                # own workers when it is left; closing it here would hide the exception behind a refusal.
                 for loader in self._dataloaders:
-                    loader.close()
+                    if not loader.in_pass:
+                        loader.close()
             finally:
                 self.strategy.teardown()
 

@@ -253,6 +253,11 @@ class PreparedDataLoader:
         """Restore a ``state_dict()``, after ``check_state_dict`` accepted it."""
         self.cursor.load_state_dict(state_dict)
 
+    @property
+    def in_pass(self) -> bool:
+        """True while a pass over this loader is running (a ``for`` loop over it has neither finished nor left)."""
+        return self.cursor.in_pass
+
     def close(self) -> None:
         """Stop the worker processes that ``persistent_workers`` keep between passes, now rather than when the
         garbage collector reaches this loader (which costs seconds per worker). The position is kept."""
