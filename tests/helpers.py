@@ -78,3 +78,23 @@ def hand_written_loop(engine: cadence.Engine) -> None:
         engine.backward(step.training_step(batch))
         optimizer.step()
         optimizer.zero_grad()
+
+
+class BatchClock:
+    """A clock for ``Timer(clock=...)`` whose seconds move only when a batch starts (``SecondsPerBatch``)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class SecondsPerBatch(cadence.Callback):
+    """Each batch takes ``seconds`` on ``clock``: one number, or one per rank."""
+
+    def __init__(self, clock: BatchClock, seconds: float | tuple[float, ...] = 10.0) -> None:
+        self.clock, self.seconds = clock, seconds
+
+    def on_batch_start(self, engine: cadence.Engine) -> None:
+        self.clock.now += self.seconds[engine.rank] if isinstance(self.seconds, tuple) else self.seconds

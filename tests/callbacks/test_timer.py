@@ -15,25 +15,15 @@ import cadence
 from cadence.callbacks import Checkpoint, GradientAccumulation, Timer
 from cadence.callbacks.timer import parse_duration
 from cadence.testing import FakeEngine, TinyStep, tiny_dataloader
-from tests.helpers import RegressionStep, assert_bitwise_equal, hand_written_loop, loader, parameters
-
-
-class Clock:
-    """Seconds that move only when a batch starts (``SecondsPerBatch``)."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-class SecondsPerBatch(cadence.Callback):
-    def __init__(self, clock: Clock, seconds: float = 10.0) -> None:
-        self.clock, self.seconds = clock, seconds
-
-    def on_batch_start(self, engine: cadence.Engine) -> None:
-        self.clock.now += self.seconds
+from tests.helpers import (
+    BatchClock,
+    RegressionStep,
+    SecondsPerBatch,
+    assert_bitwise_equal,
+    hand_written_loop,
+    loader,
+    parameters,
+)
 
 
 @pytest.mark.parametrize(
@@ -69,7 +59,7 @@ def test_bad_check_every_n_steps_and_clock() -> None:
 
 
 def test_time_up_saves_then_stops_at_that_step(capsys: pytest.CaptureFixture[str]) -> None:
-    clock = Clock()
+    clock = BatchClock()
     timer = Timer(35, clock=clock)  # 10 s a batch: over at the end of batch 3 (40 s)
     fake = FakeEngine(callbacks=[SecondsPerBatch(clock), timer])
     state = fake.fit(TinyStep(), tiny_dataloader(), max_epochs=5)
@@ -82,7 +72,7 @@ def test_time_up_saves_then_stops_at_that_step(capsys: pytest.CaptureFixture[str
 
 
 def test_save_last_does_not_save_the_step_the_timer_saved() -> None:
-    clock = Clock()
+    clock = BatchClock()
     fake = FakeEngine(callbacks=[SecondsPerBatch(clock), Checkpoint(), Timer(35, clock=clock)])
     state = fake.fit(TinyStep(), tiny_dataloader(), max_epochs=5)
     # Timer saves its own checkpoint (it must hold the spent budget), and save_last at FIT_END adds none.
@@ -90,7 +80,7 @@ def test_save_last_does_not_save_the_step_the_timer_saved() -> None:
 
 
 def test_checks_wait_for_the_end_of_an_accumulation_window_and_every_n_steps() -> None:
-    clock = Clock()
+    clock = BatchClock()
     # Over after batch 0, but windows of 2 end at odd batches and only every 2nd step is checked: batch 3, step 2.
     fake = FakeEngine(callbacks=[SecondsPerBatch(clock), GradientAccumulation(2), Timer(5, 2, clock=clock)])
     state = fake.fit(TinyStep(), tiny_dataloader(), max_epochs=5)
@@ -98,7 +88,7 @@ def test_checks_wait_for_the_end_of_an_accumulation_window_and_every_n_steps() -
 
 
 def test_ranks_agree_through_one_max_reduce_per_check_and_count_the_slowest_ranks_time() -> None:
-    clock = Clock()
+    clock = BatchClock()
     timer = Timer(1000, clock=clock)
     fake = FakeEngine(callbacks=[SecondsPerBatch(clock), timer], rank=1, world_size=2)
     calls: list[tuple[float, str]] = []
@@ -117,7 +107,7 @@ def test_ranks_agree_through_one_max_reduce_per_check_and_count_the_slowest_rank
 
 
 def test_elapsed_counts_over_fits_and_is_in_the_state_dict() -> None:
-    clock = Clock()
+    clock = BatchClock()
     timer = Timer(1000, clock=clock)
     fake = FakeEngine(callbacks=[SecondsPerBatch(clock), timer])
     fake.fit(TinyStep(), tiny_dataloader(batches=2), max_epochs=1)
@@ -128,7 +118,7 @@ def test_elapsed_counts_over_fits_and_is_in_the_state_dict() -> None:
 
 
 def test_a_resumed_run_whose_time_is_spent_stops_before_any_batch(capsys: pytest.CaptureFixture[str]) -> None:
-    clock = Clock()
+    clock = BatchClock()
     timer = Timer(20, clock=clock)
     timer.load_state_dict({"elapsed": 25.0})
     fake = FakeEngine(callbacks=[SecondsPerBatch(clock), timer])
@@ -137,7 +127,9 @@ def test_a_resumed_run_whose_time_is_spent_stops_before_any_batch(capsys: pytest
     assert "the 0:00:20 budget was already used (0:00:25); raise max_duration" in capsys.readouterr().out
 
 
-def run(project: Path, clock: Clock, max_duration: float, resume: bool = False) -> tuple[cadence.State, Timer, Any]:
+def run(
+    project: Path, clock: BatchClock, max_duration: float, resume: bool = False
+) -> tuple[cadence.State, Timer, Any]:
     timer = Timer(max_duration, clock=clock)
     callbacks = [SecondsPerBatch(clock), GradientAccumulation(2), timer]
     engine = cadence.Engine(accelerator="cpu", seed=0, project_dir=project, progress_bar=False, callbacks=callbacks)
@@ -149,8 +141,8 @@ def run(project: Path, clock: Clock, max_duration: float, resume: bool = False) 
 def test_stopped_by_the_timer_and_resumed_equals_the_uninterrupted_run_and_elapsed_carries_on(
     tmp_path: Path,
 ) -> None:
-    _, _, expected = run(tmp_path / "straight", Clock(), max_duration=10**6)
-    clock = Clock()
+    _, _, expected = run(tmp_path / "straight", BatchClock(), max_duration=10**6)
+    clock = BatchClock()
     stopped, timer, _ = run(tmp_path / "timed", clock, max_duration=125)  # 10 s a batch: batch 12 is over it
     assert (stopped.epoch, stopped.batch_idx, stopped.step) == (1, 3, 7)  # batch 13, the window's end
     assert timer.elapsed == 140.0
@@ -162,7 +154,7 @@ def test_stopped_by_the_timer_and_resumed_equals_the_uninterrupted_run_and_elaps
 
 
 def test_a_hand_written_loop_is_told_once_that_the_timer_does_nothing_there() -> None:
-    clock = Clock()
+    clock = BatchClock()
     fake = FakeEngine(callbacks=[SecondsPerBatch(clock), Timer(5, clock=clock)])
     with pytest.warns(UserWarning, match=r"Timer acts only inside engine.fit\(\)") as caught:
         hand_written_loop(fake)

@@ -14,7 +14,7 @@ import cadence
 from cadence.callbacks import Checkpoint, LearningRateMonitor, ThroughputMonitor, Timer
 from cadence.checkpoint.layout import CheckpointDirectory
 from cadence.testing import TinyStep, tiny_dataloader
-from tests.helpers import RegressionStep
+from tests.helpers import BatchClock, RegressionStep, SecondsPerBatch
 
 WORLD = 2
 # best-k: this learning rate overshoots, so the validation loss goes up and down and checkpoints leave the best k.
@@ -213,31 +213,11 @@ def throughput_and_lr() -> list[dict[str, Any]]:
 
 
 # --- Timer --------------------------------------------------------------------------------------------------------
-class Clock:
-    """Seconds that move only when a batch starts (``SecondsPerBatch``)."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-class SecondsPerBatch(cadence.Callback):
-    """Each batch of rank r takes ``BATCH_SECONDS[r]`` on ``clock``."""
-
-    def __init__(self, clock: Clock) -> None:
-        self.clock = clock
-
-    def on_batch_start(self, engine: cadence.Engine) -> None:
-        self.clock.now += BATCH_SECONDS[engine.rank]
-
-
 def timed(project_dir: str) -> dict[str, Any]:
     """``fit(resume="latest")`` under ``Timer(BUDGET)`` on clocks that run at each rank's own pace."""
-    clock = Clock()
+    clock = BatchClock()
     timer = Timer(BUDGET, clock=clock)
-    run = engine(project_dir, [SecondsPerBatch(clock), timer])
+    run = engine(project_dir, [SecondsPerBatch(clock, BATCH_SECONDS), timer])
     state = run.fit(TinyStep(), tiny_dataloader(batches=8), max_epochs=5, resume="latest")
     return {
         "step": state.step,
