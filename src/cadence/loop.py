@@ -51,7 +51,7 @@ def run_fit(
         _resume(engine, resume)
     state = engine.state
     state.max_epochs, state.max_steps = max_epochs, max_steps
-    state.should_stop = max_steps is not None and state.step >= max_steps
+    state.should_stop = _reached(state)
     state.stop_reason = state.exit_code = None
     if resume is not None and (state.should_stop or (max_epochs is not None and train_loader.epoch >= max_epochs)):
         engine.print(
@@ -76,7 +76,7 @@ def run_fit(
                     if scheduler is not None:
                         scheduler.step()
                     optimizer.zero_grad()
-                if max_steps is not None and state.step >= max_steps:
+                if _reached(state):
                     state.stop()
             if train_loader.empty_epoch:
                 raise RuntimeError(
@@ -220,6 +220,7 @@ def _unpack_training_output(engine: Engine, output: Any) -> tuple[torch.Tensor, 
 
 
 def _reached(state: State) -> bool:
+    """True once the run's ``max_steps`` (if any) optimizer updates are done."""
     return state.max_steps is not None and state.step >= state.max_steps
 
 
