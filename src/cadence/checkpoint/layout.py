@@ -127,7 +127,7 @@ class CheckpointDirectory:
     def delete(self, path: Path) -> bool:
         """Delete ``path`` if it is one of this directory's ``checkpoint_{n}``, committed (with a manifest: anything
         else under such a name is not cadence's to delete), not a link, and not protected. True if it was."""
-        if path.absolute().parent != self.root.absolute() or not _NAME.match(path.name) or path.is_symlink():
+        if not self.names(path) or path.is_symlink():
             return False
         if self.is_protected(path) or not is_checkpoint(path):
             return False
