@@ -90,9 +90,12 @@ def ranking(callback: Checkpoint) -> dict[str, Any]:
 def best_k(project_dir: str, async_save: bool = False) -> dict[str, Any]:
     """Train with ``Checkpoint(monitor="val/loss", save_top_k=BEST_K)``; what this rank ranked, deleted and found."""
     callback = Checkpoint(monitor="val/loss", save_top_k=BEST_K, async_save=async_save)
+    run = engine(project_dir, [callback])
+    # Built after the engine seeded torch: the same weights, so the same validation losses, in every job and run
+    # (the losses must rise and fall for anything to leave the best k).
     step = LocalValidationStep()
     validations = Validations(step)
-    run = engine(project_dir, [callback, validations])
+    run.add_callback(validations)
     run.checkpoints = directory = CountingDirectory(run.checkpoints.root)
     run.fit(step, tiny_dataloader(batches=4), max_epochs=BEST_EPOCHS, val_dataloader=tiny_dataloader(2, seed=1))
     on_disk = settled_listing(run)
