@@ -238,7 +238,7 @@ class Engine:
         # Every rank must shuffle with the same seed: the order is global and each rank takes its slice.
         seed = self.seed if self.seed is not None else self.strategy.broadcast_object(draw_seed(loader))
         stateful = to_stateful(loader, seed, rank=self.rank, world_size=self.world_size)
-        prepared = PreparedDataLoader(stateful, self, self._move_batch)
+        prepared = PreparedDataLoader(stateful, self, self._move_batch, seed_chosen=self.seed is not None)
         self._dataloaders.append(prepared)
         return prepared
 

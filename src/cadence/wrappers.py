@@ -186,11 +186,14 @@ class PreparedDataLoader:
 
     A pass that does not drive training still moves batches, resumes, and marks its last batch (``in_last_batch``,
     which ``engine.gather_for_metrics`` reads to drop padding).
+
+    ``seed_chosen``: whether the loader's shuffling seed was chosen (``Engine(seed=...)``) rather than drawn by the
+    engine; a drawn one gives way to the seed a checkpoint recorded (see ``DataCursor``).
     """
 
-    def __init__(self, loader: Any, engine: RunSurface, mover: BatchMover) -> None:
+    def __init__(self, loader: Any, engine: RunSurface, mover: BatchMover, *, seed_chosen: bool = True) -> None:
         self.loader = loader
-        self.cursor = DataCursor(loader)
+        self.cursor = DataCursor(loader, seed_chosen=seed_chosen)
         self._engine = engine
         self._move = mover
         self._drives_training: bool | None = None
