@@ -41,6 +41,10 @@ class GradientAccumulation(Callback):
         self._item_mode: bool | None = None
         self._no_items = False
 
+    def steps_per_epoch(self, batches: int) -> int:
+        """One step per window, the epoch's last (maybe short) window included."""
+        return -(-batches // self.steps)
+
     def on_batch_start(self, engine: Engine) -> None:
         state = engine.state
         position = state.batch_idx % self.steps

@@ -50,6 +50,12 @@ class Callback:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what ``state_dict()`` returned (after ``check_state_dict`` accepted it)."""
 
+    def steps_per_epoch(self, batches: int) -> int:
+        """How many optimizer steps an epoch of ``batches`` training batches takes with this callback attached, given
+        ``batches`` as the callbacks before it left it (``engine.estimated_steps`` asks each in turn). Override it in
+        a callback that changes the count, as gradient accumulation does."""
+        return batches
+
     def on_fit_start(self, engine: Engine) -> None:
         """See ``Event.FIT_START``."""
 

@@ -141,6 +141,25 @@ class ResumableBatchSampler(Sampler[list[int]]):
             yield padded[rank * share : (rank + 1) * share]
 
 
+def batches_per_epoch(loader: DataLoader[Any], world_size: int) -> int | None:
+    """Batches each rank gets from a whole epoch of ``loader`` once prepared on ``world_size`` ranks (the
+    prepared loader itself, or the user's), or ``None`` when the loader has no length."""
+    sampler = loader.batch_sampler
+    if isinstance(sampler, ResumableBatchSampler):
+        return sampler.count_batches(sampler.num_samples)
+    if (
+        loader._dataset_kind != 1
+        and loader.batch_size is not None
+        and _torch_sampler_shuffle(loader.sampler) is not None
+    ):
+        full, tail = divmod(len(cast(Sized, loader.sampler)), loader.batch_size * world_size)
+        return full + (1 if tail and not loader.drop_last else 0)
+    try:
+        return len(loader)  # a sampler of the user's own splits by rank itself (DistributedSampler), or none does
+    except TypeError:
+        return None
+
+
 def _draw_seed(generator: torch.Generator | None) -> int:
     """A shuffling seed from the user's generator, or from torch's global one (so ``torch.manual_seed`` fixes it)."""
     return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item()) % 2**62

@@ -21,11 +21,12 @@ from cadence.checkpoint.engine_state import load_engine_state
 from cadence.checkpoint.export import save_weights
 from cadence.checkpoint.layout import CheckpointDirectory
 from cadence.compile import CompileSetting, check_compile_sources, compile_options, compile_prepared, split_compiled
-from cadence.data import check_shardable, draw_seed, make_batch_mover, to_stateful
+from cadence.data import batches_per_epoch, check_shardable, draw_seed, make_batch_mover, to_stateful
 from cadence.event import Event
 from cadence.inputs import PREPARABLE, check_engine_arguments, check_loss, is_preparable, is_scheduler, seed_everything
 from cadence.loop import run_fit
 from cadence.precision import Precision
+from cadence.schedule import Schedule, steps_in_run
 from cadence.state import State
 from cadence.step import TrainingStep
 from cadence.strategies import ReduceOp, Strategy, resolve_strategy
@@ -263,10 +264,13 @@ class Engine:
         return wrapped
 
     def _prepare_scheduler(self, scheduler: Any) -> PreparedScheduler:
-        target = scheduler.optimizer
+        # A bare scheduler is not checked as a Schedule: a bare ReduceLROnPlateau is fine in a hand-written loop.
+        schedule = scheduler if isinstance(scheduler, Schedule) else None
+        bare = scheduler if schedule is None else schedule.scheduler
+        timing = () if schedule is None else (schedule.interval, schedule.frequency, schedule.monitor)
         for optimizer in self._optimizers:
-            if target is optimizer or target is optimizer.optimizer:
-                wrapped = PreparedScheduler(scheduler, optimizer)
+            if bare.optimizer is optimizer or bare.optimizer is optimizer.optimizer:
+                wrapped = PreparedScheduler(bare, optimizer, self, *timing)
                 self._schedulers.append(wrapped)
                 return wrapped
         raise ValueError(
@@ -487,6 +491,24 @@ class Engine:
         """``engine.log(name, value)`` for every item of ``metrics``. Tensors are kept as they are (no device sync);
         loggers read them when they write."""
         self.state.metrics.update(metrics)
+
+    def estimated_steps(
+        self,
+        dataloader: DataLoader[Any] | PreparedDataLoader,
+        max_epochs: int | None = None,
+        max_steps: int | None = None,
+    ) -> int:
+        """The optimizer updates ``fit(step, dataloader, max_epochs=..., max_steps=...)`` takes on this engine from
+        step 0, to size a schedule before ``fit()`` (warmup, cosine decay). It counts each rank's batches per epoch
+        (world size, ``drop_last``), lets the attached callbacks turn batches into steps (``GradientAccumulation``),
+        and caps the total by ``max_steps``. Steps skipped at run time (fp16 overflow, ``FiniteCheck``) cannot be
+        foreseen: each one leaves the schedule one step short of its end."""
+        loader = dataloader.loader if isinstance(dataloader, PreparedDataLoader) else dataloader
+        steps = batches_per_epoch(loader, self.world_size)
+        if steps is not None:
+            for callback in self.callbacks:
+                steps = callback.steps_per_epoch(steps)
+        return steps_in_run(steps, max_epochs, max_steps)
 
     # --- the managed loop ----------------------------------------------------------------------------------
     def fit(

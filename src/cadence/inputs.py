@@ -14,9 +14,13 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from torch.utils.data import DataLoader
 
+from cadence.schedule import Schedule
 from cadence.wrappers import PreparedDataLoader, PreparedScheduler
 
-PREPARABLE = "torch.nn.Module, torch.optim.Optimizer, torch.utils.data.DataLoader, or an LR scheduler"
+PREPARABLE = (
+    "torch.nn.Module, torch.optim.Optimizer, torch.utils.data.DataLoader, or an LR scheduler (bare or in a "
+    "cadence.Schedule)"
+)
 
 
 def seed_everything(seed: int) -> None:
@@ -53,7 +57,7 @@ def check_engine_arguments(
 
 
 def is_scheduler(obj: Any) -> bool:
-    return isinstance(obj, (LRScheduler, ReduceLROnPlateau, PreparedScheduler))
+    return isinstance(obj, (LRScheduler, ReduceLROnPlateau, PreparedScheduler, Schedule))
 
 
 def is_preparable(obj: Any) -> bool:

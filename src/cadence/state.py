@@ -191,6 +191,15 @@ class State:
         ),
     )
 
+    scheduled_epochs: int | None = field(
+        default=0,
+        metadata=_doc(
+            "Completed training epochs when ``fit()`` last processed an epoch's end for its ``Schedule(interval="
+            '"epoch")`` (``None``: unknown, from a checkpoint older than this field). Like ``validated_epochs``, it '
+            "lets a run resumed from an ``EPOCH_END`` checkpoint step that epoch's schedule. Written by ``fit()``."
+        ),
+    )
+
     checkpoint_dir: Path | None = field(
         default=None,
         metadata=_doc(
@@ -286,6 +295,7 @@ class State:
             "skipped_steps": dict(self.skipped_steps),
             "non_finite_steps": self.non_finite_steps,
             "validated_epochs": self.validated_epochs,
+            "scheduled_epochs": self.scheduled_epochs,
         }
 
     def load_counters(self, counters: dict[str, Any]) -> None:
@@ -298,3 +308,5 @@ class State:
         self._window_non_finite = False
         validated = counters.get("validated_epochs")  # absent before cadence 0.2: unknown
         self.validated_epochs = None if validated is None else int(validated)
+        scheduled = counters.get("scheduled_epochs")  # absent from checkpoints written before Schedule existed
+        self.scheduled_epochs = None if scheduled is None else int(scheduled)
