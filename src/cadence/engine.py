@@ -46,6 +46,8 @@ class Engine:
         seed: seeds python, numpy and torch, and the prepared dataloaders' shuffling.
         project_dir: where logs and checkpoints go (``project_dir/checkpoints/checkpoint_{n}``).
         progress_bar: ``fit()`` adds a progress bar when no callback shows one; False turns it off.
+        model_summary: ``fit()`` prints each prepared model's modules and parameter counts when it starts (unless a
+            ``ModelSummary`` callback is attached); False turns it off.
         checkpoint_total_limit: keep at most this many automatically named checkpoints; older ones are deleted
             only after a new one is committed.
         timeout: how long a collective waits for the other ranks before failing (DDP, FSDP).
@@ -66,14 +68,16 @@ class Engine:
         checkpoint_total_limit: int | None = None,
         timeout: timedelta = DEFAULT_TIMEOUT,
         compile: CompileSetting = False,
+        model_summary: bool = True,
     ) -> None:
-        check_engine_arguments(seed, project_dir, progress_bar, checkpoint_total_limit, timeout)
+        check_engine_arguments(seed, project_dir, progress_bar, checkpoint_total_limit, timeout, model_summary)
         self._compile_options = compile_options(compile)
         self.strategy = resolve_strategy(strategy, accelerator, timeout)
         self.state = State()
         self.seed = seed
         self.project_dir = Path(project_dir)
         self.progress_bar = progress_bar
+        self.model_summary = model_summary
         self._precision = Precision()
         self._dispatcher = Dispatcher()
         self._models: list[nn.Module] = []

@@ -36,7 +36,7 @@ def seed_everything(seed: int) -> None:
 
 
 def check_engine_arguments(
-    seed: Any, project_dir: Any, progress_bar: Any, checkpoint_total_limit: Any, timeout: Any
+    seed: Any, project_dir: Any, progress_bar: Any, checkpoint_total_limit: Any, timeout: Any, model_summary: Any
 ) -> None:
     def refuse(name: str, expected: str, value: Any) -> None:
         raise TypeError(f"Engine({name}=...) must be {expected}; got {type(value).__name__} {value!r}.")
@@ -45,8 +45,9 @@ def check_engine_arguments(
         refuse("seed", "an int or None (e.g. seed=42)", seed)
     if not isinstance(project_dir, (str, os.PathLike)):
         refuse("project_dir", "a path (str or pathlib.Path)", project_dir)
-    if not isinstance(progress_bar, bool):
-        refuse("progress_bar", "True or False", progress_bar)
+    for name, flag in (("progress_bar", progress_bar), ("model_summary", model_summary)):
+        if not isinstance(flag, bool):
+            refuse(name, "True or False", flag)
     if checkpoint_total_limit is not None:
         if not isinstance(checkpoint_total_limit, int) or isinstance(checkpoint_total_limit, bool):
             refuse("checkpoint_total_limit", "an int or None (e.g. checkpoint_total_limit=3)", checkpoint_total_limit)

@@ -43,11 +43,11 @@ def run_fit(
             f"fit() was given a val_dataloader but {type(step).__name__} defines no `validation_step(self, batch)`; "
             "define it to return a dict of metrics, or drop val_dataloader."
         )
-    default_bar = _default_progress_bar(engine)  # resolved before prepare() changes anything
+    defaults = _default_callbacks(engine)  # resolved before prepare() changes anything
     model, optimizer, scheduler = _prepare_step(engine, step)
     train_loader, val_loader = _prepare_loaders(engine, train_dataloader, val_dataloader)
-    if default_bar is not None:
-        engine.add_callback(default_bar)
+    for callback in defaults:
+        engine.add_callback(callback)
     if resume is not None:
         _resume(engine, resume)
     state = engine.state
@@ -303,21 +303,32 @@ def _validate(
     engine.fire(Event.VALIDATION_END)
 
 
-def _default_progress_bar(engine: Engine) -> Callback | None:
-    """The bar ``fit()`` adds, or None when progress_bar=False or a callback already shows progress."""
-    if not engine.progress_bar or any(getattr(cb, "shows_progress", False) for cb in engine.callbacks):
-        return None
+def _default_callbacks(engine: Engine) -> list[Callback]:
+    """What ``fit()`` adds: a model summary and a progress bar, each unless the Engine turned it off or an attached
+    callback does that job already (``summarizes_model`` / ``shows_progress``). The summary comes first, so it is
+    printed before the bar starts drawing."""
+    attached = engine.callbacks
+    summary = engine.model_summary and not any(getattr(cb, "summarizes_model", False) for cb in attached)
+    bar = engine.progress_bar and not any(getattr(cb, "shows_progress", False) for cb in attached)
+    if not (summary or bar):
+        return []
     try:
-        # The core's one import above itself, lazy and in this one place: the default bar is a concrete
-        # callback, which only a front end may name (cadence.defaults is frontends/defaults.py).
-        from cadence.defaults import default_progress_bar
+        # The core's one import above itself, lazy and in this one place: the defaults are concrete callbacks,
+        # which only a front end may name (cadence.defaults is frontends/defaults.py).
+        from cadence.defaults import default_model_summary, default_progress_bar
     except ImportError as error:
+        off = ", ".join(name for name, on in (("model_summary=False", summary), ("progress_bar=False", bar)) if on)
         raise ImportError(
-            f"fit() shows a progress bar by default (cadence.callbacks.RichProgressBar) and could not import it: "
-            f"{error}. Reinstall cadence with its dependencies (`pip install -e .` in the clone), or pass "
-            "Engine(progress_bar=False) to train without a bar."
+            "fit() prints a model summary and shows a progress bar by default (cadence.callbacks.ModelSummary, "
+            f"RichProgressBar) and could not import them: {error}. Reinstall cadence with its dependencies "
+            f"(`pip install -e .` in the clone), or pass Engine({off}) to train without them."
         ) from error
-    return default_progress_bar()
+    defaults: list[Callback] = []
+    if summary:
+        defaults.append(default_model_summary())
+    if bar:
+        defaults.append(default_progress_bar())
+    return defaults
 
 
 def _check_limits(max_epochs: int | None, max_steps: int | None) -> None:
