@@ -172,6 +172,8 @@ class Checkpoint(Callback):
     def on_fit_start(self, engine: Engine) -> None:
         self._validated = False
         self._fit_start_step = engine.state.step
+        if engine.is_main_process:  # after a resume: the run continued is known by now
+            engine.checkpoints.warn_about_other_runs()
 
     def on_batch_end(self, engine: Engine) -> None:
         state = engine.state
