@@ -48,8 +48,8 @@ class Engine:
         progress_bar: ``fit()`` adds a progress bar when no callback shows one; False turns it off.
         model_summary: ``fit()`` prints each prepared model's modules and parameter counts when it starts (unless a
             ``ModelSummary`` callback is attached); False turns it off.
-        checkpoint_total_limit: keep at most this many automatically named checkpoints; older ones are deleted
-            only after a new one is committed.
+        checkpoint_total_limit: keep at most this many of this run's automatically named checkpoints; older ones
+            are deleted only after a new one is committed. Another run's checkpoints are never deleted.
         timeout: how long a collective waits for the other ranks before failing (DDP, FSDP).
         compile: ``torch.compile`` every prepared model, after the strategy wrapped it: True for torch's defaults,
             or a dict of ``torch.compile`` arguments (``{"backend": "inductor", "mode": "max-autotune"}``), checked
@@ -464,7 +464,7 @@ class Engine:
             manifest = load_engine_state(self, directory)
         else:
             directory, manifest = self.checkpoints.load_latest(lambda path: load_engine_state(self, path))
-        self.checkpoints.advance(int(manifest["checkpoint_number"]))
+        self.checkpoints.resumed(manifest)
         self.state.checkpoint_dir, self.state.checkpoint_step = directory, self.state.step
         self.print(f"Resumed from {directory} at step {self.state.step} (epoch {self.state.epoch}).")
         self.fire(Event.LOAD_STATE)
