@@ -696,3 +696,29 @@ def test_the_readme_recipe_changes_the_learning_rate_on_resume(tmp_path: Path) -
     second = engine(tmp_path, callbacks=[ResumeLearningRate(0.01), steps])
     state = second.fit(RegressionStep(), loader(), max_steps=4, resume="latest")
     assert state.step == 4 and steps.seen == [0.01, 0.01]
+
+
+# --- metrics: the last logged values survive a resume ------------------------------------------------------------
+def test_a_resumed_finished_run_has_its_last_metrics(tmp_path: Path) -> None:
+    from cadence.callbacks import Checkpoint
+
+    first = engine(tmp_path, callbacks=[Checkpoint(save_last=True)])
+    first.fit(RegressionStep(), loader(), max_epochs=1, val_dataloader=loader(samples=16))
+    first.log("note", "kept")
+    logged = float(first.state.metrics["val/mse"])
+    again = engine(tmp_path, callbacks=[Checkpoint(save_last=True)])
+    state = again.fit(RegressionStep(), loader(), max_epochs=1, val_dataloader=loader(samples=16), resume="latest")
+    assert state.step == first.state.step and state.metrics["val/mse"] == logged
+    assert type(state.metrics["val/mse"]) is float and "note" not in state.metrics  # logged after the save
+
+
+def test_a_checkpoint_without_metrics_still_loads_and_keeps_the_metrics_logged(tmp_path: Path, saved: Path) -> None:
+    from tests.checkpoint.test_schema import rewrite
+
+    rewrite(saved, "state.json", lambda document: document["counters"].pop("metrics"))  # as earlier versions wrote
+    eng = engine(tmp_path / "run")
+    step = RegressionStep(seed=11, scheduler=True)
+    eng.prepare(step.model, step.optimizer, step.scheduler, loader(shuffle=True))
+    eng.log("mine", 1.5)
+    eng.load_state(saved)
+    assert eng.state.step == 3 and eng.state.metrics == {"mine": 1.5}

@@ -89,6 +89,8 @@ def check_shared(shared: Any, origin: str) -> dict[str, Any]:
         _count(counters, "non_finite_steps", origin, "counters")
     if counters.get("validated_epochs") is not None:  # absent before cadence 0.2
         _count(counters, "validated_epochs", origin, "counters")
+    if "metrics" in counters:  # absent before cadence 0.2
+        _field(counters, "metrics", dict, origin, "counters")
     skipped = _field(counters, "skipped_steps", dict, origin, "counters")
     for reason in skipped:
         _count(skipped, reason, origin, "counters.skipped_steps")
