@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from cadence import Callback
+from cadence.checkpoint.checks import check_state_fields
 
 if TYPE_CHECKING:
     from cadence import Engine
@@ -113,6 +114,18 @@ class GradientAccumulation(Callback):
             "item_mode": self._item_mode,
             "window_length": self._window_length,
         }
+
+    def check_state_dict(self, state_dict: dict[str, Any]) -> None:
+        check_state_fields(
+            f"callback {self.state_key!r}",
+            state_dict,
+            {
+                "micro_batches": int,
+                "items": (int, float),
+                "item_mode": (bool, type(None)),
+                "window_length": (int, type(None)),
+            },
+        )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._micro_batches = int(state_dict["micro_batches"])

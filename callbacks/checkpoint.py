@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cadence import Callback
+from cadence.checkpoint.checks import check_state_fields
 
 from .best_checkpoint import BestCheckpoints, Mode, check_ranking_arguments
 
@@ -222,6 +223,10 @@ class Checkpoint(Callback):
         if self._best is not None:
             state.update(self._best.state_dict())
         return state
+
+    def check_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # The ranking (best-k) is tolerant already: a malformed one is dropped with a warning when loaded.
+        check_state_fields(f"callback {self.state_key!r}", state_dict, {"last_saved_step": int})
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._last_saved_step = int(state_dict["last_saved_step"])

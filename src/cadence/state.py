@@ -148,7 +148,11 @@ class State:
 
     metrics: dict[str, Any] = field(
         default_factory=dict,
-        metadata=_doc("Latest value of every logged metric. Written through ``engine.log`` / ``engine.log_dict``."),
+        metadata=_doc(
+            "Latest value of every logged metric. Written through ``engine.log`` / ``engine.log_dict``; restored by "
+            "``load_state`` as the checkpoint saved it, tensors as Python numbers (or lists), values that are no "
+            "number, string or list of them left out."
+        ),
     )
 
     max_steps: int | None = field(
@@ -296,6 +300,7 @@ class State:
             "non_finite_steps": self.non_finite_steps,
             "validated_epochs": self.validated_epochs,
             "scheduled_epochs": self.scheduled_epochs,
+            "metrics": _portable_metrics(self.metrics),
         }
 
     def load_counters(self, counters: dict[str, Any]) -> None:
@@ -310,3 +315,25 @@ class State:
         self.validated_epochs = None if validated is None else int(validated)
         scheduled = counters.get("scheduled_epochs")  # absent from checkpoints written before Schedule existed
         self.scheduled_epochs = None if scheduled is None else int(scheduled)
+        if "metrics" in counters:  # absent from earlier checkpoints: the metrics logged so far stay
+            self.metrics = dict(counters["metrics"])
+
+
+def _portable_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
+    """``metrics`` as a checkpoint's JSON keeps them: a tensor as its number (one element) or nested lists (read
+    now, at the save: the device waits once per tensor); values JSON cannot hold are left out."""
+    portable: dict[str, Any] = {}
+    for name, value in metrics.items():
+        if isinstance(value, torch.Tensor):
+            value = value.detach().item() if value.numel() == 1 else value.detach().tolist()
+        elif callable(getattr(value, "tolist", None)):  # numpy scalars and arrays
+            value = value.tolist()
+        if isinstance(name, str) and _json_safe(value):
+            portable[name] = value
+    return portable
+
+
+def _json_safe(value: Any) -> bool:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    return isinstance(value, (list, tuple)) and all(_json_safe(item) for item in value)

@@ -90,6 +90,8 @@ def check_shared(shared: Any, origin: str) -> dict[str, Any]:
     for optional in ("validated_epochs", "scheduled_epochs"):  # absent from older checkpoints
         if counters.get(optional) is not None:
             _count(counters, optional, origin, "counters")
+    if "metrics" in counters:  # absent from older checkpoints
+        _field(counters, "metrics", dict, origin, "counters")
     skipped = _field(counters, "skipped_steps", dict, origin, "counters")
     for reason in skipped:
         _count(skipped, reason, origin, "counters.skipped_steps")
