@@ -107,7 +107,8 @@ class Event(str, Enum):
 
     VALIDATION_END = (
         "validation_end",
-        "Validation metrics, averaged over batches and ranks, are in ``state.metrics`` under ``val/<name>``.",
+        "Validation metrics are in ``state.metrics`` under ``val/<name>``, as Python floats, each the mean over the "
+        "validation samples of every rank (see ``TrainingStep.validation_step``), the same on every rank.",
     )
 
     FIT_END = "fit_end", "``fit()`` is returning, normally or through an exception: release resources here."

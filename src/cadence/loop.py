@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from cadence.event import Event
+from cadence.metrics import ValidationMeans, batch_samples
 from cadence.state import State
 from cadence.step import TrainingStep
 
@@ -235,18 +236,13 @@ def _validate(
     engine.state.validated_epochs = train_loader.epoch
     engine.fire(Event.VALIDATION_START)
     model.eval()
-    sums: dict[str, torch.Tensor] = {}
-    batches = 0
+    means = ValidationMeans(engine.rank, engine.world_size)
     with torch.no_grad():
         for batch in loader:
-            output = step.validation_step(batch)
-            metrics = output if isinstance(output, Mapping) else {"loss": output}
-            for name, value in metrics.items():
-                value = torch.as_tensor(value, device=engine.device).detach().to(torch.float64)
-                sums[name] = sums[name] + value if name in sums else value
-            batches += 1
-    if batches:
-        engine.log_dict({f"val/{name}": engine.reduce(total / batches).item() for name, total in sums.items()})
+            samples = batch_samples(batch)  # before the step, which may take the batch apart
+            padding = loader.padding if loader.in_last_batch else 0
+            means.add(step.validation_step(batch), samples, padding)
+    engine.log_dict({f"val/{name}": value for name, value in means.reduce(engine).items()})
     model.train()
     engine.fire(Event.VALIDATION_END)
 
