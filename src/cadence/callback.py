@@ -50,6 +50,9 @@ class Callback:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what ``state_dict()`` returned (after ``check_state_dict`` accepted it)."""
 
+    def on_fit_prepared(self, engine: Engine) -> None:
+        """See ``Event.FIT_PREPARED``."""
+
     def on_fit_start(self, engine: Engine) -> None:
         """See ``Event.FIT_START``."""
 

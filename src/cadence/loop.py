@@ -1,8 +1,9 @@
 """``fit()``: the managed loop. Each batch goes through the engine's public imperative API (``prepare``,
 ``accumulate``, ``backward``, the prepared optimizer's ``step``/``zero_grad``; see ``cadence.Event``), so a
-callback behaves the same here as in a hand-written loop; the loop-level events (``FIT_START``, ``EXCEPTION``,
-``FIT_END``, ``VALIDATION_START``/``_END``) go through ``engine.fire``. One thing is not public: the loaders a
-previous ``fit()`` prepared are tracked in private engine fields, because only ``fit()`` reuses or releases them."""
+callback behaves the same here as in a hand-written loop; the loop-level events (``FIT_PREPARED``, ``FIT_START``,
+``EXCEPTION``, ``FIT_END``, ``VALIDATION_START``/``_END``) go through ``engine.fire``. One thing is not public: the
+loaders a previous ``fit()`` prepared are tracked in private engine fields, because only ``fit()`` reuses or releases
+them."""
 
 from __future__ import annotations
 
@@ -48,8 +49,7 @@ def run_fit(
     train_loader, val_loader = _prepare_loaders(engine, train_dataloader, val_dataloader)
     if default_bar is not None:
         engine.add_callback(default_bar)
-    if resume is not None:
-        _resume(engine, resume)
+    _prepared_then_resume(engine, resume)
     state = engine.state
     state.max_epochs, state.max_steps = max_epochs, max_steps
     state.should_stop = _reached(state)
@@ -170,6 +170,23 @@ def _prepare_loaders(
             engine._release_dataloader(loader)
     engine._fit_loaders = [(train, train_loader)] + ([(val, val_loader)] if val_loader is not None else [])
     return train_loader, val_loader
+
+
+def _prepared_then_resume(engine: Engine, resume: str | Path | None) -> None:
+    """``FIT_PREPARED``, then the resume. ``FIT_END`` follows even when a hook or the resume raises here (callbacks
+    may hold something since ``FIT_PREPARED``: Preemption's signal handlers), with ``state.exception`` set but no
+    ``EXCEPTION``: nothing was trained, so no callback may save a checkpoint for it."""
+    try:
+        engine.fire(Event.FIT_PREPARED)
+        if resume is not None:
+            _resume(engine, resume)
+    except BaseException as error:
+        engine.state.exception = error
+        try:
+            engine.fire(Event.FIT_END)
+        finally:
+            engine.state.exception = None
+        raise
 
 
 def _resume(engine: Engine, resume: str | Path) -> None:
