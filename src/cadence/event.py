@@ -22,7 +22,7 @@ the same places in both::
                                                        # EPOCH_END: when the dataloader is exhausted
         VALIDATION_START ... VALIDATION_END            # fit() only, with a val_dataloader, after each epoch
     EXCEPTION                                          # fit() only, when it raises: before FIT_END
-    FIT_END                                            # fit() only, also after an exception (after FIT_PREPARED)
+    FIT_END                                            # fit() only, once FIT_PREPARED fired, also after an exception
     save_state() -> SAVE_STATE, load_state() -> LOAD_STATE  # after the checkpoint is committed / restored
 
 A prepared dataloader fires the epoch and batch events while a prepared model is in training mode: an
