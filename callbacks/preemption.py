@@ -57,10 +57,14 @@ class Preemption(Callback):
     accumulation window must fit in the grace period too. A signal after the run's last step is left to the
     normal end of ``fit()``.
 
-    A handler installed before ``fit()`` (a launcher's own) still runs, after ours noted the signal; the default
-    action (termination) is what this callback replaces. Ours are installed at the first batch (before it nothing
-    new is trained) and the previous ones restored at ``FIT_END``; a forked dataloader worker that inherits ours
-    reacts as it would have without it. Signals reach only the main thread, so ``fit()`` must run there.
+    Ours are installed when ``fit()`` starts (``FIT_PREPARED``, before a resume loads its checkpoint) and the
+    previous ones restored at ``FIT_END``, which follows whatever happens. A signal that arrives before the first
+    step (while the checkpoint loads, or at ``FIT_START``) stops the run at ``FIT_START`` (the ranks agree there
+    with one more ``reduce``) with the same exit code but no checkpoint, since nothing new was trained, and
+    ``state.stop_reason`` says so. A handler installed before ``fit()`` (a launcher's own) still runs, after ours
+    noted the signal; the default action (termination) is what this callback replaces. A forked dataloader worker
+    that inherits ours reacts as it would have without it. Signals reach only the main thread, so ``fit()`` must
+    run there.
     """
 
     saves_checkpoints = True  # runs after the other callbacks at each event: its saves hold their work
@@ -89,7 +93,6 @@ class Preemption(Callback):
         self._previous: dict[int, Handler] = {}
         self._steps_since_check = 0
         self._acted = False
-        self._install_pending = False
         self._in_fit = False
         self._warned_outside_fit = False
         self._pid = os.getpid()
@@ -113,7 +116,7 @@ class Preemption(Callback):
         if callable(previous) and previous is not signal.default_int_handler:
             previous(signum, frame)
 
-    def on_fit_start(self, engine: Engine) -> None:
+    def on_fit_prepared(self, engine: Engine) -> None:
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError(
                 f"Preemption cannot catch signals: fit() runs on thread {threading.current_thread().name!r}, and "
@@ -122,25 +125,35 @@ class Preemption(Callback):
             )
         self._received, self._steps_since_check, self._acted = None, 0, False
         self._in_fit = True
-        # Installed at the first batch, not here: FIT_END (which restores them) is guaranteed only once the loop
-        # runs, and a failing FIT_START hook must not leave a handler that swallows every later SIGTERM. Until
-        # then nothing new was trained, so a signal may take its default course.
-        self._install_pending = True
+        self._pid = os.getpid()
+        try:
+            for sig in self.signals:
+                previous = signal.signal(sig, self._handle)  # None: set outside Python, taken as the default
+                self._previous[sig] = signal.SIG_DFL if previous is None else previous
+        except BaseException:
+            self._restore()
+            raise
+
+    def on_fit_start(self, engine: Engine) -> None:
+        if not self._in_fit:
+            return  # fired by hand (a unit test): no handler of ours, no signal to act on
+        received = self._agreed_signal(engine)  # on every rank, before the run-complete test that skips acting
+        state = engine.state
+        if received is None or state.should_stop:
+            return
+        self._acted = True
+        name = signal.Signals(received).name
+        exit_code = self.exit_code if self.exit_on_preemption else None
+        state.stop(
+            f"Preemption: {name} received before this fit() trained a step; nothing new to save, so no checkpoint "
+            "was written",
+            exit_code=exit_code,
+        )
 
     def on_batch_start(self, engine: Engine) -> None:
         if not self._in_fit and not self._warned_outside_fit:
             # Handlers without a FIT_END to restore them would swallow every later SIGTERM: none are installed.
             self._warned_outside_fit = warn_outside_fit("Preemption")
-        if self._install_pending:
-            self._install_pending = False
-            self._pid = os.getpid()
-            try:
-                for sig in self.signals:
-                    previous = signal.signal(sig, self._handle)  # None: set outside Python, taken as the default
-                    self._previous[sig] = signal.SIG_DFL if previous is None else previous
-            except BaseException:
-                self._restore()
-                raise
 
     def on_batch_end(self, engine: Engine) -> None:
         state = engine.state
@@ -169,7 +182,7 @@ class Preemption(Callback):
         return local or None
 
     def on_fit_end(self, engine: Engine) -> None:
-        self._install_pending = self._in_fit = False
+        self._in_fit = False
         self._restore()
         if self._received is not None and not self._acted and engine.state.exception is None:
             name = signal.Signals(self._received).name

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -34,7 +35,7 @@ def test_fit_fires_documented_order() -> None:
     recorder = RecordingCallback()
     engine = cadence.Engine(accelerator="cpu", callbacks=[recorder], progress_bar=False)
     engine.fit(RegressionStep(), loader(samples=24), max_epochs=2, val_dataloader=loader(samples=16))
-    expected = [Event.FIT_START, *epoch(3, True), *epoch(3, True), Event.FIT_END]
+    expected = [Event.FIT_PREPARED, Event.FIT_START, *epoch(3, True), *epoch(3, True), Event.FIT_END]
     assert recorder.events == expected
 
 
@@ -67,7 +68,7 @@ def test_max_steps_stops_mid_epoch_with_batch_end_but_no_epoch_end() -> None:
     engine = cadence.Engine(accelerator="cpu", callbacks=[recorder], progress_bar=False)
     state = engine.fit(RegressionStep(), loader(samples=40), max_steps=3)
     assert state.step == 3 and state.epoch == 0
-    assert recorder.events == [Event.FIT_START, Event.EPOCH_START, *BATCH * 3, Event.FIT_END]
+    assert recorder.events == [Event.FIT_PREPARED, Event.FIT_START, Event.EPOCH_START, *BATCH * 3, Event.FIT_END]
 
 
 def test_max_steps_spans_epochs() -> None:
@@ -111,6 +112,7 @@ def test_exception_fires_exception_then_fit_end_and_propagates() -> None:
     else:
         raise AssertionError("fit() swallowed the exception")
     assert recorder.events == [
+        Event.FIT_PREPARED,
         Event.FIT_START,
         Event.EPOCH_START,
         Event.BATCH_START,
@@ -193,7 +195,38 @@ def test_a_failing_fit_start_still_fires_exception_and_fit_end() -> None:
     engine = cadence.Engine(accelerator="cpu", callbacks=[recorder, FailsAtStart()], progress_bar=False)
     with pytest.raises(RuntimeError, match="cannot start"):
         engine.fit(RegressionStep(), loader(), max_epochs=1)
-    assert recorder.events == [Event.FIT_START, Event.EXCEPTION, Event.FIT_END]
+    assert recorder.events == [Event.FIT_PREPARED, Event.FIT_START, Event.EXCEPTION, Event.FIT_END]
+
+
+def test_fit_prepared_comes_before_the_resume_and_a_failed_resume_still_gets_fit_end(tmp_path: Path) -> None:
+    first = cadence.Engine(accelerator="cpu", project_dir=tmp_path, progress_bar=False)
+    first.fit(RegressionStep(), loader(samples=16), max_epochs=1)
+    first.save_state()
+
+    class SeesTheState(RecordingCallback):
+        def on_fit_prepared(self, engine: cadence.Engine) -> None:
+            super().on_fit_prepared(engine)
+            self.step_at_prepared = engine.state.step
+
+        def on_fit_end(self, engine: cadence.Engine) -> None:
+            super().on_fit_end(engine)
+            self.exception_at_end = engine.state.exception
+
+    recorder = SeesTheState()
+    engine = cadence.Engine(accelerator="cpu", project_dir=tmp_path, callbacks=[recorder], progress_bar=False)
+    engine.fit(RegressionStep(), loader(samples=16), max_epochs=2, resume="latest")
+    assert recorder.events[:3] == [Event.FIT_PREPARED, Event.LOAD_STATE, Event.FIT_START]
+    assert recorder.step_at_prepared == 0 and engine.state.step == 4  # nothing was restored at FIT_PREPARED
+
+    recorder = SeesTheState()
+    engine = cadence.Engine(accelerator="cpu", project_dir=tmp_path, callbacks=[recorder], progress_bar=False)
+    damaged = shutil.copytree(tmp_path / "checkpoints" / "checkpoint_0", tmp_path / "damaged")
+    (damaged / "manifest.json").unlink()
+    with pytest.raises(cadence.CheckpointError, match=r"no manifest\.json"):
+        engine.fit(RegressionStep(), loader(samples=16), max_epochs=2, resume=damaged)
+    # No EXCEPTION: nothing was trained, so Checkpoint(on_exception=True) must not save for it.
+    assert recorder.events == [Event.FIT_PREPARED, Event.FIT_END]
+    assert isinstance(recorder.exception_at_end, cadence.CheckpointError) and engine.state.exception is None
 
 
 class ValidationLog(cadence.Callback):

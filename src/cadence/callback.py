@@ -58,6 +58,9 @@ class Callback:
         a callback that changes the count, as gradient accumulation does."""
         return batches
 
+    def on_fit_prepared(self, engine: Engine) -> None:
+        """See ``Event.FIT_PREPARED``."""
+
     def on_fit_start(self, engine: Engine) -> None:
         """See ``Event.FIT_START``."""
 

@@ -4,6 +4,8 @@
 the same places in both::
 
     prepare(model, optimizer, dataloader, scheduler)  # strategy wraps, precision wraps the forward
+    FIT_PREPARED                                       # fit() only: prepared, nothing restored yet
+    load_state(checkpoint)                             # fit(resume=...) only: LOAD_STATE
     FIT_START                                          # fit() only
     for epoch in ...:
         for batch in dataloader:                       # EPOCH_START before the first batch
@@ -20,7 +22,7 @@ the same places in both::
                                                        # EPOCH_END: when the dataloader is exhausted
         VALIDATION_START ... VALIDATION_END            # fit() only, with a val_dataloader, after each epoch
     EXCEPTION                                          # fit() only, when it raises: before FIT_END
-    FIT_END                                            # fit() only, also after an exception
+    FIT_END                                            # fit() only, once FIT_PREPARED fired, also after an exception
     save_state() -> SAVE_STATE, load_state() -> LOAD_STATE  # after the checkpoint is committed / restored
 
 A prepared dataloader fires the epoch and batch events while a prepared model is in training mode: an
@@ -54,7 +56,16 @@ class Event(str, Enum):
         @property
         def value(self) -> str: ...
 
-    FIT_START = "fit_start", "Once per ``fit()``, after preparation, before the first epoch."
+    FIT_PREPARED = (
+        "fit_prepared",
+        "Once per ``fit()``, as soon as its objects are prepared: before ``fit(resume=...)`` restores a checkpoint "
+        "(``LOAD_STATE``) and before ``FIT_START``. ``FIT_END`` follows it whatever happens: when a hook here or the "
+        "resume raises, ``fit()`` fires ``FIT_END`` with ``state.exception`` set (but no ``EXCEPTION``: nothing was "
+        "trained, so nothing is saved for it) and re-raises. Take here what must cover the loading too (``Preemption`` "
+        "installs its signal handlers here) and release it at ``FIT_END``.",
+    )
+
+    FIT_START = "fit_start", "Once per ``fit()``, after preparation and the resume, before the first epoch."
 
     EPOCH_START = (
         "epoch_start",
@@ -107,7 +118,8 @@ class Event(str, Enum):
 
     VALIDATION_END = (
         "validation_end",
-        "Validation metrics, averaged over batches and ranks, are in ``state.metrics`` under ``val/<name>``.",
+        "Validation metrics are in ``state.metrics`` under ``val/<name>``, as Python floats, each the mean over the "
+        "validation samples of every rank (see ``TrainingStep.validation_step``), the same on every rank.",
     )
 
     FIT_END = "fit_end", "``fit()`` is returning, normally or through an exception: release resources here."

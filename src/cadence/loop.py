@@ -1,8 +1,9 @@
 """``fit()``: the managed loop. Each batch goes through the engine's public imperative API (``prepare``,
 ``accumulate``, ``backward``, the prepared optimizer's ``step``/``zero_grad``; see ``cadence.Event``), so a
-callback behaves the same here as in a hand-written loop; the loop-level events (``FIT_START``, ``EXCEPTION``,
-``FIT_END``, ``VALIDATION_START``/``_END``) go through ``engine.fire``. One thing is not public: the loaders a
-previous ``fit()`` prepared are tracked in private engine fields, because only ``fit()`` reuses or releases them."""
+callback behaves the same here as in a hand-written loop; the loop-level events (``FIT_PREPARED``, ``FIT_START``,
+``EXCEPTION``, ``FIT_END``, ``VALIDATION_START``/``_END``) go through ``engine.fire``. One thing is not public: the
+loaders a previous ``fit()`` prepared are tracked in private engine fields, because only ``fit()`` reuses or releases
+them."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from torch.optim.lr_scheduler import ReduceLROnPlateau
 from torch.utils.data import DataLoader
 
 from cadence.event import Event
+from cadence.metrics import ValidationMeans, batch_samples
 from cadence.state import State
 from cadence.step import TrainingStep
 
@@ -48,8 +50,7 @@ def run_fit(
     train_loader, val_loader = _prepare_loaders(engine, train_dataloader, val_dataloader)
     for callback in defaults:
         engine.add_callback(callback)
-    if resume is not None:
-        _resume(engine, resume)
+    _prepared_then_resume(engine, resume)
     state = engine.state
     state.max_epochs, state.max_steps = max_epochs, max_steps
     state.should_stop = _reached(state)
@@ -174,6 +175,23 @@ def _prepare_loaders(
     return train_loader, val_loader
 
 
+def _prepared_then_resume(engine: Engine, resume: str | Path | None) -> None:
+    """``FIT_PREPARED``, then the resume. ``FIT_END`` follows even when a hook or the resume raises here (callbacks
+    may hold something since ``FIT_PREPARED``: Preemption's signal handlers), with ``state.exception`` set but no
+    ``EXCEPTION``: nothing was trained, so no callback may save a checkpoint for it."""
+    try:
+        engine.fire(Event.FIT_PREPARED)
+        if resume is not None:
+            _resume(engine, resume)
+    except BaseException as error:
+        engine.state.exception = error
+        try:
+            engine.fire(Event.FIT_END)
+        finally:
+            engine.state.exception = None
+        raise
+
+
 def _resume(engine: Engine, resume: str | Path) -> None:
     if resume != "latest":
         engine.load_state(resume)
@@ -285,18 +303,13 @@ def _validate(
     engine.state.validated_epochs = train_loader.epoch
     engine.fire(Event.VALIDATION_START)
     model.eval()
-    sums: dict[str, torch.Tensor] = {}
-    batches = 0
+    means = ValidationMeans(engine.rank, engine.world_size)
     with torch.no_grad():
         for batch in loader:
-            output = step.validation_step(batch)
-            metrics = output if isinstance(output, Mapping) else {"loss": output}
-            for name, value in metrics.items():
-                value = torch.as_tensor(value, device=engine.device).detach().to(torch.float64)
-                sums[name] = sums[name] + value if name in sums else value
-            batches += 1
-    if batches:
-        engine.log_dict({f"val/{name}": engine.reduce(total / batches).item() for name, total in sums.items()})
+            samples = batch_samples(batch)  # before the step, which may take the batch apart
+            padding = loader.padding if loader.in_last_batch else 0
+            means.add(step.validation_step(batch), samples, padding)
+    engine.log_dict({f"val/{name}": value for name, value in means.reduce(engine).items()})
     model.train()
     if before_end is not None:
         before_end()

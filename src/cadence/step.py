@@ -15,7 +15,16 @@ class TrainingStep:
 
     ``training_step(batch)`` returns the scalar loss, or a dict with ``"loss"`` and optionally ``"num_items"``
     (the number of items a summed loss covers) and other values to log. ``validation_step(batch)`` returns a dict
-    of metrics (or one tensor, logged as ``val/loss``); ``fit()`` averages them over batches and ranks.
+    of metrics (or one tensor, logged as ``val/loss``), each a number or a one-element tensor for the batch.
+
+    ``fit()`` logs each metric as ``val/<name>``: its mean over the validation samples of every rank. Each batch's
+    value is weighted by the batch's number of samples, the first dimension of the batch (of the batch itself when
+    it is a tensor, else of the first tensor with a dimension in its tuples, lists or dict values, in order), or by
+    ``"num_items"`` when ``validation_step`` returns it (tokens, say: then the mean is per item). Samples that
+    cadence's sampler repeated to even out the last batch across ranks are left out: that batch weighs only its real
+    samples, its mean taken as theirs (a ``DistributedSampler`` of your own pads without saying so: its repeats
+    count). Python numbers keep float64 precision; tensors are summed in float64 on their device, with no device
+    sync until the end of validation. Every rank must return the same metric names.
     """
 
     model: nn.Module

@@ -1,10 +1,12 @@
 """A training run that tests/callbacks/test_preemption.py starts, signals from outside and resumes, on 1 or 2 ranks
 (the ranks get torchrun's environment from the test).
 
-    python -m tests.callbacks.preemption_worker PROJECT_DIR [--wait-at-batch N --wait-rank R] [--resume]
+    python -m tests.callbacks.preemption_worker PROJECT_DIR [--wait-at-batch N | --wait-at-load] [--wait-rank R]
+        [--resume] [--max-epochs E]
 
 ``--wait-at-batch N``: at the end of global batch N (counted over epochs) rank R writes PROJECT_DIR/waiting and
-waits until its Preemption handler has noted a signal, so the test's signal lands at a known batch without a race.
+waits until its Preemption handler has noted a signal, so the test's signal lands at a known batch without a race;
+``--wait-at-load`` does the same while the resumed checkpoint is being restored (at its ``LOAD_STATE``).
 Every rank's final weights go to PROJECT_DIR/final.safetensors (written by rank 0) when fit() returns.
 """
 
@@ -27,13 +29,19 @@ BATCHES_PER_EPOCH = 10  # 40 samples in global batches of 4, on any number of ra
 
 
 class WaitForSignal(cadence.Callback):
-    def __init__(self, batch: int, rank: int, preemption: Preemption, flag: Path) -> None:
+    def __init__(self, batch: int | None, rank: int, preemption: Preemption, flag: Path) -> None:
         self.batch, self.rank, self.preemption, self.flag = batch, rank, preemption, flag
+
+    def on_load_state(self, engine: cadence.Engine) -> None:
+        if self.batch is None and engine.rank == self.rank:
+            self.wait(engine)
 
     def on_batch_end(self, engine: cadence.Engine) -> None:
         state = engine.state
-        if engine.rank != self.rank or state.epoch * BATCHES_PER_EPOCH + state.batch_idx != self.batch:
-            return
+        if engine.rank == self.rank and state.epoch * BATCHES_PER_EPOCH + state.batch_idx == self.batch:
+            self.wait(engine)
+
+    def wait(self, engine: cadence.Engine) -> None:
         self.flag.write_text(str(engine.rank))
         deadline = time.monotonic() + 120
         while self.preemption.signal_received is None:
@@ -46,13 +54,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("project_dir", type=Path)
     parser.add_argument("--wait-at-batch", type=int)
+    parser.add_argument("--wait-at-load", action="store_true")
     parser.add_argument("--wait-rank", type=int, default=0)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--max-epochs", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(1)
     preemption = Preemption()
     callbacks: list[cadence.Callback] = [GradientAccumulation(2), Checkpoint(every_n_steps=3)]
-    if args.wait_at_batch is not None:
+    if args.wait_at_batch is not None or args.wait_at_load:
         flag = args.project_dir / "waiting"
         callbacks.append(WaitForSignal(args.wait_at_batch, args.wait_rank, preemption, flag))
     callbacks.append(preemption)  # after the handshake, so it checks at the very batch the signal arrived
@@ -62,7 +72,7 @@ def main() -> None:
         step = RegressionStep()
         # Forked workers (fresh ones each epoch) inherit Preemption's handler once it is installed.
         data = DataLoader(regression_data(), batch_size=GLOBAL_BATCH // engine.world_size, shuffle=True, num_workers=2)
-        engine.fit(step, data, max_epochs=3, resume="latest" if args.resume else None)
+        engine.fit(step, data, max_epochs=args.max_epochs, resume="latest" if args.resume else None)
         weights = engine.unwrap_model(step.model).state_dict()
         if engine.is_main_process:
             save_file({k: v.contiguous() for k, v in weights.items()}, str(args.project_dir / "final.safetensors"))

@@ -118,6 +118,62 @@ def test_exit_on_preemption_false_returns_from_fit(guard: Guard) -> None:
     assert saved(fake) == ["checkpoint_0"]
 
 
+class SignalAtLoad(cadence.Callback):
+    """Raises a real signal in this process while fit(resume=...) restores the checkpoint."""
+
+    def on_load_state(self, engine: cadence.Engine) -> None:
+        signal.raise_signal(signal.SIGTERM)
+
+
+class SignalAtFitStart(cadence.Callback):
+    def on_fit_start(self, engine: cadence.Engine) -> None:
+        signal.raise_signal(signal.SIGUSR1)
+
+
+NOTHING_SAVED = "before this fit() trained a step; nothing new to save, so no checkpoint was written"
+
+
+def test_a_signal_while_the_checkpoint_loads_exits_with_the_code_and_saves_nothing(
+    guard: Guard, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    FakeEngine(callbacks=[Checkpoint()], project_dir=tmp_path).fit(TinyStep(), tiny_dataloader(), max_steps=3)
+    preemption = Preemption()
+    resumed = FakeEngine(callbacks=[SignalAtLoad(), preemption, Checkpoint()], project_dir=tmp_path)
+    with pytest.raises(SystemExit) as exited:
+        resumed.fit(TinyStep(), tiny_dataloader(), max_steps=6, resume="latest")
+    assert exited.value.code == 75 and preemption.signal_received is signal.SIGTERM
+    assert resumed.state.step == 3 and saved(resumed) == ["checkpoint_0"]  # no step taken, nothing saved
+    assert resumed.state.stop_reason == f"Preemption: SIGTERM received {NOTHING_SAVED}"
+    assert f"Stopped at step 3 (epoch 0): Preemption: SIGTERM received {NOTHING_SAVED}." in capsys.readouterr().out
+    assert guard.seen == [signal.SIGTERM] and all(signal.getsignal(sig) is guard for sig in SIGNALS)
+
+
+def test_a_signal_at_fit_start_stops_before_the_first_step(guard: Guard) -> None:
+    fake = FakeEngine(callbacks=[SignalAtFitStart(), Preemption(exit_on_preemption=False)])
+    state = fake.fit(TinyStep(), tiny_dataloader(), max_epochs=1)
+    assert (
+        state.step == 0 and saved(fake) == [] and state.stop_reason == f"Preemption: SIGUSR1 received {NOTHING_SAVED}"
+    )
+
+
+def test_a_signal_one_rank_got_while_loading_stops_every_rank_at_fit_start(guard: Guard) -> None:
+    # This process is rank 1 of 2 and receives nothing; the other rank got SIGUSR1 while its checkpoint loaded.
+    fake = FakeEngine(callbacks=[Preemption(exit_on_preemption=False)], rank=1, world_size=2)
+    fake.strategy.all_reduce = lambda tensor, op="mean": torch.tensor(float(signal.SIGUSR1))  # type: ignore[method-assign]
+    state = fake.fit(TinyStep(), tiny_dataloader(), max_epochs=1)
+    assert state.step == 0 and state.stop_reason == f"Preemption: SIGUSR1 received {NOTHING_SAVED}"
+
+
+def test_a_resume_that_fails_leaves_no_handler_of_ours_behind(guard: Guard, tmp_path: Path) -> None:
+    FakeEngine(callbacks=[Checkpoint()], project_dir=tmp_path).fit(TinyStep(), tiny_dataloader(), max_steps=1)
+    manifest = tmp_path / "checkpoints" / "checkpoint_0" / "manifest.json"
+    manifest.write_text(manifest.read_text()[:-5])  # damaged: the resume refuses it
+    fake = FakeEngine(callbacks=[Preemption()], project_dir=tmp_path)
+    with pytest.raises(cadence.CheckpointError):
+        fake.fit(TinyStep(), tiny_dataloader(), max_steps=2, resume=manifest.parent)
+    assert all(signal.getsignal(sig) is guard for sig in SIGNALS)
+
+
 def test_a_signal_inside_an_accumulation_window_waits_for_the_window_to_end(guard: Guard) -> None:
     # Windows of 3 batches; the signal comes at batch 3 (the first of step 2's window): the save is at batch 5.
     fake = FakeEngine(callbacks=[GradientAccumulation(3), SignalAt(3), Preemption(exit_on_preemption=False)])
@@ -137,11 +193,12 @@ def test_ranks_agree_through_one_max_reduce_per_check(guard: Guard) -> None:
 
     def all_reduce(tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
         calls.append((tensor.item(), op))
-        return torch.tensor(float(signal.SIGUSR1)) if len(calls) == 2 else tensor.clone()
+        return torch.tensor(float(signal.SIGUSR1)) if len(calls) == 3 else tensor.clone()
 
     fake.strategy.all_reduce = all_reduce  # type: ignore[method-assign]
     state = fake.fit(TinyStep(), tiny_dataloader(), max_epochs=1)
-    assert calls == [(0.0, "max"), (0.0, "max")]  # one collective per optimizer step, until the decision
+    # One collective at FIT_START (a signal during loading), then one per optimizer step, until the decision.
+    assert calls == [(0.0, "max"), (0.0, "max"), (0.0, "max")]
     assert state.step == 2 and state.stop_reason is not None and "SIGUSR1" in state.stop_reason
 
 
@@ -174,7 +231,7 @@ def test_a_failing_fit_start_leaves_no_handler_of_ours_behind(guard: Guard) -> N
 
     fake = FakeEngine(callbacks=[Preemption(), FailsAtFitStart()])
     with pytest.raises(RuntimeError, match="no GPU today"):
-        fake.fit(TinyStep(), tiny_dataloader(), max_epochs=1)  # fit() fires no FIT_END here: nothing may need it
+        fake.fit(TinyStep(), tiny_dataloader(), max_epochs=1)  # installed at FIT_PREPARED, restored at FIT_END
     assert all(signal.getsignal(sig) is guard for sig in SIGNALS)
 
 
@@ -290,6 +347,23 @@ def test_a_sigterm_from_outside_exits_75_and_the_resume_is_bitwise_identical(tmp
 @pytest.mark.slow
 def test_sigusr1_to_one_of_two_ranks_stops_both_and_the_resume_is_bitwise_identical(tmp_path: Path) -> None:
     preempt_and_resume(tmp_path, world_size=2, sig=signal.SIGUSR1, signalled_rank=1)
+
+
+@pytest.mark.slow
+def test_a_sigterm_while_resuming_exits_75_with_no_new_checkpoint(tmp_path: Path) -> None:
+    project = tmp_path / "run"
+    assert finish(run_ranks(project, 1, "--max-epochs", "1"), project) == [0], logs(project)
+    (project / "final.safetensors").unlink()
+    checkpoints = sorted(path.name for path in (project / "checkpoints").iterdir())
+    processes = run_ranks(project, 1, "--resume", "--wait-at-load", "--max-epochs", "3")
+    wait_for(project / "waiting", processes, project)
+    os.kill(processes[0].pid, signal.SIGTERM)
+    assert finish(processes, project) == [75], logs(project)  # not 143: the handler was in place while loading
+    assert sorted(path.name for path in (project / "checkpoints").iterdir()) == checkpoints
+    assert not (project / "final.safetensors").exists()
+    assert f"Stopped at step 5 (epoch 0): Preemption: SIGTERM received {NOTHING_SAVED}." in logs(project)
+    assert finish(run_ranks(project, 1, "--resume", "--max-epochs", "3"), project) == [0], logs(project)
+    assert logs(project).count("checkpoint_1 at step 5 (epoch 0).") == 2  # both resumes started from the same one
 
 
 def test_a_hand_written_loop_is_told_once_and_no_handler_is_installed(guard: Guard) -> None:
