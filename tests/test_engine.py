@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 import cadence
+from cadence.callbacks import Checkpoint
 from cadence.testing import FakeEngine, RecordingCallback
 from cadence.wrappers import PreparedDataLoader, PreparedOptimizer, PreparedScheduler
 from tests.helpers import RegressionStep, loader, make_model, make_optimizer
@@ -425,6 +426,28 @@ def test_seed_makes_runs_repeatable() -> None:
 def test_engine_arguments_of_the_wrong_type_name_the_expected_type(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(TypeError, match=message):
         cadence.Engine(accelerator="cpu", **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("callbacks", "message"),
+    [
+        (Checkpoint(), r"takes a list of callbacks; got one Checkpoint\. Pass callbacks=\[Checkpoint\(\.\.\.\)\]"),
+        (
+            [Checkpoint],
+            r"got the class Checkpoint, not a callback built from it: pass callbacks=\[Checkpoint\(\.\.\.\)\]",
+        ),
+        ([RecordingCallback(), object()], r"holds an item of type object: callbacks must subclass cadence\.Callback"),
+        (5, r"takes a list of cadence\.Callback objects; got int 5"),
+        ("Checkpoint", r"takes a list of cadence\.Callback objects; got str"),
+    ],
+)
+def test_callbacks_that_are_not_a_list_of_callbacks_name_the_fix_before_anything_is_seeded(
+    callbacks: Any, message: str
+) -> None:
+    before = torch.get_rng_state()
+    with pytest.raises(TypeError, match=message):
+        cadence.Engine(accelerator="cpu", seed=7, callbacks=callbacks)
+    assert torch.equal(torch.get_rng_state(), before)
 
 
 def test_a_second_fit_continues_and_leaves_no_stale_dataloader(tmp_path: Any) -> None:

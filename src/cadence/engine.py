@@ -23,7 +23,15 @@ from cadence.checkpoint.layout import CheckpointDirectory
 from cadence.compile import CompileSetting, check_compile_sources, compile_options, compile_prepared, split_compiled
 from cadence.data import check_shardable, draw_seed, make_batch_mover, to_stateful
 from cadence.event import Event
-from cadence.inputs import PREPARABLE, check_engine_arguments, check_loss, is_preparable, is_scheduler, seed_everything
+from cadence.inputs import (
+    PREPARABLE,
+    check_callbacks,
+    check_engine_arguments,
+    check_loss,
+    is_preparable,
+    is_scheduler,
+    seed_everything,
+)
 from cadence.loop import run_fit
 from cadence.precision import Precision
 from cadence.state import State
@@ -67,6 +75,7 @@ class Engine:
         compile: CompileSetting = False,
     ) -> None:
         check_engine_arguments(seed, project_dir, progress_bar, checkpoint_total_limit, timeout)
+        callbacks = check_callbacks(callbacks)
         self._compile_options = compile_options(compile)
         self.strategy = resolve_strategy(strategy, accelerator, timeout)
         self.state = State()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
 
@@ -14,6 +15,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from torch.utils.data import DataLoader
 
+from cadence.callback import Callback
 from cadence.wrappers import PreparedDataLoader, PreparedScheduler
 
 PREPARABLE = "torch.nn.Module, torch.optim.Optimizer, torch.utils.data.DataLoader, or an LR scheduler"
@@ -50,6 +52,33 @@ def check_engine_arguments(
             raise ValueError(f"checkpoint_total_limit must be at least 1 or None; got {checkpoint_total_limit}.")
     if not isinstance(timeout, timedelta):
         refuse("timeout", "a datetime.timedelta (e.g. timedelta(minutes=10))", timeout)
+
+
+def check_callbacks(callbacks: Any) -> list[Callback]:
+    """``Engine(callbacks=...)`` as a list, every item checked before the engine builds or seeds anything."""
+    if isinstance(callbacks, Callback):
+        name = type(callbacks).__name__
+        raise TypeError(
+            f"Engine(callbacks=...) takes a list of callbacks; got one {name}. Pass callbacks=[{name}(...)]."
+        )
+    if isinstance(callbacks, str | bytes) or not isinstance(callbacks, Iterable):
+        raise TypeError(
+            f"Engine(callbacks=...) takes a list of cadence.Callback objects; got {type(callbacks).__name__} "
+            f"{callbacks!r}. Pass e.g. callbacks=[Checkpoint(every_n_steps=100)]."
+        )
+    listed = list(callbacks)
+    for callback in listed:
+        if isinstance(callback, type) and issubclass(callback, Callback):
+            raise TypeError(
+                f"Engine(callbacks=[...]) got the class {callback.__name__}, not a callback built from it: "
+                f"pass callbacks=[{callback.__name__}(...)]."
+            )
+        if not isinstance(callback, Callback):
+            raise TypeError(
+                f"Engine(callbacks=[...]) holds an item of type {type(callback).__name__}: callbacks must subclass cadence.Callback. "
+                "Define `class MyCallback(cadence.Callback)` and override its `on_<event>` methods."
+            )
+    return listed
 
 
 def is_scheduler(obj: Any) -> bool:
