@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +14,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 import cadence
 from cadence.callbacks import Checkpoint
+from cadence.checkpoint.errors import CheckpointError
 from cadence.testing import FakeEngine, RecordingCallback
 from cadence.wrappers import PreparedDataLoader, PreparedOptimizer, PreparedScheduler
 from tests.helpers import RegressionStep, loader, make_model, make_optimizer
@@ -480,6 +482,49 @@ def test_resume_says_from_where_and_a_finished_run_says_it_is_done(tmp_path: Any
     assert f"Resumed from {tmp_path / 'checkpoints' / 'checkpoint_0'} at step 3 (epoch 0)." in out
     assert "already reached max_steps=3 (step 3, 0 epoch(s) done): nothing left to train" in out
     assert again.state.step == 3
+
+
+@pytest.mark.parametrize("word", ["last", "Latest", "lastest", "newest"])
+def test_resume_with_a_word_for_latest_that_names_no_path_suggests_latest_before_preparing(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, word: str
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    eng = engine(project_dir=tmp_path)
+    with pytest.raises(ValueError, match=rf"fit\(resume='{word}'\): there is no such path; did you mean 'latest'\?"):
+        eng.fit(RegressionStep(), loader(), max_steps=3, resume=word)
+    assert eng.models == () and eng.dataloaders == ()  # refused before anything was prepared
+
+
+def test_resume_from_a_real_path_named_last_still_loads_it(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    eng = engine()
+    eng.fit(RegressionStep(), loader(), max_steps=3)
+    eng.save_state("last")
+    again = engine()
+    again.fit(RegressionStep(seed=4), loader(), max_steps=4, resume="last")
+    assert again.state.step == 4 and again.state.checkpoint_dir == Path("last")
+
+
+def test_resume_that_is_no_path_is_refused_before_preparing_and_names_the_fix(tmp_path: Any) -> None:
+    eng = engine(project_dir=tmp_path)
+    eng.fit(RegressionStep(), loader(), max_steps=1)
+    eng.save_state()
+    again = engine(project_dir=tmp_path)
+    with pytest.raises(
+        CheckpointError,
+        match=r"no checkpoint at checkpoint_0 \(no such path\); did you mean .*checkpoints/checkpoint_0\?",
+    ):
+        again.fit(RegressionStep(), loader(), max_steps=3, resume="checkpoint_0")
+    with pytest.raises(
+        CheckpointError,
+        match=r"no checkpoint at .*nowhere \(no such path\); Pass the directory save_state\(\) returned",
+    ):
+        again.fit(RegressionStep(), loader(), max_steps=3, resume=tmp_path / "nowhere")
+    with pytest.raises(
+        TypeError, match=r"fit\(resume=...\) takes 'latest' or the path of a checkpoint directory; got bool True"
+    ):
+        again.fit(RegressionStep(), loader(), max_steps=3, resume=True)  # type: ignore[arg-type]
+    assert again.models == ()
 
 
 def test_a_non_finite_loss_applied_to_the_weights_is_recorded_and_reported() -> None:
