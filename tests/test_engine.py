@@ -374,6 +374,20 @@ def test_two_engines_in_one_process_do_not_see_each_other() -> None:
     assert second.events == [] and engine_b.state.step == 0 and engine_a.state.step == 2
 
 
+def test_fit_called_while_fit_runs_is_refused_and_the_engine_fits_again_after() -> None:
+    class FitsAgain(cadence.Callback):
+        def on_batch_end(self, engine: cadence.Engine) -> None:
+            engine.fit(RegressionStep(seed=4), loader(), max_steps=5)
+
+    eng = engine(callbacks=[FitsAgain()])
+    with pytest.raises(RuntimeError, match=r"engine\.fit\(\) was called while this engine's fit\(\) is running"):
+        eng.fit(RegressionStep(), loader(), max_steps=3)
+    assert eng.state.step == 1 and len(eng.models) == 1  # the inner fit() prepared and trained nothing
+    eng.remove_callback(eng.callbacks[0])
+    eng.fit(RegressionStep(), loader(), max_steps=3)
+    assert eng.state.step == 3
+
+
 def test_default_progress_bar_is_added_by_fit_and_can_be_turned_off() -> None:
     with_bar = cadence.Engine(accelerator="cpu")
     with_bar.fit(RegressionStep(), loader(samples=16), max_epochs=1)

@@ -90,6 +90,7 @@ class Engine:
         self._dataloaders: list[PreparedDataLoader] = []
         self._fit_loaders: list[tuple[Any, PreparedDataLoader]] = []
         """The (given, prepared) dataloaders of the last ``fit()``, which the next ``fit()`` reuses or releases."""
+        self._fitting = False
         self._registered: list[Any] = []
         self.checkpoint_total_limit = checkpoint_total_limit
         self.checkpoints = CheckpointDirectory(self.project_dir / "checkpoints")
@@ -516,7 +517,17 @@ class Engine:
         (``state.stop(exit_code=...)``, as ``cadence.callbacks.Preemption`` does): then, once everything else is
         done, it raises ``SystemExit`` with that code.
         """
-        return run_fit(
-            self, step, train_dataloader, max_epochs=max_epochs, max_steps=max_steps,
-            val_dataloader=val_dataloader, resume=resume,
-        )  # fmt: skip
+        if self._fitting:
+            raise RuntimeError(
+                "engine.fit() was called while this engine's fit() is running (from a callback or a training step): "
+                "both would train the same models and count into the same State. Call fit() again after it "
+                "returns, or train the other run with an Engine of its own."
+            )
+        self._fitting = True
+        try:
+            return run_fit(
+                self, step, train_dataloader, max_epochs=max_epochs, max_steps=max_steps,
+                val_dataloader=val_dataloader, resume=resume,
+            )  # fmt: skip
+        finally:
+            self._fitting = False
