@@ -43,7 +43,10 @@ def parse_duration(duration: float | timedelta | str | Mapping[str, float]) -> f
     (``{"hours": 12}``), or ``"DD:HH:MM:SS"`` (days, hours, minutes, seconds, as Lightning writes it). Raises
     ``ValueError`` naming the accepted forms when it is none of them, not positive, or longer than
     999999999 days."""
-    seconds = _seconds(duration)
+    try:
+        seconds = _seconds(duration)
+    except OverflowError:  # an int too large for a float, in a dict's milliseconds or microseconds
+        seconds = _MAX_SECONDS + 1
     if not seconds > 0 or seconds == math.inf:  # `not >` also refuses NaN
         raise ValueError(f"Timer(max_duration={duration!r}) must be a positive, finite duration; pass {_ACCEPTED}.")
     if seconds > _MAX_SECONDS:
@@ -73,6 +76,7 @@ def _seconds(duration: Any) -> float:
 
 
 def _dict_seconds(duration: Mapping[Any, Any]) -> float:
+    total: float = 0
     for key, value in duration.items():
         if key not in _UNIT_SECONDS:
             raise ValueError(
@@ -81,7 +85,8 @@ def _dict_seconds(duration: Mapping[Any, Any]) -> float:
             )
         if not isinstance(value, int | float) or isinstance(value, bool):
             raise TypeError(f"Timer(max_duration=...): {key!r} must be a number; got {value!r}. Pass {_ACCEPTED}.")
-    return sum(value * _UNIT_SECONDS[key] for key, value in duration.items())
+        total += value * _UNIT_SECONDS[key]
+    return total
 
 
 def _clock_text(seconds: float) -> str:

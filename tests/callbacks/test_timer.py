@@ -56,6 +56,7 @@ def test_durations(duration: Any, seconds: float) -> None:
         ("9999999999:00:00:00", ValueError, r"longer than the longest duration Timer takes, 999999999 days"),
         ("99999999999999999999999999999999:00:00:00", ValueError, "longer than the longest"),
         (1e300, ValueError, "longer than the longest"),
+        ({"milliseconds": 10**400}, ValueError, "longer than the longest"),
         ({"hour": 12}, ValueError, "got the key 'hour'; a dict takes timedelta's argument names"),
         ({"hours": "12"}, TypeError, "'hours' must be a number"),
         ({}, ValueError, "positive, finite"),
