@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import pickle
 import sys
+import warnings
+from copy import deepcopy
 from pathlib import Path
 from typing import Any
 
@@ -386,6 +389,45 @@ def test_fit_called_while_fit_runs_is_refused_and_the_engine_fits_again_after() 
     eng.remove_callback(eng.callbacks[0])
     eng.fit(RegressionStep(), loader(), max_steps=3)
     assert eng.state.step == 3
+
+
+def test_a_model_and_optimizer_another_open_engine_prepared_warn_and_not_once_it_is_closed() -> None:
+    model = make_model()
+    optimizer = make_optimizer(model)
+    first = engine()
+    _, prepared_optimizer = first.prepare(model, optimizer)
+    second = engine()
+    with pytest.warns(
+        UserWarning, match=r"This model \(Sequential\) was prepared by another Engine that is still open"
+    ):
+        second.prepare(model)
+    with pytest.warns(UserWarning, match=r"This optimizer \(AdamW\) .* Call close\(\) on the other engine first"):
+        second.prepare(prepared_optimizer)  # what the first engine returned: still its optimizer inside
+    first.close()  # releases nothing of the second engine's: it prepared them last
+    third = engine()
+    with pytest.warns(UserWarning, match="This model"):
+        third.prepare(model)
+    second.close()
+    third.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine().prepare(model, optimizer)  # every engine that prepared them is closed
+
+
+def test_an_engine_nobody_holds_and_copies_of_a_prepared_model_do_not_warn() -> None:
+    model = make_model()
+    optimizer = make_optimizer(model)
+    engine().fit(RegressionStep(), loader(), max_steps=1)
+    gone = engine()
+    gone.prepare(model, optimizer)  # the engine and its prepared objects refer to each other: a reference cycle
+    del gone
+    copy = pickle.loads(pickle.dumps(model))  # a pickle needs no cadence to load, and carries no mark
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kept = engine()
+        kept.prepare(model, optimizer)
+        engine().prepare(copy, make_optimizer(copy))
+        engine().prepare(deepcopy(model))
 
 
 def test_default_progress_bar_is_added_by_fit_and_can_be_turned_off() -> None:
