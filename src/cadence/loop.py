@@ -41,6 +41,7 @@ def run_fit(
     """The body of ``Engine.fit``."""
     _check_limits(max_epochs, max_steps)
     _check_resume(engine, resume)
+    _check_checkpoints_writable(engine)
     if val_dataloader is not None and type(step).validation_step is TrainingStep.validation_step:
         raise NotImplementedError(
             f"fit() was given a val_dataloader but {type(step).__name__} defines no `validation_step(self, batch)`; "
@@ -308,3 +309,21 @@ def _check_resume(engine: Engine, resume: Any) -> None:
         f"fit(resume={str(resume)!r}): there is no checkpoint at {resume} (no such path); {hint}Pass the directory "
         f"save_state() returned, or resume='latest' for the newest checkpoint in {engine.checkpoints.root}."
     )
+
+
+def _check_checkpoints_writable(engine: Engine) -> None:
+    """Refuse, before training, a run whose attached callbacks will save checkpoints where none can be written.
+
+    Only such a run is checked: one that saves nothing (no ``saves_checkpoints`` callback) may train in a read-only
+    place, and a ``save_state()`` called by hand checks its own target."""
+    savers = sorted({type(callback).__name__ for callback in engine.callbacks if callback.saves_checkpoints})
+    if not savers:
+        return
+    # The main rank commits every checkpoint: its answer is every rank's, so all refuse together.
+    reason = engine.broadcast_object(engine.checkpoints.unwritable() if engine.is_main_process else None)
+    if reason is not None:
+        raise CheckpointError(
+            f"fit() would save checkpoints into {engine.checkpoints.root} ({', '.join(savers)} save there), but "
+            f"{reason}. Pass Engine(project_dir=...) a directory you can write to (or make it writable); nothing "
+            "was trained."
+        )
