@@ -136,7 +136,7 @@ class RegressionStep(cadence.TrainingStep):
 
 
 def cadence_fit(size: Size, steps: int) -> float:
-    engine = cadence.Engine(accelerator="cpu", progress_bar=False)
+    engine = cadence.Engine(accelerator="cpu", progress_bar=False, model_summary=False)
     step = RegressionStep(size)
     loader = make_loader(size, steps)
     start = time.process_time()
@@ -159,7 +159,7 @@ def cadence_fit_terminal_bar(size: Size, steps: int, refresh_every_s: float = LI
     """``fit()`` with the live bar a terminal gets (a forced-terminal console on ``os.devnull``)."""
     from rich.console import Console
 
-    with open(os.devnull, "w") as sink:
+    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):  # the default summary prints to stdout
         bar = RichProgressBar(refresh_every_s=refresh_every_s, console=Console(file=sink, force_terminal=True))
         engine = cadence.Engine(accelerator="cpu", callbacks=[bar])
         step = RegressionStep(size)
@@ -247,6 +247,7 @@ def cadence_features(size: Size, steps: int) -> float:
     engine = cadence.Engine(
         accelerator="cpu",
         progress_bar=False,
+        model_summary=False,
         callbacks=[GradientAccumulation(ACCUMULATION), MixedPrecision("fp16"), GradientClipping(MAX_NORM)],
     )
     step = FeatureStep(size)

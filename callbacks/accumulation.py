@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from cadence import Callback
+from cadence.checkpoint.checks import check_state_fields
 
 if TYPE_CHECKING:
     from cadence import Engine
@@ -51,6 +52,10 @@ class GradientAccumulation(Callback):
         """The prepared models and their trainable parameters, whose versions betray a raw optimizer's steps."""
         self._versions: int | None = None
         self._warned_raw_step = False
+
+    def steps_per_epoch(self, batches: int) -> int:
+        """One step per window, the epoch's last (maybe short) window included."""
+        return -(-batches // self.steps)
 
     def on_batch_start(self, engine: Engine) -> None:
         state = engine.state
@@ -149,6 +154,18 @@ class GradientAccumulation(Callback):
             "item_mode": self._item_mode,
             "window_length": self._window_length,
         }
+
+    def check_state_dict(self, state_dict: dict[str, Any]) -> None:
+        check_state_fields(
+            f"callback {self.state_key!r}",
+            state_dict,
+            {
+                "micro_batches": int,
+                "items": (int, float),
+                "item_mode": (bool, type(None)),
+                "window_length": (int, type(None)),
+            },
+        )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._micro_batches = int(state_dict["micro_batches"])

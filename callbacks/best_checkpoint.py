@@ -20,22 +20,25 @@ if TYPE_CHECKING:
     from cadence.checkpoint.background import PendingCheckpoint
 
 Mode = Literal["min", "max"]
+_MODES = ("min", "max")
 
 
 @dataclass
 class Ranked:
     """One checkpoint saved for the ranking: its score, the step it was saved at, and its directory (None until
-    the save commits)."""
+    the save commits). ``keep``: it was among the best under another mode or monitor, so the ranking never deletes
+    it; pushed out of the best, it moves to ``Ranking.kept``."""
 
     score: float
     step: int
     path: Path | None = None
+    keep: bool = False
 
 
 def check_ranking_arguments(monitor: Any, mode: Any, save_top_k: Any) -> None:
     if not isinstance(monitor, str) or not monitor:
         raise TypeError(f"monitor must be a metric name such as 'val/loss'; got {monitor!r}.")
-    if mode not in ("min", "max"):
+    if mode not in _MODES:
         raise ValueError(f"mode must be 'min' (lower is better) or 'max' (higher is better); got {mode!r}.")
     if not isinstance(save_top_k, int) or isinstance(save_top_k, bool) or save_top_k < -1:
         raise ValueError(f"save_top_k must be an int: k >= 1 keeps the k best, 0 none, -1 all; got {save_top_k!r}.")
@@ -62,12 +65,14 @@ def read_score(metrics: dict[str, Any], monitor: str) -> float:
 
 class Ranking:
     """The ``k`` best ``Ranked`` checkpoints, best first (``k = -1``: all), and those pushed out (``dropped``)
-    waiting to be deleted. On a tie the older checkpoint stays ahead; a NaN score never enters."""
+    waiting to be deleted, except those marked ``keep`` (see ``load_state_dict``): pushed out, they go to ``kept``
+    and are never deleted. On a tie the older checkpoint stays ahead; a NaN score never enters."""
 
     def __init__(self, monitor: str, mode: Mode, k: int) -> None:
         self.monitor, self.mode, self.k = monitor, mode, k
         self.best: list[Ranked] = []
         self.dropped: list[Ranked] = []
+        self.kept: list[Ranked] = []
 
     def better(self, score: float, than: float) -> bool:
         return score < than if self.mode == "min" else score > than
@@ -79,8 +84,8 @@ class Ranking:
         return self.k == -1 or len(self.best) < self.k or self.better(score, self.best[-1].score)
 
     def add(self, score: float, step: int) -> Ranked:
-        """Rank a new checkpoint: into ``best`` if it enters (pushing the worst into ``dropped``), else straight
-        into ``dropped``."""
+        """Rank a new checkpoint: into ``best`` if it enters (pushing the worst into ``dropped``, or ``kept``),
+        else straight into ``dropped``."""
         entry = Ranked(score, step)
         if not self.enters(score):
             self.dropped.append(entry)
@@ -88,7 +93,8 @@ class Ranking:
         place = next((i for i, held in enumerate(self.best) if self.better(score, held.score)), len(self.best))
         self.best.insert(place, entry)
         if self.k != -1 and len(self.best) > self.k:
-            self.dropped.append(self.best.pop())
+            pushed_out = self.best.pop()
+            (self.kept if pushed_out.keep else self.dropped).append(pushed_out)
         return entry
 
     def discard(self, entry: Ranked) -> None:
@@ -96,11 +102,11 @@ class Ranking:
         self.best = [held for held in self.best if held is not entry]
         self.dropped = [held for held in self.dropped if held is not entry]
 
-    def copy(self) -> tuple[list[Ranked], list[Ranked]]:
-        return list(self.best), list(self.dropped)
+    def copy(self) -> tuple[list[Ranked], list[Ranked], list[Ranked]]:
+        return list(self.best), list(self.dropped), list(self.kept)
 
-    def restore(self, lists: tuple[list[Ranked], list[Ranked]]) -> None:
-        self.best, self.dropped = list(lists[0]), list(lists[1])
+    def restore(self, lists: tuple[list[Ranked], list[Ranked], list[Ranked]]) -> None:
+        self.best, self.dropped, self.kept = list(lists[0]), list(lists[1]), list(lists[2])
 
     def state_dict(self, current: Ranked | None, root: Path | None) -> dict[str, Any]:
         """JSON-safe. ``current`` (the entry being saved now) is written with no path: it is the checkpoint that
@@ -109,29 +115,56 @@ class Ranking:
 
         def encode(entries: list[Ranked]) -> list[dict[str, Any]]:
             return [
-                {"score": e.score, "step": e.step, "path": None if e is current else _relative(e.path, root)}
+                {
+                    "score": e.score,
+                    "step": e.step,
+                    "path": None if e is current else _relative(e.path, root),
+                    **({"keep": True} if e.keep else {}),
+                }
                 for e in entries
                 if e is current or e.path is not None
             ]
 
-        return {"monitor": self.monitor, "mode": self.mode, "best": encode(self.best), "dropped": encode(self.dropped)}
+        return {
+            "monitor": self.monitor,
+            "mode": self.mode,
+            "best": encode(self.best),
+            "dropped": encode(self.dropped),
+            "kept": encode(self.kept),
+        }
 
     def load_state_dict(
         self, state: dict[str, Any], current: Path, root: Path, exists: Callable[[Path], bool]
-    ) -> list[Ranked]:
-        """Restore from ``state``, the entry with no path being ``current``; ranked again under this mode and k
-        (either may have changed since). Returns the entries whose checkpoint no longer ``exists`` (left out)."""
-        entries = [_decode(e, current, root) for e in state["best"]]
-        kept = [e for e in entries if e.path is not None and exists(e.path)]
-        dropped = [_decode(e, current, root) for e in state["dropped"]]
-        self.best = []
-        self.dropped = [e for e in dropped if e.path is not None and exists(e.path)]
-        for entry in sorted(kept, key=lambda e: e.score if self.mode == "min" else -e.score):  # stable: ties stay
-            if self.enters(entry.score):
+    ) -> tuple[list[Ranked], list[Ranked]]:
+        """Restore from ``state``, the entry with no path being ``current``, ranked again under this monitor, mode
+        and k (any may have changed since). Under another mode or monitor, the saved best are marked ``keep``:
+        chosen by an order that no longer applies, they are never deleted (under another monitor, whose scores
+        rank nothing here, they all go to ``kept`` at once). Returns the best entries whose checkpoint no longer
+        ``exists`` (left out), and those that went to ``kept`` now."""
+
+        def present(key: str) -> list[Ranked]:
+            return [e for e in decoded[key] if e.path is not None and exists(e.path)]
+
+        decoded = {key: [_decode(e, current, root) for e in state.get(key, [])] for key in ("best", "kept", "dropped")}
+        for entry in decoded["kept"]:
+            entry.keep = True
+        best = present("best")
+        comparable = state["monitor"] == self.monitor
+        for entry in best if not comparable or state["mode"] != self.mode else ():
+            entry.keep = True
+        self.best, self.dropped, self.kept = [], [], []
+        for entry in sorted(best + present("kept") + present("dropped"), key=self._order):
+            if comparable and self.enters(entry.score):
                 self.best.append(entry)
             else:
-                self.dropped.append(entry)
-        return [e for e in entries if not any(e is k for k in kept)]
+                (self.kept if entry.keep else self.dropped).append(entry)
+        gone = [e for e in decoded["best"] if not any(e is b for b in best)]
+        return gone, [e for e in best if any(e is k for k in self.kept)]
+
+    def _order(self, entry: Ranked) -> tuple[bool, float, int]:
+        """Best first, the older first on a tie; NaN (never ranked) last."""
+        nan = math.isnan(entry.score)
+        return nan, 0.0 if nan else entry.score if self.mode == "min" else -entry.score, entry.step
 
 
 class BestCheckpoints:
@@ -249,19 +282,40 @@ class BestCheckpoints:
         if loaded is None or current is None:
             return
         checkpoints = engine.checkpoints
-        for entry in self.ranking.best:
+        for entry in (*self.ranking.best, *self.ranking.kept):
             if entry.path is not None:
                 checkpoints.release(entry.path, self.holder)
-        for entry in self.ranking.load_state_dict(loaded, current, checkpoints.root, checkpoints.is_checkpoint):
+        gone, set_aside = self.ranking.load_state_dict(loaded, current, checkpoints.root, checkpoints.is_checkpoint)
+        for entry in gone:
             warnings.warn(
                 f"Checkpoint(monitor={self.ranking.monitor!r}): the ranked checkpoint {entry.path} (score "
                 f"{entry.score}, step {entry.step}) is gone; it is left out of the ranking.",
                 UserWarning,
                 stacklevel=3,
             )
-        for entry in self.ranking.best:
+        if engine.is_main_process and (loaded["monitor"], loaded["mode"]) != (self.ranking.monitor, self.ranking.mode):
+            warnings.warn(self._reranked(loaded["monitor"], loaded["mode"], set_aside), UserWarning, stacklevel=3)
+        for entry in (*self.ranking.best, *self.ranking.kept):
             if entry.path is not None:
                 checkpoints.protect(entry.path, self.holder)
+
+    def _reranked(self, monitor: str, mode: Mode, set_aside: list[Ranked]) -> str:
+        """What a resume did with a ranking saved under another monitor or mode."""
+        ranking = self.ranking
+        intro = f"Checkpoint(monitor={ranking.monitor!r}, mode={ranking.mode!r}): the checkpoint's ranking"
+        if monitor != ranking.monitor:
+            return (
+                f"{intro} is by {monitor!r}, whose scores cannot rank {ranking.monitor!r}: the ranking starts afresh, "
+                f"and its best checkpoints ({_listed(set_aside) or 'none left'}) are kept; this run never deletes them."
+            )
+        marked = [entry for entry in (*ranking.best, *ranking.kept) if entry.keep]
+        fell_out = f"; {_listed(set_aside)} already fell out of them" if set_aside else ""
+        return (
+            f"{intro} was made with mode={mode!r}. Its best checkpoints ({_listed(marked)}) are ranked again with "
+            f"mode={ranking.mode!r} and kept even when they fall out of the save_top_k={ranking.k} best{fell_out}: "
+            "this run never deletes them (delete them by hand once they are no longer needed). To rank as before, "
+            f"resume with Checkpoint(monitor={monitor!r}, mode={mode!r})."
+        )
 
 
 def _well_formed(state: Any) -> bool:
@@ -271,10 +325,17 @@ def _well_formed(state: Any) -> bool:
             and isinstance(e.get("score"), (int, float))
             and isinstance(e.get("step"), int)
             and (e.get("path") is None or isinstance(e.get("path"), str))
+            and isinstance(e.get("keep", False), bool)
         )
 
-    lists = [state.get(key) for key in ("best", "dropped")] if isinstance(state, dict) else [None]
+    if not isinstance(state, dict) or not isinstance(state.get("monitor"), str) or state.get("mode") not in _MODES:
+        return False
+    lists = [state.get("best"), state.get("dropped"), state.get("kept", [])]  # no "kept" before it was recorded
     return all(isinstance(entries, list) and all(entry(e) for e in entries) for entries in lists)
+
+
+def _listed(entries: list[Ranked]) -> str:
+    return ", ".join(f"{entry.path and entry.path.name} (score {entry.score}, step {entry.step})" for entry in entries)
 
 
 def _relative(path: Path | None, root: Path | None) -> str | None:
@@ -287,4 +348,4 @@ def _relative(path: Path | None, root: Path | None) -> str | None:
 
 def _decode(entry: dict[str, Any], current: Path, root: Path) -> Ranked:
     path = current if entry["path"] is None else root / entry["path"]  # an absolute path stays as it is
-    return Ranked(float(entry["score"]), int(entry["step"]), path)
+    return Ranked(float(entry["score"]), int(entry["step"]), path, keep=entry.get("keep") is True)

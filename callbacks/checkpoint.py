@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cadence import Callback
+from cadence.checkpoint.checks import check_state_fields
 
 from .best_checkpoint import BestCheckpoints, Mode, check_ranking_arguments
 
@@ -59,8 +60,13 @@ class Checkpoint(Callback):
     ``every_n_steps`` / ``every_n_epochs`` saves. Ties keep the older checkpoint; a NaN score never ranks. A
     checkpoint this callback saved for the ranking and that falls out of it is deleted (by the main process) once
     it is no longer the newest; ``checkpoint_total_limit`` never deletes one of the best k. ``best_path`` and
-    ``best_score`` survive a resume (a best checkpoint deleted by hand is dropped with a warning). From disk, in
-    any process: ``engine.load_state(engine.checkpoints.best("val/loss", "min"))``.
+    ``best_score`` survive a resume (a best checkpoint deleted by hand is dropped with a warning). A resume under
+    another ``mode`` warns, ranks the saved best again and never deletes them (they are kept outside the ranking
+    once they fall out of it). From disk, in any process: ``engine.load_state(engine.checkpoints.best("val/loss",
+    "min"))``.
+
+    Only this run's checkpoints are ever deleted (a resumed run continues the run it loaded): when fit() starts,
+    the main process warns if ``project_dir/checkpoints`` holds checkpoints of another run, which stay.
     """
 
     saves_checkpoints = True  # runs after the other callbacks at each event: its saves hold their work
@@ -172,6 +178,8 @@ class Checkpoint(Callback):
     def on_fit_start(self, engine: Engine) -> None:
         self._validated = False
         self._fit_start_step = engine.state.step
+        if engine.is_main_process:  # after a resume: the run continued is known by now
+            engine.checkpoints.warn_about_other_runs()
 
     def on_batch_end(self, engine: Engine) -> None:
         state = engine.state
@@ -215,6 +223,10 @@ class Checkpoint(Callback):
         if self._best is not None:
             state.update(self._best.state_dict())
         return state
+
+    def check_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # The ranking (best-k) is tolerant already: a malformed one is dropped with a warning when loaded.
+        check_state_fields(f"callback {self.state_key!r}", state_dict, {"last_saved_step": int})
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._last_saved_step = int(state_dict["last_saved_step"])

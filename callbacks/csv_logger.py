@@ -16,6 +16,7 @@ from .logger import Logger
 
 if TYPE_CHECKING:
     from cadence import Engine
+    from cadence.checkpoint.layout import CheckpointDirectory
 
 
 class CSVLogger(Logger):
@@ -40,10 +41,12 @@ class CSVLogger(Logger):
         self._written_columns: list[str] = []
         self._unwritten: list[dict[str, Any]] = []
         self._claimed = False
+        self._checkpoints: CheckpointDirectory | None = None
 
     def setup(self, engine: Engine) -> None:
         super().setup(engine)
         self.path = engine.project_dir / self.filename
+        self._checkpoints = engine.checkpoints
 
     def on_fit_start(self, engine: Engine) -> None:
         super().on_fit_start(engine)
@@ -70,11 +73,20 @@ class CSVLogger(Logger):
             if not (candidate := self.path.with_name(f"{self.path.stem}.{number}{self.path.suffix}")).exists()
         )
         os.rename(self.path, kept)
-        warnings.warn(
-            f"CSVLogger: {self.path.name} holds an earlier run's metrics; kept as {kept.name}, and this run starts a "
-            f"new {self.path.name}. To continue the earlier run's file, resume it: fit(..., resume='latest').",
-            UserWarning,
-            stacklevel=2,
+        warnings.warn(self._kept_message(self.path.name, kept.name), UserWarning, stacklevel=2)
+
+    def _kept_message(self, name: str, kept: str) -> str:
+        checkpoints = self._checkpoints
+        if checkpoints is not None and not checkpoints.numbered():
+            # Nothing to resume: a script already passing resume='latest' would be told to pass it.
+            return (
+                f"CSVLogger: {name} holds an earlier run's metrics, and that run left no checkpoint in "
+                f"{checkpoints.root} to resume from (it ended before its first save); kept as {kept}, and this "
+                f"run starts a new {name}."
+            )
+        return (
+            f"CSVLogger: {name} holds an earlier run's metrics; kept as {kept}, and this run starts a new "
+            f"{name}. To continue the earlier run's file, resume it: fit(..., resume='latest')."
         )
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from cadence import Callback
+from cadence.checkpoint.checks import check_state_fields, refuse_state
 
 if TYPE_CHECKING:
     from cadence import Engine
@@ -115,6 +116,25 @@ class EarlyStopping(Callback):
             "stop_reason": self.stop_reason,
             "last_check_step": self._last_check_step,
         }
+
+    def check_state_dict(self, state_dict: dict[str, Any]) -> None:
+        owner, step = f"callback {self.state_key!r}", (int, type(None))
+        check_state_fields(
+            owner,
+            state_dict,
+            {
+                "wait_count": int,
+                "best_score": (torch.Tensor, float, int),
+                "best_step": step,
+                "stopped_step": step,
+                "last_check_step": int,
+            },
+        )
+        if "stop_reason" in state_dict:  # absent from checkpoints of earlier versions
+            check_state_fields(owner, state_dict, {"stop_reason": (str, type(None))})
+        best = state_dict["best_score"]
+        if isinstance(best, torch.Tensor) and best.numel() != 1:
+            refuse_state(owner, f"'best_score' must be one number, not a tensor of shape {tuple(best.shape)}")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.wait_count = int(state_dict["wait_count"])

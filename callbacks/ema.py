@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from cadence import Callback
+from cadence.checkpoint.checks import check_state_fields
 
 if TYPE_CHECKING:
     from cadence import Engine
@@ -186,6 +187,9 @@ class EMA(Callback):
     def check_state_dict(self, state_dict: dict[str, Any]) -> None:
         saved, engine = state_dict.get("weights"), self._engine
         if saved is not None:
+            owner = f"callback {self.state_key!r}"
+            check_state_fields(owner, state_dict, {"weights": dict})
+            check_state_fields(owner, saved, dict.fromkeys(saved, torch.Tensor))
             if engine is None:
                 raise RuntimeError("EMA state loads through engine.load_state(): attach the EMA to the engine first.")
             names, params = self._tracked(engine)

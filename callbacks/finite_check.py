@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from cadence import Callback
+from cadence.checkpoint.checks import check_state_fields, check_state_items
 from cadence.precision import GradScalerPrecision
 
 if TYPE_CHECKING:
@@ -148,6 +149,12 @@ class FiniteCheck(Callback):
             "pending_loss_sum": 0.0 if bad else float(self._loss_sum),
             "pending_losses": self._loss_count,
         }
+
+    def check_state_dict(self, state_dict: dict[str, Any]) -> None:
+        owner = f"callback {self.state_key!r}"
+        fields = {"consecutive_skips": int, "history": list, "pending_bad": bool, "pending_losses": int}
+        check_state_fields(owner, state_dict, {**fields, "pending_loss_sum": (float, int)})
+        check_state_items(owner, "history", state_dict["history"], (float, int))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.consecutive_skips = int(state_dict["consecutive_skips"])

@@ -15,6 +15,12 @@ if TYPE_CHECKING:
 
 Interval = Literal["step", "epoch"]
 
+_MISSING = {
+    "log_momentum": "has neither 'momentum' nor 'betas', so no momentum is logged for it.",
+    "log_weight_decay": "has no 'weight_decay', so no weight decay is logged for it.",
+}
+_INSTEAD = {"log_momentum": "log learning rates only", "log_weight_decay": "log no weight decay"}
+
 
 class LearningRateMonitor(Callback):
     """Logs each param group's learning rate, and its momentum, into ``state.metrics`` (``engine.log_dict``), where
@@ -24,7 +30,12 @@ class LearningRateMonitor(Callback):
     ``lr-<class>/pg1``, ``lr-<class>/pg2`` ... (counted from 1), or ``lr-<class>/<name>`` for a group that has a
     ``"name"`` entry. A second optimizer of the same class is ``lr-<class>-1``, a third ``lr-<class>-2``, in the
     order prepared. The momentum is ``<lr name>-momentum``: the group's ``momentum`` (SGD, RMSprop) or its
-    ``betas[0]`` (Adam, AdamW); a group with neither gets no momentum entry (and one warning).
+    ``betas[0]`` (Adam, AdamW); a group with neither gets no momentum entry (and one warning). With
+    ``log_weight_decay=True``, the group's ``weight_decay`` is ``<lr name>-weight_decay``.
+
+    Two param groups of one optimizer that would log under one name (both ``"name": "linear"``, or a group named
+    ``"pg2"`` beside an unnamed second group) are refused with a ``ValueError`` when ``fit()`` starts (in a
+    hand-written loop, before the first optimizer step): one value would silently hide the other.
 
     ``logging_interval="step"`` (the default) logs the stepping optimizer's values at ``BEFORE_OPTIMIZER_STEP``,
     on every step that may update the weights (never on accumulation micro-steps): they are the values that step
@@ -33,16 +44,25 @@ class LearningRateMonitor(Callback):
     optimizer's values at ``EPOCH_START``.
     """
 
-    def __init__(self, logging_interval: Interval = "step", log_momentum: bool = True) -> None:
+    def __init__(
+        self, logging_interval: Interval = "step", log_momentum: bool = True, log_weight_decay: bool = False
+    ) -> None:
         if logging_interval not in ("step", "epoch"):
             raise ValueError(
                 f"LearningRateMonitor(logging_interval=...) must be 'step' or 'epoch'; got {logging_interval!r}."
             )
-        if not isinstance(log_momentum, bool):
-            raise ValueError(f"LearningRateMonitor(log_momentum=...) must be True or False; got {log_momentum!r}.")
+        for name, flag in (("log_momentum", log_momentum), ("log_weight_decay", log_weight_decay)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"LearningRateMonitor({name}=...) must be True or False; got {flag!r}.")
         self.logging_interval: Interval = logging_interval
         self.log_momentum = log_momentum
-        self._warned_no_momentum: set[str] = set()
+        self.log_weight_decay = log_weight_decay
+        self._warned: set[tuple[str, str]] = set()
+
+    def on_fit_start(self, engine: Engine) -> None:
+        # Every optimizer's names are checked before the first batch, so a refused name costs no data and no step.
+        for name, optimizer in zip(optimizer_names(engine.optimizers), engine.optimizers, strict=True):
+            self.values(name, optimizer.param_groups)
 
     def on_before_optimizer_step(self, engine: Engine) -> None:
         optimizer = engine.state.optimizer
@@ -63,25 +83,43 @@ class LearningRateMonitor(Callback):
         engine.log_dict(metrics)
 
     def values(self, optimizer_name: str, param_groups: Sequence[dict[str, Any]]) -> dict[str, Any]:
-        """The metrics of one optimizer named ``optimizer_name`` (see ``optimizer_names``)."""
+        """The metrics of one optimizer named ``optimizer_name`` (see ``optimizer_names``). Raises ``ValueError`` when
+        two of its groups would log under one name."""
         metrics: dict[str, Any] = {}
+        owners: dict[str, int] = {}
         for index, group in enumerate(param_groups):
             name = f"lr-{optimizer_name}{group_suffix(index, group, len(param_groups))}"
-            metrics[name] = _snapshot(group["lr"])
-            if not self.log_momentum:
-                continue
+            for metric, value in self._group_values(name, group):
+                if metric in owners:
+                    raise ValueError(_duplicate_names(optimizer_name, param_groups, owners[metric], index, metric))
+                owners[metric] = index
+                metrics[metric] = _snapshot(value)
+        return metrics
+
+    def _group_values(self, name: str, group: dict[str, Any]) -> list[tuple[str, Any]]:
+        values = [(name, group["lr"])]
+        if self.log_momentum:
             momentum = group_momentum(group)
             if momentum is not None:
-                metrics[f"{name}-momentum"] = _snapshot(momentum)
-            elif name not in self._warned_no_momentum:
-                self._warned_no_momentum.add(name)
-                warnings.warn(
-                    f"LearningRateMonitor: param group {name!r} has neither 'momentum' nor 'betas', so no momentum "
-                    "is logged for it. Pass log_momentum=False to log learning rates only.",
-                    UserWarning,
-                    stacklevel=2,
-                )
-        return metrics
+                values.append((f"{name}-momentum", momentum))
+            else:
+                self._warn_once(name, "log_momentum")
+        if self.log_weight_decay:
+            if "weight_decay" in group:
+                values.append((f"{name}-weight_decay", group["weight_decay"]))
+            else:
+                self._warn_once(name, "log_weight_decay")
+        return values
+
+    def _warn_once(self, name: str, flag: str) -> None:
+        if (name, flag) in self._warned:
+            return
+        self._warned.add((name, flag))
+        warnings.warn(
+            f"LearningRateMonitor: param group {name!r} {_MISSING[flag]} Pass {flag}=False to {_INSTEAD[flag]}.",
+            UserWarning,
+            stacklevel=4,
+        )
 
 
 def optimizer_names(optimizers: Sequence[torch.optim.Optimizer]) -> list[str]:
@@ -112,6 +150,18 @@ def group_momentum(group: dict[str, Any]) -> Any:
     if isinstance(betas, (tuple, list)) and betas:
         return betas[0]
     return None
+
+
+def _duplicate_names(
+    optimizer_name: str, param_groups: Sequence[dict[str, Any]], first: int, second: int, metric: str
+) -> str:
+    labels = [repr(param_groups[index].get("name", f"pg{index + 1}")) for index in (first, second)]
+    return (
+        f"LearningRateMonitor: param groups {first + 1} and {second + 1} of optimizer {optimizer_name} (named "
+        f"{labels[0]} and {labels[1]}) would both log {metric!r}, so one value would hide the other. Give each "
+        "param group of one optimizer a unique 'name' (e.g. torch.optim.SGD([{'params': ..., 'name': 'encoder'}, "
+        "{'params': ..., 'name': 'head'}], lr=...)), or leave 'name' out to log them as pg1, pg2, ..."
+    )
 
 
 def _snapshot(value: Any) -> Any:

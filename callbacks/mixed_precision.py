@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any, Literal
 
 from cadence import Callback
-from cadence.precision import AutocastPrecision, GradScalerPrecision, Precision
+from cadence.checkpoint.checks import check_state_fields, refuse_state
+from cadence.precision import AutocastPrecision, GradScalerPrecision, Precision, check_scaler_state
 
 if TYPE_CHECKING:
     from cadence import Engine
@@ -22,8 +24,13 @@ class MixedPrecision(Callback):
     the loss is scaled, gradients are unscaled once before ``BEFORE_OPTIMIZER_STEP``, and an overflow skips
     the optimizer and scheduler steps with ``state.skip_reason == "overflow"``.
 
-    The grad scaler's state is this callback's ``state_dict``. Attach it when building the Engine, before
-    anything is prepared.
+    The grad scaler's state and the precision's name are this callback's ``state_dict``. Attach it when building
+    the Engine, before anything is prepared.
+
+    A run may resume in another precision than it was saved in (the weights and optimizer state are float32 in
+    every one: autocast changes only the forward's arithmetic, so nothing saved is lost). That is an exact resume
+    no longer, so it warns, naming both: from fp16 the checkpoint's loss scale is dropped; into fp16 the grad
+    scaler starts fresh at ``init_scale`` (its first steps may be skipped as ``"overflow"`` while it settles).
     """
 
     def __init__(self, precision: PrecisionName, *, init_scale: float = 2.0**16, growth_interval: int = 2000) -> None:
@@ -68,9 +75,55 @@ class MixedPrecision(Callback):
         return Precision()
 
     def state_dict(self) -> dict[str, Any]:
-        return {} if self.plugin is None else self.plugin.state_dict()
+        return {} if self.plugin is None else {"precision": self.precision_name, **self.plugin.state_dict()}
+
+    def check_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._attached()
+        owner = f"callback {self.state_key!r}"
+        if "precision" in state_dict:
+            check_state_fields(owner, state_dict, {"precision": str})
+            if state_dict["precision"] not in _NAMES:
+                refuse_state(owner, f"its precision {state_dict['precision']!r} is none of {', '.join(_NAMES)}")
+        if _saved_precision(state_dict) == "fp16":
+            check_scaler_state(_scaler_state(state_dict), owner)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.check_state_dict(state_dict)  # load_state checked already; a direct call is checked here
+        plugin, saved, scaler = self._attached(), _saved_precision(state_dict), _scaler_state(state_dict)
+        if saved == self.precision_name or (saved is None and self.precision_name != "fp16"):
+            plugin.load_state_dict(scaler)
+            return
+        if saved == "fp16":
+            change = f", without the checkpoint's loss scale {scaler['scale']}"
+        elif self.precision_name == "fp16":
+            change = (
+                f" with a fresh grad scaler at init_scale={self.init_scale} (its first steps may be skipped as "
+                "'overflow' while the scale settles)"
+            )
+        else:
+            change = " (the weights and optimizer state load as saved; the forward computes in another precision)"
+        was, same = (saved, f"MixedPrecision({saved!r})") if saved else ("bf16 or fp32", "its precision")
+        warnings.warn(
+            f"MixedPrecision: the checkpoint was saved in {was} and this run uses {self.precision_name}: it resumes "
+            f"in {self.precision_name}{change}. Attach {same} instead to continue the saved run exactly.",
+            UserWarning,
+            stacklevel=2,
+        )
+
+    def _attached(self) -> Precision:
         if self.plugin is None:
             raise RuntimeError("MixedPrecision has no plugin yet: attach it to an Engine before loading its state.")
-        self.plugin.load_state_dict(state_dict)
+        return self.plugin
+
+
+def _saved_precision(state_dict: dict[str, Any]) -> str | None:
+    """The precision a checkpoint was saved in; ``None`` when unknown (checkpoints of earlier cadence versions: a bf16
+    or fp32 run saved an empty table, an fp16 run its grad scaler's state alone)."""
+    saved = state_dict.get("precision")
+    if saved is None and state_dict:
+        return "fp16"
+    return saved if isinstance(saved, str) else None
+
+
+def _scaler_state(state_dict: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in state_dict.items() if key != "precision"}

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from cadence import Callback
+from cadence.checkpoint.checks import check_state_fields
 
 if TYPE_CHECKING:
     from cadence import Engine
@@ -191,6 +192,9 @@ class Timer(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         return {"elapsed": self.elapsed}
+
+    def check_state_dict(self, state_dict: dict[str, Any]) -> None:
+        check_state_fields(f"callback {self.state_key!r}", state_dict, {"elapsed": (float, int)})
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._used_before = float(state_dict["elapsed"])

@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, SubsetRandomSampler, TensorDataset
 
 from cadence import CheckpointError
+from cadence.checkpoint.errors import CheckpointCorrupted
 from cadence.cursor import DataCursor
 from cadence.data import to_stateful
 from tests.helpers import assert_same_state
@@ -49,8 +50,8 @@ def stop_after(data: DataCursor, batches: int) -> list[list[int]]:
     return taken
 
 
-def straight_epochs(epochs: int, samples: int = 16) -> list[list[list[int]]]:
-    data = cursor(samples)
+def straight_epochs(epochs: int, samples: int = 16, seed: int = 4) -> list[list[list[int]]]:
+    data = cursor(samples, seed=seed)
     return [run_pass(data) for _ in range(epochs)]
 
 
@@ -301,3 +302,93 @@ def test_an_older_state_without_sample_counts_resumes_by_batches() -> None:
     restored = cursor(16, own_sampler=True)
     restored.load_state_dict(older)
     assert len(run_pass(restored)) == 2
+
+
+def test_a_mid_epoch_position_resumed_with_another_seed_keeps_the_epochs_order_and_warns() -> None:
+    under_seed_1, under_seed_2 = straight_epochs(2, seed=1), straight_epochs(2, seed=2)
+    interrupted = cursor(16, seed=1)
+    seen = stop_after(interrupted, 2)
+    saved = interrupted.state_dict()
+    assert saved["seed"] == 1
+    resumed = cursor(16, seed=2)
+    with pytest.warns(UserWarning, match=r"8 samples into epoch 0, which seed 1 shuffled, but this run's seed is 2"):
+        resumed.load_state_dict(saved)
+    assert resumed.state_dict()["seed"] == 1  # a second save in this epoch keeps the epoch's order too
+    rest = run_pass(resumed)
+    epoch = [index for batch in seen + rest for index in batch]
+    assert sorted(epoch) == list(range(16))  # every sample once: before, 4 repeated and 4 never seen
+    assert seen + rest == under_seed_1[0]
+    assert resumed.state_dict()["seed"] == 2 and run_pass(resumed) == under_seed_2[1]
+
+
+def test_a_position_saved_between_epochs_takes_the_new_seed_without_a_warning() -> None:
+    finished = cursor(16, seed=1)
+    run_pass(finished)
+    resumed = cursor(16, seed=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        resumed.load_state_dict(finished.state_dict())
+    assert run_pass(resumed) == straight_epochs(2, seed=2)[1] != straight_epochs(2, seed=1)[1]
+
+
+def test_a_position_on_the_epochs_last_batch_takes_the_new_seed_without_a_warning() -> None:
+    data = cursor(16, seed=1)
+    iterator = data.epoch_batches()
+    for _ in range(4):
+        next(iterator)
+    resumed = cursor(16, seed=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        resumed.load_state_dict(data.state_dict())  # no batch of the saved epoch is left to keep in order
+    assert run_pass(resumed) == [] and run_pass(resumed) == straight_epochs(2, seed=2)[1]
+
+
+@pytest.mark.parametrize("mid_epoch", [True, False])
+def test_a_drawn_seed_gives_way_to_the_saved_one_for_every_epoch(mid_epoch: bool) -> None:
+    interrupted = cursor(16, seed=1)
+    seen = stop_after(interrupted, 2) if mid_epoch else run_pass(interrupted)
+    drawn = DataCursor(cursor(16, seed=2).loader, seed_chosen=False)  # as Engine(seed=None) prepares it
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        drawn.load_state_dict(interrupted.state_dict())
+    if mid_epoch:
+        seen += run_pass(drawn)
+    assert [seen, run_pass(drawn), run_pass(drawn)] == straight_epochs(3, seed=1)
+
+
+def test_a_state_saved_before_seeds_were_recorded_resumes_with_this_runs_seed() -> None:
+    data = cursor(16, seed=4)
+    seen = stop_after(data, 1)
+    older = {key: value for key, value in data.state_dict().items() if key != "seed"}
+    restored = cursor(16, seed=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        restored.load_state_dict(older)
+    assert seen + run_pass(restored) == straight_epochs(1, seed=4)[0]
+
+
+def test_a_seed_that_is_not_an_int_is_refused_and_changes_nothing() -> None:
+    data = cursor(16, seed=1)
+    stop_after(data, 1)
+    damaged = {**data.state_dict(), "seed": "1"}
+    fresh = cursor(16, seed=2)
+    before = fresh.state_dict()
+    with pytest.raises(CheckpointCorrupted, match=r"seed is str '1', not an int: .*damaged"):
+        fresh.load_state_dict(damaged)
+    assert_same_state(fresh.state_dict(), before)
+
+
+def test_ranks_resumed_with_another_seed_see_every_sample_of_the_epoch_once() -> None:
+    def rank_cursor(seed: int, rank: int, world_size: int) -> DataCursor:
+        loader = DataLoader(TensorDataset(torch.arange(32)), batch_size=BATCH, shuffle=True)
+        return DataCursor(to_stateful(loader, seed=seed, rank=rank, world_size=world_size))
+
+    interrupted = [rank_cursor(1, rank, 2) for rank in (0, 1)]
+    seen = [index for data in interrupted for batch in stop_after(data, 2) for index in batch]
+    for world_size in (2, 1):  # the same ranks, and a resharded resume from rank 0's state
+        resumed = [rank_cursor(2, rank, world_size) for rank in range(world_size)]
+        for rank, data in enumerate(resumed):
+            with pytest.warns(UserWarning, match=r"16 samples into epoch 0, which seed 1 shuffled"):
+                data.load_state_dict(interrupted[rank].state_dict())
+        rest = [index for data in resumed for batch in run_pass(data) for index in batch]
+        assert sorted(seen + rest) == list(range(32)), f"{world_size} rank(s)"

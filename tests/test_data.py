@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import warnings
+from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,6 +22,7 @@ from torch.utils.data import (
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import cadence
+from cadence.checkpoint.files import checksums_of
 from cadence.data import ResumableBatchSampler, check_shardable, to_stateful
 
 
@@ -29,8 +34,8 @@ def ids(batch: Any) -> list[int]:
     return [int(value) for value in batch[0]]
 
 
-def engine(seed: int | None = 4) -> cadence.Engine:
-    return cadence.Engine(accelerator="cpu", seed=seed, progress_bar=False)
+def engine(seed: int | None = 4, **kwargs: Any) -> cadence.Engine:
+    return cadence.Engine(accelerator="cpu", seed=seed, progress_bar=False, **kwargs)
 
 
 def test_resumable_sampler_order_depends_on_seed_and_epoch_only() -> None:
@@ -255,3 +260,82 @@ def test_engine_close_stops_the_persistent_workers_of_its_loaders() -> None:
     assert all(worker.is_alive() for worker in workers)
     run.close()
     assert not any(worker.is_alive() for worker in workers)
+
+
+def shuffled(run: cadence.Engine, samples: int = 40) -> Any:
+    return run.prepare(DataLoader(ids_dataset(samples), batch_size=4, shuffle=True))
+
+
+def epochs_under(seed: int, epochs: int = 2) -> list[list[list[int]]]:
+    data = shuffled(engine(seed))
+    return [[ids(batch) for batch in data] for _ in range(epochs)]
+
+
+def saved_after(tmp_path: Path, seed: int, batches: int | None) -> tuple[Path, list[list[int]]]:
+    """A checkpoint of a run with ``seed``, taken ``batches`` batches into epoch 0 (of 10) or, with ``None``, after
+    the whole epoch; and the batches read before it."""
+    run = engine(seed, project_dir=tmp_path)
+    data = shuffled(run)
+    if batches is None:
+        seen = [ids(batch) for batch in data]
+    else:
+        iterator = iter(data)  # left open: saved inside the pass, as fit() saves at BATCH_END
+        seen = [ids(next(iterator)) for _ in range(batches)]
+    return run.save_state(tmp_path / "checkpoint"), seen
+
+
+def test_a_checkpoint_resumed_mid_epoch_with_another_seed_sees_every_sample_of_the_epoch_once(tmp_path: Path) -> None:
+    path, seen = saved_after(tmp_path, seed=1, batches=4)
+    run = engine(2, project_dir=tmp_path)
+    data = shuffled(run)
+    with pytest.warns(UserWarning, match=r"the rest of epoch 0 keeps seed 1's order.*seed 2 shuffles from epoch 1"):
+        run.load_state(path)
+    rest = [ids(batch) for batch in data]
+    counts = Counter(index for batch in seen + rest for index in batch)
+    assert sorted(counts) == list(range(40)) and set(counts.values()) == {1}
+    assert [ids(batch) for batch in data] == epochs_under(2)[1]
+
+
+@pytest.mark.parametrize("batches", [None, 10])  # between epochs; on the epoch's last batch, the pass not ended
+def test_a_checkpoint_saved_between_epochs_resumes_with_the_new_seed_and_no_warning(
+    tmp_path: Path, batches: int | None
+) -> None:
+    path, _ = saved_after(tmp_path, seed=1, batches=batches)
+    run = engine(2, project_dir=tmp_path)
+    data = shuffled(run)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run.load_state(path)
+    if batches is not None:
+        assert data.epoch == 0 and list(data) == [] and data.epoch == 1  # nothing of the saved epoch was left
+    assert [ids(batch) for batch in data] == epochs_under(2)[1] != epochs_under(1)[1]
+
+
+@pytest.mark.parametrize("batches", [4, None])  # mid-epoch, between epochs
+def test_a_run_without_a_seed_resumes_in_the_saved_runs_order(tmp_path: Path, batches: int | None) -> None:
+    path, seen = saved_after(tmp_path, seed=1, batches=batches)
+    run = engine(None, project_dir=tmp_path)  # draws a seed of its own, which must give way to the saved one
+    data = shuffled(run)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run.load_state(path)
+    if batches is not None:
+        seen += [ids(batch) for batch in data]
+    assert [seen, [ids(batch) for batch in data]] == epochs_under(1)
+
+
+def test_a_checkpoint_saved_before_seeds_were_recorded_still_loads(tmp_path: Path) -> None:
+    path, seen = saved_after(tmp_path, seed=1, batches=4)
+    rank_file = path / "rank_0.json"
+    document = json.loads(rank_file.read_text())
+    del document["dataloaders"][0]["seed"]
+    rank_file.write_text(json.dumps(document))
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["files"]["rank_0.json"] = {"size": rank_file.stat().st_size, **checksums_of(rank_file)}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    run = engine(1, project_dir=tmp_path)
+    data = shuffled(run)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run.load_state(path)
+    assert seen + [ids(batch) for batch in data] == epochs_under(1)[0]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
+import re
 import sys
 import warnings
 from copy import deepcopy
@@ -430,13 +431,21 @@ def test_an_engine_nobody_holds_and_copies_of_a_prepared_model_do_not_warn() -> 
         engine().prepare(deepcopy(model))
 
 
-def test_default_progress_bar_is_added_by_fit_and_can_be_turned_off() -> None:
-    with_bar = cadence.Engine(accelerator="cpu")
-    with_bar.fit(RegressionStep(), loader(samples=16), max_epochs=1)
-    assert [type(cb).__name__ for cb in with_bar.callbacks] == ["RichProgressBar"]
-    without = engine()
-    without.fit(RegressionStep(), loader(samples=16), max_epochs=1)
-    assert list(without.callbacks) == []
+@pytest.mark.parametrize(
+    ("kwargs", "added"),
+    [
+        ({}, ["ModelSummary", "RichProgressBar"]),
+        ({"progress_bar": False}, ["ModelSummary"]),
+        ({"model_summary": False}, ["RichProgressBar"]),
+        ({"progress_bar": False, "model_summary": False}, []),
+    ],
+)
+def test_default_summary_and_bar_are_added_by_fit_and_can_be_turned_off(
+    kwargs: dict[str, bool], added: list[str]
+) -> None:
+    eng = cadence.Engine(accelerator="cpu", **kwargs)
+    eng.fit(RegressionStep(), loader(samples=16), max_epochs=1)
+    assert [type(cb).__name__ for cb in eng.callbacks] == added
 
 
 def test_default_progress_bar_needs_no_installed_metadata(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -446,18 +455,27 @@ def test_default_progress_bar_needs_no_installed_metadata(monkeypatch: pytest.Mo
     monkeypatch.setattr(importlib.metadata, "entry_points", lambda **_: [])
     with_bar = cadence.Engine(accelerator="cpu")
     with_bar.fit(RegressionStep(), loader(samples=16), max_epochs=1)
-    assert [type(cb).__name__ for cb in with_bar.callbacks] == ["RichProgressBar"]
+    assert [type(cb).__name__ for cb in with_bar.callbacks] == ["ModelSummary", "RichProgressBar"]
 
 
-def test_an_unimportable_default_progress_bar_is_named_before_anything_is_prepared(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize(
+    ("kwargs", "fix"),
+    [
+        ({}, "Engine(model_summary=False, progress_bar=False)"),
+        ({"model_summary": False}, "Engine(progress_bar=False)"),
+        ({"progress_bar": False}, "Engine(model_summary=False)"),
+    ],
+)
+def test_unimportable_defaults_are_named_before_anything_is_prepared(
+    monkeypatch: pytest.MonkeyPatch, kwargs: dict[str, bool], fix: str
 ) -> None:
     monkeypatch.setitem(sys.modules, "cadence.defaults", None)  # what a failed import leaves: ImportError
     step = RegressionStep()
     optimizer = step.optimizer
-    with pytest.raises(ImportError, match=r"progress bar by default.*Engine\(progress_bar=False\)"):
-        cadence.Engine(accelerator="cpu").fit(step, loader(samples=16), max_epochs=1)
+    with pytest.raises(ImportError, match=r"model summary and shows a progress bar by default.*" + re.escape(fix)):
+        cadence.Engine(accelerator="cpu", **kwargs).fit(step, loader(samples=16), max_epochs=1)
     assert step.optimizer is optimizer  # fit() stopped before prepare() wrapped anything
+    cadence.Engine(accelerator="cpu", model_summary=False, progress_bar=False).fit(step, loader(), max_epochs=1)
 
 
 def test_seed_makes_runs_repeatable() -> None:
@@ -478,6 +496,7 @@ def test_seed_makes_runs_repeatable() -> None:
         ({"checkpoint_total_limit": "3"}, r"checkpoint_total_limit=...\) must be an int or None .*got str '3'"),
         ({"project_dir": 3}, r"project_dir=...\) must be a path"),
         ({"progress_bar": "no"}, r"progress_bar=...\) must be True or False"),
+        ({"model_summary": 1}, r"model_summary=...\) must be True or False; got int 1"),
         ({"timeout": 30}, r"timeout=...\) must be a datetime.timedelta"),
     ],
 )

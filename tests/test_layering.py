@@ -1,6 +1,6 @@
 """The layers DESIGN.md draws, checked on the real files: core (src/cadence) <- callbacks/ <- frontends/.
 
-The core never imports a callback or a front end (one named exception: ``fit()``'s default progress bar), callbacks
+The core never imports a callback or a front end (one named exception: ``fit()``'s default summary and bar), callbacks
 use only the core's public names and never a front end, and the only links in src/cadence lead to those two
 folders, so no core module can hide behind one.
 """
@@ -16,7 +16,8 @@ CALLBACKS = ROOT / "callbacks"
 FRONTENDS = ROOT / "frontends"
 
 # (importing file, imported module): the core's one import above itself, made lazily at the point of use. The
-# default bar is a concrete callback, so a front-end module names it (src/cadence/loop.py, _default_progress_bar).
+# default summary and bar are concrete callbacks, so a front-end module names them (src/cadence/loop.py,
+# _default_callbacks).
 ALLOWED_UPWARD = {("loop.py", "cadence.defaults")}
 
 

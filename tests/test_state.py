@@ -85,3 +85,33 @@ def test_grad_divisor_divides_every_optimizer_of_a_step_and_stays_until_its_writ
     for seen, wanted in zip(recorder.seen, expected, strict=True):
         assert all(torch.allclose(got, want) for got, want in zip(seen, wanted, strict=True))
     assert engine.state.grad_divisor == 2.0
+
+
+def test_counters_keep_the_metrics_as_json_and_restore_them() -> None:
+    import json
+
+    numpy = pytest.importorskip("numpy")
+    state = State()
+    state.metrics.update(
+        {
+            "loss": torch.tensor(0.25, dtype=torch.bfloat16),
+            "val/mse": torch.tensor([0.5]),
+            "per_class": torch.tensor([1, 2]),
+            "lr": 0.1,
+            "nan": float("nan"),
+            "np": numpy.float32(1.5),
+            "tag": "warmup",
+            "object": object(),  # JSON cannot hold it: left out
+        }
+    )
+    counters = json.loads(json.dumps(state.counters()))  # what state.json stores and gives back
+    restored = State()
+    restored.metrics["stale"] = 1.0  # from before the load: the checkpoint's metrics replace it
+    restored.load_counters(counters)
+    nan = restored.metrics.pop("nan")
+    assert nan != nan and restored.metrics == {
+        "loss": 0.25, "val/mse": 0.5, "per_class": [1, 2], "lr": 0.1, "np": 1.5, "tag": "warmup"
+    }  # fmt: skip
+    del counters["metrics"]  # a checkpoint of an earlier version: the metrics logged so far stay
+    restored.load_counters(counters)
+    assert restored.metrics["loss"] == 0.25

@@ -6,6 +6,7 @@ from cadence.checkpoint.files import CheckpointError
 from cadence.engine import Engine
 from cadence.event import Event
 from cadence.inputs import seed_everything
+from cadence.schedule import Schedule
 from cadence.state import State
 from cadence.step import TrainingStep
 
@@ -14,6 +15,7 @@ __all__ = [
     "CheckpointError",
     "Engine",
     "Event",
+    "Schedule",
     "State",
     "TrainingStep",
     "load_checkpoint_in_model",

@@ -48,7 +48,15 @@ class Callback:
         a refusal leaves the whole run as it was; ``load_state_dict`` then runs only once every check passed."""
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what ``state_dict()`` returned (after ``check_state_dict`` accepted it)."""
+        """Restore what ``state_dict()`` returned (after ``check_state_dict`` accepted it). ``load_state`` calls it
+        before it restores the weights, optimizers and ``State`` counters (so a load that fails here leaves those
+        as they were): act on the restored run at ``Event.LOAD_STATE``."""
+
+    def steps_per_epoch(self, batches: int) -> int:
+        """How many optimizer steps an epoch of ``batches`` training batches takes with this callback attached, given
+        ``batches`` as the callbacks before it left it (``engine.estimated_steps`` asks each in turn). Override it in
+        a callback that changes the count, as gradient accumulation does."""
+        return batches
 
     def on_fit_start(self, engine: Engine) -> None:
         """See ``Event.FIT_START``."""

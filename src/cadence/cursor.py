@@ -10,11 +10,12 @@ from typing import Any
 
 import torch
 
-from cadence.checkpoint.errors import CheckpointError
+from cadence.checkpoint.errors import CheckpointCorrupted, CheckpointError
 from cadence.data import ResumableBatchSampler
 
 _STATE_KEYS = ("epoch", "batches_done", "loader", "generator", "generator_at_epoch_start")
-"""What ``load_state_dict`` needs; ``samples_done`` and ``num_samples`` are optional (older states lack them)."""
+"""What ``load_state_dict`` needs; ``samples_done``, ``num_samples`` and ``seed`` are optional (older states lack
+them)."""
 
 
 class DataCursor:
@@ -30,10 +31,15 @@ class DataCursor:
 
     With cadence's ``ResumableBatchSampler`` a position is a count of global samples, which a run with another
     number of ranks can continue; with any other sampler it is the loader's own state, for the same number of ranks.
+
+    ``seed_chosen`` says whether the sampler's seed was chosen (``Engine(seed=...)``) or drawn by the engine. A
+    restored mid-epoch position always finishes its epoch in the order the saved seed gave it; a drawn seed also
+    gives way to the saved one for the epochs after it, so the resumed run shuffles as the saved run did.
     """
 
-    def __init__(self, loader: Any) -> None:
+    def __init__(self, loader: Any, *, seed_chosen: bool = True) -> None:
         self.loader = loader
+        self.seed_chosen = seed_chosen
         self.epoch = 0
         """Completed passes over the data; sets the sampler's epoch, so each epoch's shuffle differs."""
         self.empty_epoch = False
@@ -203,7 +209,8 @@ class DataCursor:
         in the current epoch, 0 between epochs), ``loader`` (the loader's own state mid-epoch with a sampler of
         the user's own, else ``None``), ``generator`` (the loader's generator now, or as it will be at the pending
         position), ``generator_at_epoch_start`` (mid-epoch only: the generator before the epoch's iterator drew
-        from it) and ``num_samples`` (the dataset's size, ``None`` without a length)."""
+        from it), ``num_samples`` (the dataset's size, ``None`` without a length) and ``seed`` (the seed that
+        shuffles epoch ``epoch``, ``None`` with a sampler of the user's own)."""
         generator = self.loader.generator
         elastic = self.sampler is not None
         if self._in_epoch:
@@ -225,6 +232,7 @@ class DataCursor:
             "generator": generator_state,
             "generator_at_epoch_start": self._generator_at_epoch_start if batches_done else None,
             "num_samples": self._dataset_size(),
+            "seed": None if self.sampler is None else self.sampler.seed_of(self.epoch),
         }
 
     def check_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -236,6 +244,12 @@ class DataCursor:
             raise CheckpointError(
                 f"The dataloader state lacks {missing}: it was not written by PreparedDataLoader.state_dict(). "
                 "Load a checkpoint saved by cadence (engine.save_state), or start a fresh run."
+            )
+        seed = state_dict.get("seed")
+        if seed is not None and type(seed) is not int:
+            raise CheckpointCorrupted(
+                f"The dataloader state's seed is {type(seed).__name__} {seed!r}, not an int: the checkpoint was "
+                "damaged or not written by cadence. Load another checkpoint, or start a fresh run."
             )
         problem = self._position_problem(state_dict)
         if problem is not None:
@@ -259,6 +273,7 @@ class DataCursor:
             self.loader.load_state_dict({})  # the sampler's start_sample carries the position
         else:
             self.loader.load_state_dict(state_dict["loader"] if state_dict["loader"] is not None else {})
+        self._restore_seed(state_dict.get("seed"))
         # Kept for this cursor's own next state_dict(): a run resumed mid-epoch and saved again in the same epoch
         # must save where the epoch's generator started, or its resume would draw other workers' seeds.
         self._generator_at_epoch_start = state_dict["generator_at_epoch_start"]
@@ -273,6 +288,32 @@ class DataCursor:
             # that draw the generator is put back where it was, so later epochs draw what the uninterrupted run drew.
             generator.set_state(state_dict["generator_at_epoch_start"])
             self._pending_generator_state = state_dict["generator"]
+
+    def _restore_seed(self, saved: int | None) -> None:
+        """Shuffle the restored epoch as the saved run did, whatever this run's seed: a new order for the rest of
+        an epoch would repeat some of its samples and skip others. A new seed takes effect at the next epoch."""
+        sampler = self.sampler
+        if sampler is None:
+            return
+        if saved is None:  # saved before seeds were recorded: every epoch follows this run's seed, as it did then
+            sampler.keep_order(self.epoch, None)
+            return
+        if not self.seed_chosen:
+            sampler.seed = saved  # nobody chose the drawn seed: keep shuffling as the saved run did
+        mid_epoch = self._pending_samples > 0
+        sampler.keep_order(self.epoch, saved if mid_epoch and saved != sampler.seed else None)
+        left = sampler.count_batches(max(sampler.num_samples - self._pending_samples, 0))
+        if sampler.seed_of(self.epoch) == sampler.seed or not sampler.shuffle or not left:
+            return
+        warnings.warn(
+            f"The checkpoint stopped {self._pending_samples} samples into epoch {self.epoch}, which seed {saved} "
+            f"shuffled, but this run's seed is {sampler.seed}: the rest of epoch {self.epoch} keeps seed {saved}'s "
+            f"order, so none of its samples is repeated or skipped, and seed {sampler.seed} shuffles from epoch "
+            f"{self.epoch + 1} on. Resume with Engine(seed={saved}) to continue as the saved run would have; a "
+            "checkpoint saved between epochs takes a new seed from its next epoch without this warning.",
+            UserWarning,
+            stacklevel=4,  # the caller of PreparedDataLoader.load_state_dict
+        )
 
     def _position_problem(self, state_dict: dict[str, Any]) -> str | None:
         epoch = int(state_dict["epoch"])

@@ -53,6 +53,9 @@ class ResumableBatchSampler(Sampler[list[int]]):
     ``drop_last`` a short final global batch is padded to an even split by repeating the epoch's first samples
     (``padding`` says how many; ``engine.gather_for_metrics`` drops them). Building each batch with one list
     slice keeps the per-batch cost below torch's own ``RandomSampler`` + ``BatchSampler``.
+
+    One epoch may keep another seed's order (``keep_order``): a run resumed mid-epoch with a new seed finishes the
+    epoch it resumes in the order that epoch started with, or its rest would repeat some samples and skip others.
     """
 
     def __init__(
@@ -75,12 +78,14 @@ class ResumableBatchSampler(Sampler[list[int]]):
         self.shuffle = shuffle
         self.drop_last = drop_last
         self.seed = seed
+        """Shuffles every epoch but the one ``keep_order`` names."""
         self.rank = rank
         self.world_size = world_size
         self.epoch = 0
         self.start_sample = 0
         """Global samples of the epoch to skip: the prepared dataloader sets it before every pass (0, or the
         position a checkpoint resumes from)."""
+        self._kept_order: tuple[int, int] | None = None
 
     @property
     def global_batch_size(self) -> int:
@@ -88,6 +93,15 @@ class ResumableBatchSampler(Sampler[list[int]]):
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
+
+    def keep_order(self, epoch: int, seed: int | None) -> None:
+        """Shuffle ``epoch`` with ``seed`` instead of ``self.seed`` (``None``: every epoch with ``self.seed``)."""
+        self._kept_order = None if seed is None else (epoch, seed)
+
+    def seed_of(self, epoch: int) -> int:
+        """The seed that shuffles ``epoch``."""
+        kept = self._kept_order
+        return kept[1] if kept is not None and kept[0] == epoch else self.seed
 
     def count_batches(self, remaining: int) -> int:
         """Batches each rank gets from ``remaining`` global samples."""
@@ -109,7 +123,7 @@ class ResumableBatchSampler(Sampler[list[int]]):
         """This epoch's global sample order."""
         if not self.shuffle:
             return list(range(self.num_samples))
-        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        generator = torch.Generator().manual_seed(self.seed_of(self.epoch) + self.epoch)
         order: list[int] = torch.randperm(self.num_samples, generator=generator).tolist()
         return order
 
@@ -125,6 +139,25 @@ class ResumableBatchSampler(Sampler[list[int]]):
             share = -(-len(tail) // self.world_size)
             padded = tail + (order * share)[: share * self.world_size - len(tail)]
             yield padded[rank * share : (rank + 1) * share]
+
+
+def batches_per_epoch(loader: DataLoader[Any], world_size: int) -> int | None:
+    """Batches each rank gets from a whole epoch of ``loader`` once prepared on ``world_size`` ranks (the
+    prepared loader itself, or the user's), or ``None`` when the loader has no length."""
+    sampler = loader.batch_sampler
+    if isinstance(sampler, ResumableBatchSampler):
+        return sampler.count_batches(sampler.num_samples)
+    if (
+        loader._dataset_kind != 1
+        and loader.batch_size is not None
+        and _torch_sampler_shuffle(loader.sampler) is not None
+    ):
+        full, tail = divmod(len(cast(Sized, loader.sampler)), loader.batch_size * world_size)
+        return full + (1 if tail and not loader.drop_last else 0)
+    try:
+        return len(loader)  # a sampler of the user's own splits by rank itself (DistributedSampler), or none does
+    except TypeError:
+        return None
 
 
 def _draw_seed(generator: torch.Generator | None) -> int:

@@ -21,7 +21,7 @@ from cadence.checkpoint.engine_state import load_engine_state
 from cadence.checkpoint.export import save_weights
 from cadence.checkpoint.layout import CheckpointDirectory
 from cadence.compile import CompileSetting, check_compile_sources, compile_options, compile_prepared, split_compiled
-from cadence.data import check_shardable, draw_seed, make_batch_mover, to_stateful
+from cadence.data import batches_per_epoch, check_shardable, draw_seed, make_batch_mover, to_stateful
 from cadence.event import Event
 from cadence.inputs import (
     PREPARABLE,
@@ -37,6 +37,7 @@ from cadence.inputs import (
 )
 from cadence.loop import run_fit
 from cadence.precision import Precision
+from cadence.schedule import Schedule, steps_in_run
 from cadence.state import State
 from cadence.step import TrainingStep
 from cadence.strategies import ReduceOp, Strategy, resolve_strategy
@@ -56,8 +57,10 @@ class Engine:
         seed: seeds python, numpy and torch, and the prepared dataloaders' shuffling.
         project_dir: where logs and checkpoints go (``project_dir/checkpoints/checkpoint_{n}``).
         progress_bar: ``fit()`` adds a progress bar when no callback shows one; False turns it off.
-        checkpoint_total_limit: keep at most this many automatically named checkpoints; older ones are deleted
-            only after a new one is committed.
+        model_summary: ``fit()`` prints each prepared model's modules and parameter counts when it starts (unless a
+            ``ModelSummary`` callback is attached); False turns it off.
+        checkpoint_total_limit: keep at most this many of this run's automatically named checkpoints; older ones
+            are deleted only after a new one is committed. Another run's checkpoints are never deleted.
         timeout: how long a collective waits for the other ranks before failing (DDP, FSDP).
         compile: ``torch.compile`` every prepared model, after the strategy wrapped it: True for torch's defaults,
             or a dict of ``torch.compile`` arguments (``{"backend": "inductor", "mode": "max-autotune"}``), checked
@@ -76,8 +79,9 @@ class Engine:
         checkpoint_total_limit: int | None = None,
         timeout: timedelta = DEFAULT_TIMEOUT,
         compile: CompileSetting = False,
+        model_summary: bool = True,
     ) -> None:
-        check_engine_arguments(seed, project_dir, progress_bar, checkpoint_total_limit, timeout)
+        check_engine_arguments(seed, project_dir, progress_bar, checkpoint_total_limit, timeout, model_summary)
         callbacks = check_callbacks(callbacks)
         self._compile_options = compile_options(compile)
         self.strategy = resolve_strategy(strategy, accelerator, timeout)
@@ -85,6 +89,7 @@ class Engine:
         self.seed = seed
         self.project_dir = Path(project_dir)
         self.progress_bar = progress_bar
+        self.model_summary = model_summary
         self._precision = Precision()
         self._dispatcher = Dispatcher()
         self._models: list[nn.Module] = []
@@ -261,7 +266,7 @@ class Engine:
         # Every rank must shuffle with the same seed: the order is global and each rank takes its slice.
         seed = self.seed if self.seed is not None else self.strategy.broadcast_object(draw_seed(loader))
         stateful = to_stateful(loader, seed, rank=self.rank, world_size=self.world_size)
-        prepared = PreparedDataLoader(stateful, self, self._move_batch)
+        prepared = PreparedDataLoader(stateful, self, self._move_batch, seed_chosen=self.seed is not None)
         self._dataloaders.append(prepared)
         return prepared
 
@@ -287,10 +292,13 @@ class Engine:
         return wrapped
 
     def _prepare_scheduler(self, scheduler: Any) -> PreparedScheduler:
-        target = scheduler.optimizer
+        # A bare scheduler is not checked as a Schedule: a bare ReduceLROnPlateau is fine in a hand-written loop.
+        schedule = scheduler if isinstance(scheduler, Schedule) else None
+        bare = scheduler if schedule is None else schedule.scheduler
+        timing = () if schedule is None else (schedule.interval, schedule.frequency, schedule.monitor)
         for optimizer in self._optimizers:
-            if target is optimizer or target is optimizer.optimizer:
-                wrapped = PreparedScheduler(scheduler, optimizer)
+            if bare.optimizer is optimizer or bare.optimizer is optimizer.optimizer:
+                wrapped = PreparedScheduler(bare, optimizer, self, *timing)
                 self._schedulers.append(wrapped)
                 return wrapped
         raise ValueError(
@@ -482,7 +490,7 @@ class Engine:
             manifest = load_engine_state(self, directory)
         else:
             directory, manifest = self.checkpoints.load_latest(lambda path: load_engine_state(self, path))
-        self.checkpoints.advance(int(manifest["checkpoint_number"]))
+        self.checkpoints.resumed(manifest)
         self.state.checkpoint_dir, self.state.checkpoint_step = directory, self.state.step
         self.print(f"Resumed from {directory} at step {self.state.step} (epoch {self.state.epoch}).")
         self.fire(Event.LOAD_STATE)
@@ -513,6 +521,24 @@ class Engine:
         """``engine.log(name, value)`` for every item of ``metrics``. Tensors are kept as they are (no device sync);
         loggers read them when they write."""
         self.state.metrics.update(metrics)
+
+    def estimated_steps(
+        self,
+        dataloader: DataLoader[Any] | PreparedDataLoader,
+        max_epochs: int | None = None,
+        max_steps: int | None = None,
+    ) -> int:
+        """The optimizer updates ``fit(step, dataloader, max_epochs=..., max_steps=...)`` takes on this engine from
+        step 0, to size a schedule before ``fit()`` (warmup, cosine decay). It counts each rank's batches per epoch
+        (world size, ``drop_last``), lets the attached callbacks turn batches into steps (``GradientAccumulation``),
+        and caps the total by ``max_steps``. Steps skipped at run time (fp16 overflow, ``FiniteCheck``) cannot be
+        foreseen: each one leaves the schedule one step short of its end."""
+        loader = dataloader.loader if isinstance(dataloader, PreparedDataLoader) else dataloader
+        steps = batches_per_epoch(loader, self.world_size)
+        if steps is not None:
+            for callback in self.callbacks:
+                steps = callback.steps_per_epoch(steps)
+        return steps_in_run(steps, max_epochs, max_steps)
 
     # --- the managed loop ----------------------------------------------------------------------------------
     def fit(

@@ -19,9 +19,13 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from torch.utils.data import DataLoader
 
 from cadence.callback import Callback
+from cadence.schedule import Schedule
 from cadence.wrappers import PreparedDataLoader, PreparedScheduler
 
-PREPARABLE = "torch.nn.Module, torch.optim.Optimizer, torch.utils.data.DataLoader, or an LR scheduler"
+PREPARABLE = (
+    "torch.nn.Module, torch.optim.Optimizer, torch.utils.data.DataLoader, or an LR scheduler (bare or in a "
+    "cadence.Schedule)"
+)
 
 
 def seed_everything(seed: int) -> None:
@@ -37,7 +41,7 @@ def seed_everything(seed: int) -> None:
 
 
 def check_engine_arguments(
-    seed: Any, project_dir: Any, progress_bar: Any, checkpoint_total_limit: Any, timeout: Any
+    seed: Any, project_dir: Any, progress_bar: Any, checkpoint_total_limit: Any, timeout: Any, model_summary: Any
 ) -> None:
     def refuse(name: str, expected: str, value: Any) -> None:
         raise TypeError(f"Engine({name}=...) must be {expected}; got {type(value).__name__} {value!r}.")
@@ -46,8 +50,9 @@ def check_engine_arguments(
         refuse("seed", "an int or None (e.g. seed=42)", seed)
     if not isinstance(project_dir, (str, os.PathLike)):
         refuse("project_dir", "a path (str or pathlib.Path)", project_dir)
-    if not isinstance(progress_bar, bool):
-        refuse("progress_bar", "True or False", progress_bar)
+    for name, flag in (("progress_bar", progress_bar), ("model_summary", model_summary)):
+        if not isinstance(flag, bool):
+            refuse(name, "True or False", flag)
     if checkpoint_total_limit is not None:
         if not isinstance(checkpoint_total_limit, int) or isinstance(checkpoint_total_limit, bool):
             refuse("checkpoint_total_limit", "an int or None (e.g. checkpoint_total_limit=3)", checkpoint_total_limit)
@@ -85,7 +90,7 @@ def check_callbacks(callbacks: Any) -> list[Callback]:
 
 
 def is_scheduler(obj: Any) -> bool:
-    return isinstance(obj, (LRScheduler, ReduceLROnPlateau, PreparedScheduler))
+    return isinstance(obj, (LRScheduler, ReduceLROnPlateau, PreparedScheduler, Schedule))
 
 
 def is_preparable(obj: Any) -> bool:

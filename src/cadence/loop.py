@@ -9,12 +9,13 @@ from __future__ import annotations
 import difflib
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.optim.lr_scheduler import ReduceLROnPlateau
 from torch.utils.data import DataLoader
 
 from cadence.checkpoint.errors import CheckpointError
@@ -25,7 +26,7 @@ from cadence.step import TrainingStep
 if TYPE_CHECKING:
     from cadence.callback import Callback
     from cadence.engine import Engine
-    from cadence.wrappers import PreparedDataLoader, PreparedOptimizer
+    from cadence.wrappers import PreparedDataLoader, PreparedOptimizer, PreparedScheduler
 
 
 def run_fit(
@@ -47,11 +48,11 @@ def run_fit(
             f"fit() was given a val_dataloader but {type(step).__name__} defines no `validation_step(self, batch)`; "
             "define it to return a dict of metrics, or drop val_dataloader."
         )
-    default_bar = _default_progress_bar(engine)  # resolved before prepare() changes anything
+    defaults = _default_callbacks(engine)  # resolved before prepare() changes anything
     model, optimizer, scheduler = _prepare_step(engine, step)
     train_loader, val_loader = _prepare_loaders(engine, train_dataloader, val_dataloader)
-    if default_bar is not None:
-        engine.add_callback(default_bar)
+    for callback in defaults:
+        engine.add_callback(callback)
     if resume is not None:
         _resume(engine, resume)
     state = engine.state
@@ -66,8 +67,8 @@ def run_fit(
     try:
         # Inside the try: a FIT_START hook that raises still gets FIT_END for the callbacks that started before it.
         engine.fire(Event.FIT_START)
-        if val_loader is not None and resume is not None and _validation_pending(state, train_loader):
-            _validate(engine, step, model, val_loader, train_loader)  # the checkpoint came between the two
+        if resume is not None:
+            _finish_interrupted_epoch(engine, step, model, val_loader, train_loader, scheduler)
         while not state.should_stop and (max_epochs is None or train_loader.epoch < max_epochs):
             model.train()
             epochs_before = train_loader.epoch
@@ -78,7 +79,7 @@ def run_fit(
                     loss, num_items = _unpack_training_output(engine, step.training_step(batch))
                     engine.backward(loss, num_items=num_items)
                     optimizer.step()
-                    if scheduler is not None:
+                    if scheduler is not None and scheduler.interval == "step":
                         scheduler.step()
                     optimizer.zero_grad()
                 if _reached(state):
@@ -92,7 +93,9 @@ def run_fit(
             # checkpoint was taken at its last batch, before the uninterrupted run validated it). A run that reached
             # max_steps mid-epoch is validated as it ends; one a callback paused mid-epoch (Timer, Preemption) is
             # not: the resumed run finishes the epoch and validates it then, as the uninterrupted run does.
-            if val_loader is not None and (train_loader.epoch > epochs_before or (batches and _reached(state))):
+            if train_loader.epoch > epochs_before:
+                _end_epoch(engine, step, model, val_loader, train_loader, scheduler)
+            elif val_loader is not None and batches and _reached(state):
                 _validate(engine, step, model, val_loader, train_loader)
     except BaseException as error:
         state.exception = error
@@ -194,12 +197,21 @@ def _prepare_step(engine: Engine, step: TrainingStep) -> tuple[nn.Module, Prepar
     for name in ("model", "optimizer"):
         if getattr(step, name, None) is None:
             raise ValueError(f"{type(step).__name__} has no `{name}`: set `self.{name} = ...` in its __init__.")
+    _check_fit_scheduler(step.scheduler)
     objects = [step.model, step.optimizer] + ([step.scheduler] if step.scheduler is not None else [])
     prepared = engine.prepare(*objects)
     step.model, step.optimizer = prepared[0], prepared[1]
     if step.scheduler is not None:
         step.scheduler = prepared[2]
     return step.model, step.optimizer, step.scheduler  # type: ignore[return-value]
+
+
+def _check_fit_scheduler(scheduler: Any) -> None:
+    if isinstance(scheduler, ReduceLROnPlateau):
+        raise ValueError(
+            "fit() steps a bare scheduler after every optimizer update, but ReduceLROnPlateau needs the metric it "
+            "watches: set `self.scheduler = cadence.Schedule(scheduler, interval='epoch', monitor='val/loss')`."
+        )
 
 
 def _unpack_training_output(engine: Engine, output: Any) -> tuple[torch.Tensor, Any]:
@@ -229,13 +241,51 @@ def _reached(state: State) -> bool:
     return state.max_steps is not None and state.step >= state.max_steps
 
 
-def _validation_pending(state: State, train_loader: PreparedDataLoader) -> bool:
-    """True when the restored run stopped after an epoch's end (``EPOCH_END`` checkpoint) but before its validation."""
-    return state.validated_epochs is not None and state.validated_epochs == train_loader.epoch - 1
+def _finish_interrupted_epoch(
+    engine: Engine,
+    step: TrainingStep,
+    model: nn.Module,
+    val_loader: PreparedDataLoader | None,
+    train_loader: PreparedDataLoader,
+    scheduler: PreparedScheduler | None,
+) -> None:
+    """Run what the restored run had left of its last epoch's end (an ``EPOCH_END`` checkpoint comes before the
+    epoch's validation and its epoch schedule's step), as the uninterrupted run did."""
+    state, finished = engine.state, train_loader.epoch - 1
+    validate = val_loader is not None and state.validated_epochs == finished
+    if validate or state.scheduled_epochs == finished:
+        _end_epoch(engine, step, model, val_loader if validate else None, train_loader, scheduler)
+
+
+def _end_epoch(
+    engine: Engine,
+    step: TrainingStep,
+    model: nn.Module,
+    val_loader: PreparedDataLoader | None,
+    train_loader: PreparedDataLoader,
+    scheduler: PreparedScheduler | None,
+) -> None:
+    """An epoch's end: its validation, then its epoch schedule's step (``Schedule(interval="epoch")``), both before
+    ``VALIDATION_END`` so a checkpoint taken there holds both."""
+
+    def step_schedule() -> None:
+        if scheduler is not None:
+            scheduler.end_epoch(train_loader.epoch)
+        engine.state.scheduled_epochs = train_loader.epoch
+
+    if val_loader is None:
+        step_schedule()
+    else:
+        _validate(engine, step, model, val_loader, train_loader, before_end=step_schedule)
 
 
 def _validate(
-    engine: Engine, step: TrainingStep, model: nn.Module, loader: PreparedDataLoader, train_loader: PreparedDataLoader
+    engine: Engine,
+    step: TrainingStep,
+    model: nn.Module,
+    loader: PreparedDataLoader,
+    train_loader: PreparedDataLoader,
+    before_end: Callable[[], None] | None = None,
 ) -> None:
     engine.state.validated_epochs = train_loader.epoch
     engine.fire(Event.VALIDATION_START)
@@ -253,24 +303,37 @@ def _validate(
     if batches:
         engine.log_dict({f"val/{name}": engine.reduce(total / batches).item() for name, total in sums.items()})
     model.train()
+    if before_end is not None:
+        before_end()
     engine.fire(Event.VALIDATION_END)
 
 
-def _default_progress_bar(engine: Engine) -> Callback | None:
-    """The bar ``fit()`` adds, or None when progress_bar=False or a callback already shows progress."""
-    if not engine.progress_bar or any(getattr(cb, "shows_progress", False) for cb in engine.callbacks):
-        return None
+def _default_callbacks(engine: Engine) -> list[Callback]:
+    """What ``fit()`` adds: a model summary and a progress bar, each unless the Engine turned it off or an attached
+    callback does that job already (``summarizes_model`` / ``shows_progress``). The summary comes first, so it is
+    printed before the bar starts drawing."""
+    attached = engine.callbacks
+    summary = engine.model_summary and not any(getattr(cb, "summarizes_model", False) for cb in attached)
+    bar = engine.progress_bar and not any(getattr(cb, "shows_progress", False) for cb in attached)
+    if not (summary or bar):
+        return []
     try:
-        # The core's one import above itself, lazy and in this one place: the default bar is a concrete
-        # callback, which only a front end may name (cadence.defaults is frontends/defaults.py).
-        from cadence.defaults import default_progress_bar
+        # The core's one import above itself, lazy and in this one place: the defaults are concrete callbacks,
+        # which only a front end may name (cadence.defaults is frontends/defaults.py).
+        from cadence.defaults import default_model_summary, default_progress_bar
     except ImportError as error:
+        off = ", ".join(name for name, on in (("model_summary=False", summary), ("progress_bar=False", bar)) if on)
         raise ImportError(
-            f"fit() shows a progress bar by default (cadence.callbacks.RichProgressBar) and could not import it: "
-            f"{error}. Reinstall cadence with its dependencies (`pip install -e .` in the clone), or pass "
-            "Engine(progress_bar=False) to train without a bar."
+            "fit() prints a model summary and shows a progress bar by default (cadence.callbacks.ModelSummary, "
+            f"RichProgressBar) and could not import them: {error}. Reinstall cadence with its dependencies "
+            f"(`pip install -e .` in the clone), or pass Engine({off}) to train without them."
         ) from error
-    return default_progress_bar()
+    defaults: list[Callback] = []
+    if summary:
+        defaults.append(default_model_summary())
+    if bar:
+        defaults.append(default_progress_bar())
+    return defaults
 
 
 def _check_limits(max_epochs: int | None, max_steps: int | None) -> None:

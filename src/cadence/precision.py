@@ -14,6 +14,17 @@ from typing import Any
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
+from cadence.checkpoint.checks import Kind, check_state_fields
+
+SCALER_FIELDS: dict[str, Kind] = {
+    "scale": (float, int),
+    "growth_factor": (float, int),
+    "backoff_factor": (float, int),
+    "growth_interval": int,
+    "_growth_tracker": int,
+}
+"""What ``torch.amp.GradScaler.state_dict()`` holds, and ``load_state_dict`` reads (an empty table makes it raise)."""
+
 
 class Precision:
     """Full precision: every method is the plain PyTorch call."""
@@ -122,7 +133,13 @@ class GradScalerPrecision(AutocastPrecision):
         return dict(self.scaler.state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        check_scaler_state(state_dict, "the grad scaler")
         self.scaler.load_state_dict(state_dict)
+
+
+def check_scaler_state(state_dict: Any, owner: str) -> None:
+    """Raise ``CheckpointCorrupted`` unless ``GradScalerPrecision.load_state_dict`` can take ``state_dict``."""
+    check_state_fields(owner, state_dict, SCALER_FIELDS)
 
 
 def check_autocast(device_type: str, dtype: torch.dtype) -> None:

@@ -148,7 +148,11 @@ class State:
 
     metrics: dict[str, Any] = field(
         default_factory=dict,
-        metadata=_doc("Latest value of every logged metric. Written through ``engine.log`` / ``engine.log_dict``."),
+        metadata=_doc(
+            "Latest value of every logged metric. Written through ``engine.log`` / ``engine.log_dict``; restored by "
+            "``load_state`` as the checkpoint saved it, tensors as Python numbers (or lists), values that are no "
+            "number, string or list of them left out."
+        ),
     )
 
     max_steps: int | None = field(
@@ -188,6 +192,15 @@ class State:
             "Completed training epochs when ``fit()`` last validated (``None``: unknown, from a checkpoint older than "
             "this field). A run resumed from a checkpoint taken between an epoch's end and its validation runs that "
             "validation first, as the uninterrupted run did. Written by ``fit()``."
+        ),
+    )
+
+    scheduled_epochs: int | None = field(
+        default=0,
+        metadata=_doc(
+            "Completed training epochs when ``fit()`` last processed an epoch's end for its ``Schedule(interval="
+            '"epoch")`` (``None``: unknown, from a checkpoint older than this field). Like ``validated_epochs``, it '
+            "lets a run resumed from an ``EPOCH_END`` checkpoint step that epoch's schedule. Written by ``fit()``."
         ),
     )
 
@@ -286,6 +299,8 @@ class State:
             "skipped_steps": dict(self.skipped_steps),
             "non_finite_steps": self.non_finite_steps,
             "validated_epochs": self.validated_epochs,
+            "scheduled_epochs": self.scheduled_epochs,
+            "metrics": _portable_metrics(self.metrics),
         }
 
     def load_counters(self, counters: dict[str, Any]) -> None:
@@ -298,3 +313,27 @@ class State:
         self._window_non_finite = False
         validated = counters.get("validated_epochs")  # absent before cadence 0.2: unknown
         self.validated_epochs = None if validated is None else int(validated)
+        scheduled = counters.get("scheduled_epochs")  # absent from checkpoints written before Schedule existed
+        self.scheduled_epochs = None if scheduled is None else int(scheduled)
+        if "metrics" in counters:  # absent from earlier checkpoints: the metrics logged so far stay
+            self.metrics = dict(counters["metrics"])
+
+
+def _portable_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
+    """``metrics`` as a checkpoint's JSON keeps them: a tensor as its number (one element) or nested lists (read
+    now, at the save: the device waits once per tensor); values JSON cannot hold are left out."""
+    portable: dict[str, Any] = {}
+    for name, value in metrics.items():
+        if isinstance(value, torch.Tensor):
+            value = value.detach().item() if value.numel() == 1 else value.detach().tolist()
+        elif callable(getattr(value, "tolist", None)):  # numpy scalars and arrays
+            value = value.tolist()
+        if isinstance(name, str) and _json_safe(value):
+            portable[name] = value
+    return portable
+
+
+def _json_safe(value: Any) -> bool:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    return isinstance(value, (list, tuple)) and all(_json_safe(item) for item in value)

@@ -11,6 +11,7 @@ from torch.optim import Optimizer
 
 from cadence.cursor import DataCursor
 from cadence.event import Event
+from cadence.schedule import Interval, monitored_value
 
 if TYPE_CHECKING:
     from cadence.data import BatchMover
@@ -137,19 +138,51 @@ class PreparedOptimizer(Optimizer):
 
 class PreparedScheduler:
     """Steps the wrapped LR scheduler only when its optimizer really stepped since the scheduler last did, so
-    accumulation micro-steps and fp16 overflow skips never advance the schedule."""
+    accumulation micro-steps and fp16 overflow skips never advance the schedule. ``interval``, ``frequency`` and
+    ``monitor`` come from a ``cadence.Schedule`` (a bare scheduler: every update, no metric)."""
 
-    def __init__(self, scheduler: Any, optimizer: PreparedOptimizer) -> None:
+    def __init__(
+        self,
+        scheduler: Any,
+        optimizer: PreparedOptimizer,
+        engine: RunSurface,
+        interval: Interval = "step",
+        frequency: int = 1,
+        monitor: str | None = None,
+    ) -> None:
         self.scheduler = scheduler
         self.optimizer = optimizer
+        self._engine = engine
+        self.interval: Interval = interval
+        self.frequency = frequency
+        self.monitor = monitor
         self._seen_steps = optimizer.step_count
 
     def step(self, *args: Any, **kwargs: Any) -> None:
+        """Step the scheduler if its optimizer updated since the last call. A ``"step"`` schedule steps on every
+        ``frequency``-th update of the run and passes its ``monitor``'s latest value; arguments given here are passed
+        on as they are instead."""
         count = self.optimizer.step_count
         if count == self._seen_steps:
             return
+        if self.interval == "step" and not args and not kwargs:
+            state = self._engine.state
+            if state.step % self.frequency:
+                return
+            if self.monitor is not None:
+                args = (monitored_value(self.monitor, state),)
         self._seen_steps = count
         self.scheduler.step(*args, **kwargs)
+
+    def end_epoch(self, epochs_done: int) -> bool:
+        """Step an ``"epoch"`` schedule whose turn it is now that ``epochs_done`` epochs are done (``fit()`` calls this
+        after the epoch's validation); True when it stepped."""
+        if self.interval != "epoch" or epochs_done % self.frequency:
+            return False
+        args = () if self.monitor is None else (monitored_value(self.monitor, self._engine.state),)
+        self._seen_steps = self.optimizer.step_count
+        self.scheduler.step(*args)
+        return True
 
     def resync(self) -> None:
         """Forget optimizer steps the scheduler has not seen (after loading a checkpoint)."""
@@ -186,11 +219,14 @@ class PreparedDataLoader:
 
     A pass that does not drive training still moves batches, resumes, and marks its last batch (``in_last_batch``,
     which ``engine.gather_for_metrics`` reads to drop padding).
+
+    ``seed_chosen``: whether the loader's shuffling seed was chosen (``Engine(seed=...)``) rather than drawn by the
+    engine; a drawn one gives way to the seed a checkpoint recorded (see ``DataCursor``).
     """
 
-    def __init__(self, loader: Any, engine: RunSurface, mover: BatchMover) -> None:
+    def __init__(self, loader: Any, engine: RunSurface, mover: BatchMover, *, seed_chosen: bool = True) -> None:
         self.loader = loader
-        self.cursor = DataCursor(loader)
+        self.cursor = DataCursor(loader, seed_chosen=seed_chosen)
         self._engine = engine
         self._move = mover
         self._drives_training: bool | None = None

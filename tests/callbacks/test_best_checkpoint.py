@@ -62,8 +62,7 @@ def test_state_round_trip_resolves_the_saving_checkpoint_and_names_under_root(tm
     root.rename(moved)
     (moved / "checkpoint_3").mkdir()
     restored = Ranking("val/loss", "min", 2)
-    missing = restored.load_state_dict(state, moved / "checkpoint_3", moved, Path.is_dir)
-    assert missing == []
+    assert restored.load_state_dict(state, moved / "checkpoint_3", moved, Path.is_dir) == ([], [])
     assert [(e.score, e.path) for e in restored.best] == [(0.5, moved / "checkpoint_3"), (1.0, moved / "checkpoint_1")]
     assert sorted(scores(restored.dropped)) == [2.0, 3.0]
 
@@ -78,9 +77,9 @@ def test_load_leaves_out_a_checkpoint_that_is_gone_and_reranks_under_a_new_k(tmp
     for name in ("checkpoint_1", "checkpoint_2"):
         (tmp_path / name).mkdir()
     ranking = Ranking("val/loss", "min", 1)
-    missing = ranking.load_state_dict(state, tmp_path / "checkpoint_2", tmp_path, Path.is_dir)
-    assert [(e.score, e.path) for e in missing] == [(1.0, tmp_path / "checkpoint_0")]
-    assert scores(ranking.best) == [2.0] and scores(ranking.dropped) == [3.0]
+    missing, kept = ranking.load_state_dict(state, tmp_path / "checkpoint_2", tmp_path, Path.is_dir)
+    assert [(e.score, e.path) for e in missing] == [(1.0, tmp_path / "checkpoint_0")] and kept == []
+    assert scores(ranking.best) == [2.0] and scores(ranking.dropped) == [3.0] and ranking.kept == []
 
 
 @pytest.mark.parametrize(
@@ -105,3 +104,46 @@ def test_read_score_takes_tensors_and_floats_and_names_what_exists() -> None:
         read_score({"val/acc": 0.9, "loss": 1.0}, "val/loss")
     with pytest.raises(TypeError, match="ranks by a number"):
         read_score({"val/loss": torch.ones(3)}, "val/loss")
+
+
+def saved_ranking(mode: str, entries: list[tuple[float, str]], monitor: str = "val/loss") -> dict[str, Any]:
+    best = [{"score": score, "step": i, "path": name} for i, (score, name) in enumerate(entries)]
+    return {"monitor": monitor, "mode": mode, "best": best, "dropped": []}
+
+
+def test_a_changed_mode_ranks_again_and_keeps_what_no_longer_ranks_instead_of_deleting_it(tmp_path: Path) -> None:
+    for name in ("checkpoint_0", "checkpoint_1", "checkpoint_2"):
+        (tmp_path / name).mkdir()
+    state = saved_ranking("min", [(0.1, "checkpoint_0"), (0.3, "checkpoint_1")])
+    state["dropped"] = [{"score": 0.9, "step": 2, "path": None}]  # the newest, waiting: the one being loaded
+    ranking = Ranking("val/loss", "max", 1)
+    gone, set_aside = ranking.load_state_dict(state, tmp_path / "checkpoint_2", tmp_path, Path.is_dir)
+    assert gone == [] and scores(set_aside) == [0.1, 0.3]
+    assert scores(ranking.best) == [0.9] and scores(ranking.kept) == [0.3, 0.1] and ranking.dropped == []
+
+    again = json.loads(json.dumps(ranking.state_dict(None, tmp_path)))  # kept survives a save and a resume
+    assert [e["path"] for e in again["kept"]] == ["checkpoint_1", "checkpoint_0"]
+    back = Ranking("val/loss", "min", 1)  # and back under the first mode: the best under it ranks again
+    assert scores(back.load_state_dict(again, tmp_path / "checkpoint_2", tmp_path, Path.is_dir)[1]) == [0.9]
+    assert scores(back.best) == [0.1] and scores(back.kept) == [0.3, 0.9] and back.dropped == []
+    back.add(0.05, step=5)  # pushed out later, a checkpoint marked keep is kept, not deleted
+    assert scores(back.best) == [0.05] and scores(back.kept) == [0.3, 0.9, 0.1] and back.dropped == []
+
+
+def test_under_the_same_mode_kept_checkpoints_stay_kept_and_a_smaller_k_still_drops(tmp_path: Path) -> None:
+    for name in ("checkpoint_0", "checkpoint_1", "checkpoint_2"):
+        (tmp_path / name).mkdir()
+    state = saved_ranking("max", [(0.9, "checkpoint_2"), (0.3, "checkpoint_1")])
+    state["kept"] = [{"score": 0.1, "step": 0, "path": "checkpoint_0"}]
+    ranking = Ranking("val/loss", "max", 1)
+    assert ranking.load_state_dict(state, tmp_path / "checkpoint_2", tmp_path, Path.is_dir) == ([], [])
+    assert scores(ranking.best) == [0.9] and scores(ranking.dropped) == [0.3] and scores(ranking.kept) == [0.1]
+
+
+def test_another_monitors_ranking_ranks_nothing_and_keeps_its_best(tmp_path: Path) -> None:
+    for name in ("checkpoint_0", "checkpoint_1"):
+        (tmp_path / name).mkdir()
+    state = saved_ranking("max", [(0.9, "checkpoint_0"), (0.8, "checkpoint_1")], monitor="val/acc")
+    ranking = Ranking("val/loss", "max", 2)
+    gone, set_aside = ranking.load_state_dict(state, tmp_path / "checkpoint_1", tmp_path, Path.is_dir)
+    assert gone == [] and scores(set_aside) == [0.9, 0.8] and ranking.best == [] and ranking.dropped == []

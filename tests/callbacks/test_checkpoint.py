@@ -476,3 +476,77 @@ def test_a_validation_monitor_warns_when_fit_never_validates() -> None:
     with pytest.warns(UserWarning, match=r"this fit\(\) ran none: pass fit\(\.\.\., val_dataloader=\.\.\.\)"):
         fake.fit(TinyStep(), tiny_dataloader(batches=2), max_epochs=1)
     assert callback.best_path is None and names(fake) == ["checkpoint_0"]  # save_last still saved
+
+
+# --- other runs' checkpoints, and a ranking resumed under another mode ----------------------------------------
+def test_fit_start_warns_on_the_main_process_only_about_another_runs_checkpoints(tmp_path: Path) -> None:
+    FakeEngine(project_dir=tmp_path).save_state()
+    FakeEngine(callbacks=[Checkpoint()], rank=1, world_size=2, project_dir=tmp_path).fire(Event.FIT_START)
+    main = FakeEngine(callbacks=[Checkpoint()], project_dir=tmp_path)
+    with pytest.warns(UserWarning, match=r"holds 1 checkpoint\(s\) that this run did not write \(checkpoint_0\): this "
+                      r"run numbers its own after them and never deletes them; .*resume='latest'"):  # fmt: skip
+        main.fire(Event.FIT_START)
+    main.fire(Event.FIT_START)  # once per run
+
+
+def ranked_run(project: Path, epochs: int, mode: Any = "min", resume: str | None = None) -> Checkpoint:
+    """fit() with validation whose loss goes up and down (lr 0.7 overshoots), keeping the best 1 and the latest."""
+    callback = Checkpoint(monitor="val/loss", mode=mode)
+    engine = Engine(
+        accelerator="cpu", progress_bar=False, project_dir=project, seed=0, checkpoint_total_limit=1,
+        callbacks=[callback],
+    )  # fmt: skip
+    engine.fit(
+        TinyStep(lr=0.7), tiny_dataloader(batches=4), max_epochs=epochs,
+        val_dataloader=tiny_dataloader(batches=2, seed=1), resume=resume,
+    )  # fmt: skip
+    return callback
+
+
+def test_a_fresh_run_in_the_same_project_keeps_the_earlier_runs_best_checkpoint(tmp_path: Path) -> None:
+    earlier = ranked_run(tmp_path, epochs=4)
+    theirs = saved(tmp_path)
+    assert earlier.best_path is not None and earlier.best_path.name in theirs
+    with pytest.warns(UserWarning, match=r"this run did not write .*: this run numbers its own after them"):
+        fresh = ranked_run(tmp_path, epochs=4)
+    ours = [name for name in saved(tmp_path) if name not in theirs]
+    assert set(theirs) <= set(saved(tmp_path)) and earlier.best_path.exists()
+    assert fresh.best_path is not None and fresh.best_path.name in ours and 1 <= len(ours) <= 2
+
+
+def test_resuming_under_another_mode_warns_and_never_deletes_the_earlier_best() -> None:
+    callback = Checkpoint(monitor="val/loss", save_top_k=2, save_last=False)
+    fake = FakeEngine(callbacks=[callback])
+    validate(fake, 1.0, 2.0)  # checkpoint_0 and checkpoint_1, the best 2 under mode="min"
+    fake.save_state()  # checkpoint_2, the latest: its state holds the ranking
+    first, second = (fake.checkpoints.path(n) for n in (0, 1))
+    resumed = Checkpoint(monitor="val/loss", mode="max", save_last=False)
+    fresh = FakeEngine(callbacks=[resumed], project_dir=fake.project_dir)
+    with pytest.warns(
+        UserWarning,
+        match=r"mode='max'\): the checkpoint's ranking was made with mode='min'\. Its best checkpoints \(checkpoint_1 "
+        r"\(score 2\.0, step 0\), checkpoint_0 \(score 1\.0, step 0\)\) .* fall out of the save_top_k=1 best; "
+        r"checkpoint_0 .* already fell out of them: this run never deletes them .*mode='min'\)\.",
+    ):
+        fresh.load_state()
+    assert resumed.best_path == second
+    fresh.checkpoint_total_limit = 1
+    validate(fresh, 5.0)  # a new best under "max" pushes checkpoint_1 out: kept, like checkpoint_0
+    for _ in range(2):
+        fresh.save_state()
+    assert first.exists() and second.exists() and resumed.best_score == 5.0
+    again = Checkpoint(monitor="val/loss", mode="max", save_last=False)
+    FakeEngine(callbacks=[again], project_dir=fake.project_dir).load_state()  # the same mode: no warning
+    assert again.state_dict()["ranking"]["kept"] == [
+        {"score": 2.0, "step": 0, "path": "checkpoint_1", "keep": True},
+        {"score": 1.0, "step": 0, "path": "checkpoint_0", "keep": True},
+    ]
+
+
+def test_a_run_resumed_with_the_other_mode_keeps_the_best_of_the_first(tmp_path: Path) -> None:
+    first = ranked_run(tmp_path, epochs=3, mode="min")
+    assert first.best_path is not None
+    with pytest.warns(UserWarning, match=r"ranking was made with mode='min'\. Its best checkpoints \(checkpoint_"):
+        second = ranked_run(tmp_path, epochs=6, mode="max", resume="latest")
+    assert first.best_path.exists() and second.best_path is not None and second.best_path != first.best_path
+    assert len(saved(tmp_path)) <= 3  # the first run's best, the second's, and the latest

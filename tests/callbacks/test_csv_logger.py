@@ -260,3 +260,22 @@ def test_a_resumed_run_writes_the_same_file_as_an_uninterrupted_one(tmp_path: Pa
     assert (interrupted / "metrics.csv").read_text() == expected
     steps = [row["step"] for row in read(interrupted / "metrics.csv") if not row["val/mse"]]
     assert steps == [str(step) for step in range(1, 16)]
+
+
+def test_a_run_killed_before_its_first_checkpoint_is_not_told_to_resume(tmp_path: Path) -> None:
+    def run() -> None:
+        engine = Engine(accelerator="cpu", project_dir=tmp_path, callbacks=[CSVLogger()], progress_bar=False)
+        engine.fit(RegressionStep(), loader(), max_steps=2, resume="latest")
+
+    run()  # killed before any checkpoint: it leaves metrics.csv and no checkpoint
+    with pytest.warns(UserWarning) as caught:
+        run()
+    (message,) = [str(w.message) for w in caught if "CSVLogger" in str(w.message)]
+    assert message == (
+        f"CSVLogger: metrics.csv holds an earlier run's metrics, and that run left no checkpoint in "
+        f"{tmp_path / 'checkpoints'} to resume from (it ended before its first save); kept as metrics.1.csv, and "
+        "this run starts a new metrics.csv."
+    )
+    Engine(accelerator="cpu", project_dir=tmp_path, progress_bar=False).save_state()  # now there is one
+    with pytest.warns(UserWarning, match=r"kept as metrics\.2\.csv, .* resume it: fit\(\.\.\., resume='latest'\)"):
+        FakeEngine(callbacks=[CSVLogger()], project_dir=str(tmp_path)).run(steps=1)

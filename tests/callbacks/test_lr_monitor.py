@@ -16,7 +16,7 @@ import cadence
 from cadence.callbacks import CSVLogger, GradientAccumulation, LearningRateMonitor
 from cadence.callbacks.lr_monitor import group_suffix, optimizer_names
 from cadence.testing import FakeEngine, TinyStep
-from tests.helpers import RegressionStep, loader, make_model
+from tests.helpers import RegressionStep, assert_bitwise_equal, loader, make_model, parameters
 
 
 class SchedulerTrace(cadence.Callback):
@@ -45,6 +45,7 @@ def train_once(fake: FakeEngine, model: nn.Module, *optimizers: Any) -> None:
     [
         ({"logging_interval": "batch"}, "must be 'step' or 'epoch'; got 'batch'"),
         ({"log_momentum": "yes"}, "must be True or False"),
+        ({"log_weight_decay": 1}, r"log_weight_decay=...\) must be True or False; got 1"),
     ],
 )
 def test_bad_arguments_are_refused(kwargs: dict[str, Any], message: str) -> None:
@@ -108,6 +109,57 @@ def test_a_group_without_momentum_warns_once_and_logs_its_lr() -> None:
     assert fake.state.metrics == {"lr-Adagrad": 0.05}
 
 
+def test_two_groups_with_one_name_are_refused_before_the_first_step() -> None:
+    # Lightning refuses this too: 'lr-SGD/linear' would hold one group's value and silently drop the other's.
+    fake = FakeEngine(callbacks=[LearningRateMonitor()])
+    model = make_model()
+    groups = [{"params": model[0].parameters(), "name": "linear"}, {"params": model[2].parameters(), "name": "linear"}]
+    model, optimizer = fake.prepare(model, torch.optim.SGD(groups, lr=0.1))
+    before = parameters(model)
+    message = r"param groups 1 and 2 of optimizer SGD \(named 'linear' and 'linear'\) would both log 'lr-SGD/linear'"
+    with pytest.raises(ValueError, match=message + r".*unique 'name'"):
+        train_once(fake, model, optimizer)
+    assert_bitwise_equal(parameters(model), before)
+    assert fake.state.step == 0 and fake.state.metrics == {}
+
+
+def test_a_group_named_like_another_groups_default_name_is_refused() -> None:
+    monitor = LearningRateMonitor(log_momentum=False)
+    with pytest.raises(ValueError, match=r"param groups 1 and 2 of optimizer SGD \(named 'pg2' and 'pg2'\)"):
+        monitor.values("SGD", [{"lr": 0.1, "name": "pg2"}, {"lr": 0.2}])
+    with pytest.raises(ValueError, match=r"groups 1 and 2 .* would both log 'lr-SGD/a-momentum'"):
+        LearningRateMonitor().values(
+            "SGD", [{"lr": 0.1, "momentum": 0.9, "name": "a"}, {"lr": 0.2, "name": "a-momentum", "momentum": 0.0}]
+        )
+    assert monitor.values("SGD", [{"lr": 0.1, "name": "pg2"}, {"lr": 0.2, "name": "pg1"}]) == {
+        "lr-SGD/pg2": 0.1,
+        "lr-SGD/pg1": 0.2,
+    }
+
+
+def test_weight_decay_is_logged_beside_the_lr_when_asked() -> None:
+    fake = FakeEngine(callbacks=[LearningRateMonitor(log_momentum=False, log_weight_decay=True)])
+    model = make_model()
+    groups = [{"params": model[0].parameters()}, {"params": model[2].parameters(), "weight_decay": 0.0}]
+    model, optimizer = fake.prepare(model, torch.optim.AdamW(groups, lr=0.01, weight_decay=0.05))
+    train_once(fake, model, optimizer)
+    assert fake.state.metrics == {
+        "lr-AdamW/pg1": 0.01,
+        "lr-AdamW/pg1-weight_decay": 0.05,
+        "lr-AdamW/pg2": 0.01,
+        "lr-AdamW/pg2-weight_decay": 0.0,
+    }
+
+
+def test_a_group_without_weight_decay_warns_once_and_logs_its_lr() -> None:
+    monitor = LearningRateMonitor(log_momentum=False, log_weight_decay=True)
+    with pytest.warns(UserWarning, match="'lr-LBFGS' has no 'weight_decay'.*log_weight_decay=False"):
+        assert monitor.values("LBFGS", [{"lr": 1.0}]) == {"lr-LBFGS": 1.0}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert monitor.values("LBFGS", [{"lr": 0.5}]) == {"lr-LBFGS": 0.5}
+
+
 class BatchEndTrace(cadence.Callback):
     def __init__(self) -> None:
         self.logged: list[Any] = []
@@ -160,10 +212,33 @@ def test_epoch_interval_logs_each_epochs_first_lr() -> None:
     assert len({logged for _, _, logged, _ in trace.rows}) == 3
 
 
+class BatchStarts(cadence.Callback):
+    def __init__(self) -> None:
+        self.count = 0
+
+    def on_batch_start(self, engine: cadence.Engine) -> None:
+        self.count += 1
+
+
+def test_a_fit_with_two_groups_of_one_name_stops_before_its_first_batch() -> None:
+    step = RegressionStep()
+    model = step.model
+    step.optimizer = torch.optim.AdamW(
+        [{"params": model[0].parameters(), "name": "linear"}, {"params": model[2].parameters(), "name": "linear"}]
+    )
+    batches = BatchStarts()
+    engine = cadence.Engine(accelerator="cpu", callbacks=[LearningRateMonitor(), batches], progress_bar=False)
+    before = parameters(model)
+    with pytest.raises(ValueError, match="would both log 'lr-AdamW/linear'"):
+        engine.fit(step, loader(), max_epochs=1)
+    assert batches.count == 0 and engine.state.step == 0  # refused at FIT_START: no batch read, no forward run
+    assert_bitwise_equal(parameters(model), before)
+
+
 def test_csv_logger_writes_the_columns_in_a_fit(tmp_path: Path) -> None:
     step = RegressionStep(scheduler=True)
     trace = SchedulerTrace(step.scheduler)
-    callbacks = [CSVLogger(), LearningRateMonitor(), trace]  # the logger first: the hardest order
+    callbacks = [CSVLogger(), LearningRateMonitor(log_weight_decay=True), trace]  # the logger first: the hardest order
     engine = cadence.Engine(accelerator="cpu", callbacks=callbacks, project_dir=tmp_path, progress_bar=False)
     engine.fit(step, loader(), max_epochs=2, val_dataloader=loader())
     with (tmp_path / "metrics.csv").open(newline="") as handle:
@@ -173,3 +248,4 @@ def test_csv_logger_writes_the_columns_in_a_fit(tmp_path: Path) -> None:
     for row in rows:
         assert float(row["lr-AdamW"]) == expected[int(row["step"])] == float(row["lr"])
         assert float(row["lr-AdamW-momentum"]) == step.optimizer.param_groups[0]["betas"][0]
+        assert float(row["lr-AdamW-weight_decay"]) == step.optimizer.param_groups[0]["weight_decay"] == 0.01

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -10,6 +11,7 @@ from torch import nn
 
 import cadence
 from cadence.callbacks import MixedPrecision
+from cadence.checkpoint.errors import CheckpointCorrupted
 from cadence.precision import GradScalerPrecision, Precision
 from cadence.testing import FakeEngine, FakeStrategy, TinyStep, tiny_dataloader
 from tests.helpers import RegressionStep, assert_bitwise_equal, loader, make_model, make_optimizer, parameters
@@ -159,3 +161,110 @@ def test_a_precision_installed_by_hand_is_not_replaced() -> None:
     with pytest.raises(ValueError, match=r"already has a 'fp16' precision.*MixedPrecision\('fp32'\) would replace"):
         engine.add_callback(MixedPrecision("fp32"))
     assert isinstance(engine.precision, GradScalerPrecision)
+
+
+# --- resuming in another precision -------------------------------------------------------------------------------
+def saved_in(tmp_path: Path, precision: Any) -> tuple[Path, list[torch.Tensor]]:
+    engine = cadence.Engine(
+        accelerator="cpu", progress_bar=False, project_dir=tmp_path, seed=0, callbacks=[MixedPrecision(precision)]
+    )
+    step = RegressionStep()
+    engine.fit(step, loader(), max_steps=3)
+    return engine.save_state(), parameters(step.model)
+
+
+def resumed_in(tmp_path: Path, precision: Any, path: Path, **kwargs: Any) -> tuple[cadence.Engine, RegressionStep]:
+    engine = cadence.Engine(
+        accelerator="cpu",
+        progress_bar=False,
+        project_dir=tmp_path / "resumed",
+        callbacks=[MixedPrecision(precision, **kwargs)],
+    )
+    step = RegressionStep(seed=1)
+    engine.fit(step, loader(), max_steps=3, resume=path)  # the checkpoint's step: nothing left to train
+    return engine, step
+
+
+def test_a_bf16_checkpoint_resumes_under_fp16_with_a_fresh_scaler_and_says_so(tmp_path: Path) -> None:
+    path, weights = saved_in(tmp_path, "bf16")
+    with pytest.warns(
+        UserWarning,
+        match=r"saved in bf16 and this run uses fp16: it resumes in fp16 with a fresh grad scaler at "
+        r"init_scale=1024\.0 .* Attach MixedPrecision\('bf16'\) instead",
+    ):
+        engine, step = resumed_in(tmp_path, "fp16", path, init_scale=1024.0)
+    assert_bitwise_equal(parameters(step.model), weights)
+    assert engine.state.step == 3 and engine.callbacks[0].state_dict()["scale"] == 1024.0
+    state = engine.fit(step, loader(), max_steps=5)  # and it trains on in fp16
+    assert state.step == 5 and engine.callbacks[0].plugin.name == "fp16"
+
+
+@pytest.mark.parametrize(
+    ("saved", "now", "says"),
+    [
+        ("fp16", "bf16", r"saved in fp16 and this run uses bf16: it resumes in bf16, without the checkpoint's loss "
+         r"scale \d+\.0\. Attach MixedPrecision\('fp16'\)"),
+        ("fp16", "fp32", r"saved in fp16 and this run uses fp32: it resumes in fp32, without"),
+        ("fp32", "bf16", r"saved in fp32 and this run uses bf16: it resumes in bf16 \(the weights and optimizer "
+         r"state load as saved"),
+        ("bf16", "fp32", r"saved in bf16 and this run uses fp32"),
+        ("fp32", "fp16", r"saved in fp32 and this run uses fp16: it resumes in fp16 with a fresh grad scaler"),
+    ],
+)  # fmt: skip
+def test_every_other_precision_switch_resumes_and_names_both(tmp_path: Path, saved: Any, now: Any, says: str) -> None:
+    path, weights = saved_in(tmp_path, saved)
+    with pytest.warns(UserWarning, match=says):
+        engine, step = resumed_in(tmp_path, now, path)
+    assert_bitwise_equal(parameters(step.model), weights)
+    assert engine.state.step == 3
+
+
+def test_the_same_precision_resumes_silently_with_the_saved_scale(tmp_path: Path) -> None:
+    engine = cadence.Engine(accelerator="cpu", progress_bar=False, project_dir=tmp_path, seed=0,
+                            callbacks=[MixedPrecision("fp16", init_scale=2.0**120)])  # fmt: skip
+    engine.fit(RegressionStep(), loader(), max_steps=3)
+    scale = engine.callbacks[0].state_dict()["scale"]
+    assert scale < 2.0**120  # overflows halved it
+    resumed, _ = resumed_in(tmp_path, "fp16", engine.save_state())
+    assert resumed.callbacks[0].state_dict() == {**engine.callbacks[0].state_dict(), "precision": "fp16"}
+
+
+@pytest.mark.parametrize(
+    ("now", "saved", "warns"),
+    [
+        ("fp16", {"scale": 8.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 5,
+                  "_growth_tracker": 1}, None),
+        ("bf16", {}, None),
+        ("fp32", {}, None),
+        ("fp16", {}, r"saved in bf16 or fp32 and this run uses fp16: .* Attach its precision instead"),
+        ("bf16", {"scale": 8.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 5,
+                  "_growth_tracker": 1}, r"saved in fp16 .* without the checkpoint's loss scale 8\.0"),
+    ],
+)  # fmt: skip
+def test_states_saved_before_the_precision_was_recorded_still_load(now: Any, saved: dict[str, Any], warns: Any) -> None:
+    callback = MixedPrecision(now)
+    FakeEngine(callbacks=[callback])
+    callback.check_state_dict(saved)
+    if warns is None:
+        callback.load_state_dict(saved)
+    else:
+        with pytest.warns(UserWarning, match=warns):
+            callback.load_state_dict(saved)
+    if now == "fp16" and saved:
+        assert callback.state_dict() == {"precision": "fp16", **saved}
+
+
+@pytest.mark.parametrize(
+    ("saved", "problem"),
+    [
+        ({"precision": "fp8"}, r"its precision 'fp8' is none of bf16, fp16, fp32"),
+        ({"precision": 16}, r"'precision' must be str, not int 16"),
+        ({"precision": "fp16"}, r"it has no 'scale'"),
+        ({"scale": "big"}, r"'scale' must be float or int, not str 'big'"),
+    ],
+)
+def test_a_malformed_precision_state_is_refused_at_the_check(saved: dict[str, Any], problem: str) -> None:
+    callback = MixedPrecision("fp16")
+    FakeEngine(callbacks=[callback])
+    with pytest.raises(CheckpointCorrupted, match=r"state for callback 'MixedPrecision' is malformed: " + problem):
+        callback.check_state_dict(saved)

@@ -257,7 +257,7 @@ def test_importing_the_callbacks_does_not_import_rich() -> None:
 
 def test_fit_uses_a_given_progress_bar_instead_of_the_default() -> None:
     bar = RichProgressBar(console=Console(file=io.StringIO()))
-    engine = Engine(accelerator="cpu", callbacks=[bar])
+    engine = Engine(accelerator="cpu", callbacks=[bar], model_summary=False)
     engine.fit(TinyStep(), tiny_dataloader(), max_epochs=1)
     assert list(engine.callbacks) == [bar]
 

@@ -4,10 +4,11 @@ Accumulation 4, bf16, clipping, dropout (so the RNG matters) and a shuffled data
 batch's loss is appended to ``losses.jsonl`` as an exact float (hex), keyed by (epoch, batch index).
 
     python -m tests.checkpoint.resume_worker PROJECT_DIR [--resume] [--kill-at-batch N] [--kill-in-save N]
-        [--async-save] [--kill-in-background-write N]
+        [--async-save] [--kill-in-background-write N] [--seed N|none]
 
 ``--async-save`` saves in the background (``save_state(blocking=False)``); ``--kill-in-background-write N`` SIGKILLs
-the process while the background thread of the Nth save writes its files, as training goes on.
+the process while the background thread of the Nth save writes its files, as training goes on. ``--seed`` is
+``Engine(seed=...)`` (0 unless given; ``none``: the engine draws one).
 """
 
 from __future__ import annotations
@@ -131,6 +132,7 @@ def main() -> None:
     parser.add_argument("--kill-in-save", type=int)
     parser.add_argument("--async-save", action="store_true")
     parser.add_argument("--kill-in-background-write", type=int)
+    parser.add_argument("--seed", type=lambda value: None if value == "none" else int(value), default=0)
     args = parser.parse_args()
     args.project_dir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
@@ -148,7 +150,7 @@ def main() -> None:
     ]
     if args.kill_at_batch is not None:
         callbacks.append(KillAt(args.kill_at_batch))
-    engine = cadence.Engine(seed=0, project_dir=args.project_dir, callbacks=callbacks, progress_bar=False)
+    engine = cadence.Engine(seed=args.seed, project_dir=args.project_dir, callbacks=callbacks, progress_bar=False)
     step = Step()
     engine.fit(step, dataloader(), max_steps=MAX_STEPS, resume="latest" if args.resume else None)
     weights = engine.unwrap_model(step.model).state_dict()

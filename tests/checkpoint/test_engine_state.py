@@ -122,7 +122,8 @@ def test_a_new_run_never_overwrites_existing_checkpoints(tmp_path: Path) -> None
     first.save_state()
     second = engine(tmp_path)
     second.prepare(make_model())
-    assert second.save_state().name == "checkpoint_1"
+    with pytest.warns(UserWarning, match=r"holds 1 checkpoint\(s\) that this run did not write \(checkpoint_0\)"):
+        assert second.save_state().name == "checkpoint_1"
 
 
 def test_explicit_path_is_replaced_only_by_a_complete_checkpoint(tmp_path: Path) -> None:
@@ -557,3 +558,168 @@ def test_a_load_holds_far_less_than_a_second_copy_of_the_state(tmp_path: Path) -
     # Reading into fresh memory, as a load did before, holds a whole second copy (1.0x) at its peak; copying into
     # the live tensors holds a read buffer per thread and a tensor's pages at a time.
     assert peak - before < 0.4 * state_bytes, (peak - before) / state_bytes
+
+
+# --- the apply phase: what can still fail goes first -------------------------------------------------------------
+class Unloadable(cadence.Callback):
+    """Saves a state that its ``check_state_dict`` accepts and its ``load_state_dict`` then fails on (a bug)."""
+
+    def __init__(self) -> None:
+        self.loaded = False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": 2}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        raise KeyError("format")
+
+
+def test_a_callback_whose_load_state_dict_raises_leaves_weights_optimizer_and_counters_as_they_were(
+    tmp_path: Path,
+) -> None:
+    saver, _ = trained(tmp_path / "saved", callbacks=[Counted(), Unloadable()])
+    path = saver.save_state()
+    counted = Counted()
+    fresh = engine(tmp_path / "fresh", callbacks=[counted, Unloadable()])
+    step = RegressionStep(seed=11, scheduler=True)
+    fresh.fit(step, loader(shuffle=True), max_steps=1)
+    weights, optimizer_state = parameters(step.model), step.optimizer.state_dict()
+    exp_avg = optimizer_state["state"][0]["exp_avg"].clone()
+    scheduler_state, rng = fresh.schedulers[0].state_dict(), torch.get_rng_state()
+    with pytest.raises(
+        CheckpointError, match=r"callback 'Unloadable' passed every check, but .* raised KeyError"
+    ) as error:
+        fresh.load_state(path)
+    assert "the models, optimizers, state counters, dataloader positions and RNG states are as they were" in str(
+        error.value
+    ) and "callback 'Counted' took the checkpoint's state already" in str(error.value)
+    assert_bitwise_equal(parameters(step.model), weights)
+    assert torch.equal(step.optimizer.state_dict()["state"][0]["exp_avg"], exp_avg)
+    assert step.optimizer.param_groups[0]["lr"] == optimizer_state["param_groups"][0]["lr"]
+    assert fresh.state.step == 1 and fresh.dataloaders[0].state_dict()["batches_done"] == 1
+    assert fresh.schedulers[0].state_dict() == scheduler_state and torch.equal(torch.get_rng_state(), rng)
+
+
+def test_a_registered_object_whose_load_state_dict_raises_is_named_and_nothing_else_is_applied(tmp_path: Path) -> None:
+    class Strict(Counter):
+        def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+            raise ValueError("not this version")
+
+    saver, _ = trained(tmp_path / "saved")
+    saver.register_for_checkpointing(Counter())
+    path = saver.save_state()
+    fresh = engine(tmp_path / "fresh")
+    fresh.register_for_checkpointing(Strict())
+    step = RegressionStep(seed=11, scheduler=True)
+    fresh.prepare(step.model, step.optimizer, step.scheduler, loader(shuffle=True))
+    before = parameters(step.model)
+    with pytest.raises(CheckpointError, match=r"registered object 0 \(.*Strict\) passed every check"):
+        fresh.load_state(path)
+    assert_bitwise_equal(parameters(step.model), before)
+    assert not step.optimizer.state and fresh.state.step == 0
+
+
+def test_malformed_rng_states_are_refused_before_anything_changes(tmp_path: Path, saved: Path) -> None:
+    from tests.checkpoint.test_schema import rewrite
+
+    rewrite(saved, "rank_0.json", lambda document: document["rng"].update(python=[3, [1, 2], None]))
+    with pytest.raises(CheckpointError, match=r"rank_0\.json is malformed: the RNG states cannot be restored"):
+        restore_into_fresh(tmp_path, saved)
+
+
+# --- learning rates: the checkpoint's win (PyTorch's rule), and the run says so ----------------------------------
+def lr_run(project: Path, lr: float, scheduler: bool = False) -> tuple[cadence.Engine, RegressionStep]:
+    eng = engine(project)
+    step = RegressionStep(scheduler=scheduler)
+    for group in step.optimizer.param_groups:
+        group["lr"] = lr
+        if scheduler:
+            group["initial_lr"] = lr
+            step.scheduler.base_lrs = [lr]
+    return eng, step
+
+
+def test_a_changed_learning_rate_is_named_once_on_resume(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    first, step = lr_run(tmp_path, lr=0.1)
+    first.fit(step, loader(), max_steps=2)
+    first.save_state()
+    capsys.readouterr()
+    second, step = lr_run(tmp_path, lr=0.01)
+    second.fit(step, loader(), max_steps=3, resume="latest")
+    out = capsys.readouterr().out
+    assert out.count("learning rate") == 1
+    assert "The checkpoint's learning rate 0.1 (optimizer 0, group 0) replaces this run's 0.01 (PyTorch's rule" in out
+    assert "set it at Event.LOAD_STATE" in out and step.optimizer.param_groups[0]["lr"] == 0.1
+
+
+def test_an_unchanged_learning_rate_is_not_mentioned_even_with_a_scheduler(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    first, step = lr_run(tmp_path, lr=0.1, scheduler=True)
+    first.fit(step, loader(), max_steps=4)  # StepLR(step_size=2, gamma=0.5) has halved lr twice
+    first.save_state()
+    second, step = lr_run(tmp_path, lr=0.1, scheduler=True)
+    second.fit(step, loader(), max_steps=5, resume="latest")
+    assert "learning rate" not in capsys.readouterr().out
+    third, step = lr_run(tmp_path, lr=0.3, scheduler=True)
+    third.fit(step, loader(), max_steps=5, resume="latest")
+    assert "learning rate 0.1 (optimizer 0, group 0) replaces this run's 0.3" in capsys.readouterr().out
+
+
+class ResumeLearningRate(cadence.Callback):
+    """The README's recipe: a new learning rate on resume, set once the checkpoint is loaded."""
+
+    def __init__(self, lr: float) -> None:
+        self.lr = lr
+
+    def on_load_state(self, engine: cadence.Engine) -> None:
+        for optimizer in engine.optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] = self.lr
+
+
+class StepLearningRates(cadence.Callback):
+    """Records the learning rate each optimizer step runs with."""
+
+    def __init__(self) -> None:
+        self.seen: list[float] = []
+
+    def on_before_optimizer_step(self, engine: cadence.Engine) -> None:
+        assert engine.state.optimizer is not None
+        self.seen.append(engine.state.optimizer.param_groups[0]["lr"])
+
+
+def test_the_readme_recipe_changes_the_learning_rate_on_resume(tmp_path: Path) -> None:
+    first, step = lr_run(tmp_path, lr=0.1)
+    first.fit(step, loader(), max_steps=2)
+    first.save_state()
+    steps = StepLearningRates()
+    second = engine(tmp_path, callbacks=[ResumeLearningRate(0.01), steps])
+    state = second.fit(RegressionStep(), loader(), max_steps=4, resume="latest")
+    assert state.step == 4 and steps.seen == [0.01, 0.01]
+
+
+# --- metrics: the last logged values survive a resume ------------------------------------------------------------
+def test_a_resumed_finished_run_has_its_last_metrics(tmp_path: Path) -> None:
+    from cadence.callbacks import Checkpoint
+
+    first = engine(tmp_path, callbacks=[Checkpoint(save_last=True)])
+    first.fit(RegressionStep(), loader(), max_epochs=1, val_dataloader=loader(samples=16))
+    first.log("note", "kept")
+    logged = float(first.state.metrics["val/mse"])
+    again = engine(tmp_path, callbacks=[Checkpoint(save_last=True)])
+    state = again.fit(RegressionStep(), loader(), max_epochs=1, val_dataloader=loader(samples=16), resume="latest")
+    assert state.step == first.state.step and state.metrics["val/mse"] == logged
+    assert type(state.metrics["val/mse"]) is float and "note" not in state.metrics  # logged after the save
+
+
+def test_a_checkpoint_without_metrics_still_loads_and_keeps_the_metrics_logged(tmp_path: Path, saved: Path) -> None:
+    from tests.checkpoint.test_schema import rewrite
+
+    rewrite(saved, "state.json", lambda document: document["counters"].pop("metrics"))  # as earlier versions wrote
+    eng = engine(tmp_path / "run")
+    step = RegressionStep(seed=11, scheduler=True)
+    eng.prepare(step.model, step.optimizer, step.scheduler, loader(shuffle=True))
+    eng.log("mine", 1.5)
+    eng.load_state(saved)
+    assert eng.state.step == 3 and eng.state.metrics == {"mine": 1.5}

@@ -117,3 +117,29 @@ def test_sigkill_during_a_background_write_keeps_the_previous_checkpoint_and_res
     reference, ours = load_file(uninterrupted / "final.safetensors"), load_file(tmp_path / "final.safetensors")
     assert reference.keys() == ours.keys()
     assert all(torch.equal(reference[key], ours[key]) for key in reference)
+
+
+@pytest.mark.parametrize("seed", ["7", "none"])
+def test_a_resume_with_another_seed_finishes_the_epoch_in_its_saved_order(
+    uninterrupted: Path, tmp_path: Path, seed: str
+) -> None:
+    # The run used seed 0; the latest checkpoint is the step-4 one, 16 batches into epoch 0.
+    killed = worker(tmp_path, "--kill-at-batch", "18")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    resumed = worker(tmp_path, "--resume", "--seed", seed)
+    assert resumed.returncode == 0, resumed.stderr
+
+    expected = {(row["epoch"], row["batch"]): row["loss"] for row in losses(uninterrupted / "losses.jsonl")}
+    after_resume = losses(tmp_path / "losses_resumed.jsonl")
+    assert (after_resume[0]["epoch"], after_resume[0]["batch"]) == (0, 16)
+    assert len(after_resume) == len(expected) - 16
+    rest_of_epoch = [row for row in after_resume if row["epoch"] == 0]
+    # The same samples in the same order, with the same weights and random numbers: bitwise the same losses.
+    assert [row["loss"] for row in rest_of_epoch] == [expected[(0, batch)] for batch in range(16, BATCHES_PER_EPOCH)]
+    later = [row for row in after_resume if row["epoch"] > 0]
+    same_later = [expected[(row["epoch"], row["batch"])] == row["loss"] for row in later]
+    if seed == "none":  # the seed the engine drew gives way to the saved one: the whole run is the saved run's
+        assert all(same_later) and "keeps seed" not in resumed.stderr
+    else:
+        assert not all(same_later), "epoch 1 on is shuffled by the new seed"
+        assert "the rest of epoch 0 keeps seed 0's order" in resumed.stderr

@@ -3,6 +3,7 @@ finds the best-scoring checkpoint from the files alone."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -87,3 +88,74 @@ def test_best_skips_a_damaged_state_and_says_what_to_do_when_nothing_is_scored(t
         fake.checkpoints.best("val/acc")
     with pytest.raises(ValueError, match="must be 'min' or 'max'"):
         fake.checkpoints.best("val/loss", "lowest")  # type: ignore[arg-type]
+
+
+# --- which run wrote a checkpoint -------------------------------------------------------------------------------
+OTHER_RUN = r"holds 3 checkpoint\(s\) that this run did not write \(checkpoint_0, checkpoint_1, checkpoint_2"
+
+
+def listing(fake: FakeEngine) -> list[str]:
+    return sorted(path.name for _, path in fake.checkpoints.numbered())
+
+
+def test_a_fresh_run_never_prunes_or_deletes_an_earlier_runs_checkpoints(tmp_path: Path) -> None:
+    earlier = FakeEngine(project_dir=tmp_path)
+    theirs = [earlier.save_state() for _ in range(3)]
+    fresh = FakeEngine(project_dir=tmp_path)
+    fresh.checkpoint_total_limit = 1
+    with pytest.warns(UserWarning, match=OTHER_RUN + r"\): this run numbers its own after them and never deletes"):
+        fresh.save_state()
+    newest = [fresh.save_state() for _ in range(2)][-1]  # warned once only: a second warning would fail the test
+    assert listing(fresh) == ["checkpoint_0", "checkpoint_1", "checkpoint_2", newest.name]
+    assert not any(fresh.checkpoints.delete(path) for path in theirs) and all(p.exists() for p in theirs)
+    assert fresh.checkpoints.run_id != earlier.checkpoints.run_id
+
+
+def test_a_resumed_run_continues_the_run_it_loaded_and_prunes_its_checkpoints(tmp_path: Path) -> None:
+    earlier = FakeEngine(project_dir=tmp_path)
+    for _ in range(3):
+        earlier.save_state()
+    resumed = FakeEngine(project_dir=tmp_path)
+    resumed.load_state()
+    assert resumed.checkpoints.run_id == earlier.checkpoints.run_id
+    resumed.checkpoint_total_limit = 2
+    newest = resumed.save_state()  # no warning: every checkpoint here is this run's
+    assert listing(resumed) == ["checkpoint_2", newest.name]
+
+
+def test_checkpoints_that_name_no_run_count_as_another_runs_even_after_resuming_one(tmp_path: Path) -> None:
+    earlier = FakeEngine(project_dir=tmp_path)
+    saved = [earlier.save_state() for _ in range(3)]
+    for path in saved:  # as cadence wrote them before it recorded the run
+        manifest = json.loads((path / "manifest.json").read_text())
+        del manifest["run"]
+        (path / "manifest.json").write_text(json.dumps(manifest))
+    resumed = FakeEngine(project_dir=tmp_path)
+    resumed.load_state()  # still loads
+    resumed.checkpoint_total_limit = 1
+    with pytest.warns(
+        UserWarning, match=OTHER_RUN + r"; those saved before cadence recorded .*: this resumed run never"
+    ):
+        resumed.save_state()
+    resumed.save_state()
+    assert all(path.exists() for path in saved) and len(listing(resumed)) == 4
+
+
+def test_the_warning_about_other_runs_is_given_once_and_only_where_there_are_some(tmp_path: Path) -> None:
+    alone = FakeEngine(project_dir=tmp_path)
+    alone.checkpoints.warn_about_other_runs()  # an empty directory: nothing to say
+    alone.save_state()
+    alone.checkpoints.warn_about_other_runs()  # only this run's checkpoint
+    second = FakeEngine(project_dir=tmp_path)
+    with pytest.warns(UserWarning, match=r"holds 1 checkpoint\(s\) that this run did not write \(checkpoint_0\)"):
+        second.checkpoints.warn_about_other_runs()
+    second.checkpoints.warn_about_other_runs()
+    second.save_state()
+
+
+def test_a_run_that_names_its_checkpoints_records_its_run_in_every_manifest(tmp_path: Path) -> None:
+    fake = FakeEngine(project_dir=tmp_path / "project")
+    for path in (fake.save_state(), fake.save_state(tmp_path / "elsewhere")):
+        assert json.loads((path / "manifest.json").read_text())["run"] == fake.checkpoints.run_id
+        assert fake.checkpoints.wrote(path)
+    assert not fake.checkpoints.wrote(tmp_path / "project")

@@ -39,6 +39,8 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Any]]:
             ("saved with 2", workers.train_and_save, (saved_with_2, 3, GLOBAL_BATCH // 2)),
             ("2 resumed from 2", workers.resume, (saved_with_2, GLOBAL_BATCH // 2)),
             ("2 resumed from 1", workers.resume, (saved_with_1, GLOBAL_BATCH // 2)),
+            ("2 resumed from 2 with seed 6", workers.resume, (saved_with_2, GLOBAL_BATCH // 2, "auto", 6)),
+            ("2 resumed from 2 without a seed", workers.resume, (saved_with_2, GLOBAL_BATCH // 2, "auto", None)),
             ("uneven", workers.evaluate_uneven, (11, 3)),  # 11 samples: global batches of 6, then 5 (+1 padding)
             ("item count", workers.item_count_accumulation, (2,)),
         ],
@@ -101,6 +103,24 @@ def test_checkpoint_resumes_the_global_sample_order_across_world_sizes(
     for rank in range(resumed_with):
         for a, b in zip(resumed[rank]["weights"], saved[0]["weights"], strict=True):
             assert torch.equal(a, b)
+
+
+@pytest.mark.slow
+def test_ranks_resumed_mid_epoch_with_another_seed_finish_it_in_its_saved_order(jobs: dict[str, list[Any]]) -> None:
+    saved = jobs["saved with 2"][0]["after"]
+    read = 3 * GLOBAL_BATCH  # before the save, in the saved run's (seed 5) global order
+    before = ResumableBatchSampler(workers.SAMPLES, GLOBAL_BATCH, shuffle=True, drop_last=False, seed=5).indices()
+    left = workers.SAMPLES - read
+    reseeded = jobs["2 resumed from 2 with seed 6"]
+    after = reseeded[0]["after"]
+    assert after[:left] == saved[:left] and sorted(before[:read] + after[:left]) == list(range(workers.SAMPLES))
+    assert sorted(after[left:]) == list(range(workers.SAMPLES)) and after[left:] != saved[left:]  # seed 6 from epoch 1
+    for rank in reseeded:  # every rank decides alike, from the seed in its own file
+        assert [w for w in rank["warnings"] if "keeps seed 5's order" in w and "seed 6 shuffles from epoch 1" in w]
+    # Engine(seed=None): the seed every rank drew (rank 0's, broadcast) gives way to the saved one, silently.
+    drawn = jobs["2 resumed from 2 without a seed"]
+    assert [rank["after"] for rank in drawn] == [saved, saved]
+    assert not [w for rank in drawn for w in rank["warnings"] if "seed" in w]
 
 
 @pytest.mark.slow

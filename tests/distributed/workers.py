@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -143,21 +144,24 @@ def full_weights(engine: cadence.Engine, net: nn.Module) -> list[torch.Tensor]:
     return [(p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for p in parameters]
 
 
-def resume(directory: str, batch_size: int, strategy: str = "auto") -> dict[str, Any]:
-    """Load the checkpoint and train on; return the global sample ids seen and the weights right after loading."""
-    engine = cadence.Engine(accelerator="cpu", strategy=strategy, seed=5, progress_bar=False)
+def resume(directory: str, batch_size: int, strategy: str = "auto", seed: int | None = 5) -> dict[str, Any]:
+    """Load the checkpoint and train on; return the global sample ids seen, the weights right after loading and
+    the warnings the load gave."""
+    engine = cadence.Engine(accelerator="cpu", strategy=strategy, seed=seed, progress_bar=False)
     net = model()
     net, optimizer, data = engine.prepare(
         net, torch.optim.AdamW(net.parameters(), lr=0.01), DataLoader(dataset(), batch_size, shuffle=True)
     )
-    engine.load_state(directory)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine.load_state(directory)
     weights = full_weights(engine, net)
     seen: list[int] = []
     while data.epoch < 2:
         for inputs, targets, ids in data:
             train_step(engine, net, optimizer, inputs, targets)
             seen.extend(engine.gather(ids).tolist())
-    return {"after": seen, "weights": weights}
+    return {"after": seen, "weights": weights, "warnings": [str(warning.message) for warning in caught]}
 
 
 def evaluate_uneven(samples: int, batch_size: int) -> list[int]:

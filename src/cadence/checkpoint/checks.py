@@ -1,18 +1,20 @@
 """The checks a load makes before it changes anything, whatever the strategy: that the checkpoint holds as many
 objects of each kind as the engine prepared, that each value can be rebuilt, that optimizers are of the saved
-class, and which callback states go unrestored."""
+class, which callback states go unrestored, that a callback's state has the fields its ``load_state_dict`` reads,
+and which learning rates the checkpoint replaces."""
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
 from cadence.checkpoint.codec import decode
 from cadence.checkpoint.errors import CheckpointCorrupted, CheckpointError
+from cadence.checkpoint.schema import _describe, _is
 
 if TYPE_CHECKING:
     from cadence.callback import Callback
@@ -69,7 +71,7 @@ def warn_unmatched_callbacks(callbacks: Sequence[Callback], saved: dict[str, Any
                 f"The checkpoint has no state for callback {callback.state_key!r} (it was not attached when "
                 "saving); it starts fresh.",
                 UserWarning,
-                stacklevel=4,
+                stacklevel=5,
             )
     for key, state in saved.items():
         if key not in attached and state:
@@ -77,5 +79,73 @@ def warn_unmatched_callbacks(callbacks: Sequence[Callback], saved: dict[str, Any
                 f"The checkpoint holds state for callback {key!r}, but no attached callback has that state_key: its "
                 f"state is not restored. Attach the same callbacks as the run that saved it to continue exactly.",
                 UserWarning,
-                stacklevel=4,
+                stacklevel=5,
             )
+
+
+Kind = type | tuple[type, ...]
+
+
+def check_state_fields(owner: str, state: Any, fields: Mapping[str, Kind]) -> None:
+    """Raise ``CheckpointCorrupted`` unless ``state`` is a table holding each of ``fields`` as a value of its kind
+    (``bool`` is no number; ``type(None)`` allows None). A callback's ``check_state_dict`` calls it, so that its
+    ``load_state_dict`` cannot fail once a load has begun to apply the checkpoint."""
+    if not isinstance(state, dict):
+        refuse_state(owner, f"it is {_describe(state)}, not a table")
+    for key, kind in fields.items():
+        if key not in state:
+            refuse_state(owner, f"it has no {key!r}")
+        check_state_items(owner, key, [state[key]], kind, single=True)
+
+
+def check_state_items(owner: str, name: str, items: Sequence[Any], kind: Kind, single: bool = False) -> None:
+    """Raise ``CheckpointCorrupted`` unless every item of the state's list ``name`` is of ``kind`` (``single``:
+    ``items`` is the one value of the field ``name``)."""
+    for index, item in enumerate(items):
+        if not _is(item, kind):
+            kinds = kind if isinstance(kind, tuple) else (kind,)
+            names = " or ".join("None" if k is type(None) else k.__name__ for k in kinds)
+            where = repr(name) if single else f"{name!r}[{index}]"
+            refuse_state(owner, f"{where} must be {names}, not {_describe(item)}")
+
+
+def refuse_state(owner: str, problem: str) -> NoReturn:
+    """Raise ``CheckpointCorrupted`` for ``owner``'s state (a callback's: ``"callback 'Timer'"``) and its problem."""
+    raise CheckpointCorrupted(
+        f"The checkpoint's state for {owner} is malformed: {problem}. The checkpoint will not be loaded; load "
+        "another one (load_state() with no path falls back to the next older checkpoint)."
+    )
+
+
+def learning_rate_note(optimizers: Sequence[torch.optim.Optimizer], entries: Sequence[dict[str, Any]]) -> str | None:
+    """One line naming each learning rate the checkpoint replaces (PyTorch's rule: an optimizer's state dict holds
+    its hyperparameters), or None when none differs. With a scheduler each group's ``initial_lr`` is compared: its
+    ``lr`` moves with the schedule, while ``initial_lr`` is the one the user built."""
+    changes: list[tuple[float, float, str]] = []
+    for index, (optimizer, entry) in enumerate(zip(optimizers, entries, strict=True)):
+        state = entry.get("state")
+        saved_groups = state.get("param_groups", []) if isinstance(state, dict) else []
+        for number, (group, saved) in enumerate(zip(optimizer.param_groups, saved_groups, strict=False)):
+            key = "initial_lr" if "initial_lr" in group and "initial_lr" in saved else "lr"
+            current, restored = _plain_number(group.get(key)), _plain_number(saved.get(key))
+            if current is not None and restored is not None and current != restored:
+                changes.append((restored, current, f"optimizer {index}, group {number}"))
+    if not changes:
+        return None
+    restored_text = ", ".join(f"{restored!r} ({where})" for restored, _, where in changes)
+    current_text = ", ".join(repr(current) for _, current, _ in changes)
+    plural = len(changes) > 1
+    return (
+        f"The checkpoint's learning rate{'s' if plural else ''} {restored_text} replace{'' if plural else 's'} "
+        f"this run's {current_text} (PyTorch's rule: loading an optimizer restores its hyperparameters; a "
+        "scheduler continues from the saved ones). To change it on resume, set it at Event.LOAD_STATE (README: "
+        "Changing settings on resume)."
+    )
+
+
+def _plain_number(value: Any) -> float | None:
+    if isinstance(value, torch.Tensor):
+        return float(value.item()) if value.numel() == 1 else None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return None

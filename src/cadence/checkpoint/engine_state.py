@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -22,13 +24,14 @@ from cadence.checkpoint.checks import (
     check_count,
     check_optimizer_class,
     decoded,
+    learning_rate_note,
     optimizer_identity,
     warn_unmatched_callbacks,
 )
 from cadence.checkpoint.codec import encode
 from cadence.checkpoint.errors import CheckpointError
 from cadence.checkpoint.files import MANIFEST, CheckpointReader, CheckpointWriter
-from cadence.checkpoint.rng import capture_rng_states, restore_rng_states
+from cadence.checkpoint.rng import capture_rng_states, check_rng_states, restore_rng_states
 from cadence.checkpoint.schema import check_rank, check_run_fields, check_shared
 
 if TYPE_CHECKING:
@@ -68,6 +71,7 @@ class Checkpointed(Protocol):
     @property
     def dataloaders(self) -> Sequence[PreparedDataLoader]: ...
     def unwrap_model(self, model: nn.Module) -> nn.Module: ...
+    def print(self, *args: Any, **kwargs: Any) -> None: ...
 
 
 SHARED_JSON = "state.json"
@@ -211,89 +215,163 @@ def load_engine_state(engine: Checkpointed, directory: Path) -> dict[str, Any]:
     fails any check leaves the run untouched (``CheckpointCorrupted`` for damage, so an older one can be tried;
     ``CheckpointError`` for a checkpoint that does not fit this run).
     """
-    strategy = engine.strategy
     with CheckpointReader(directory) as reader:
-        check_run_fields(reader.manifest, str(directory / MANIFEST))
-        rank_json, rank_safetensors = _rank_files(engine.rank)
-        restore_rng = reader.has(rank_json)
-        if not restore_rng:
-            # More ranks than saved it: positions are global sample counts, the same in every rank's file, so
-            # rank 0's serve; its RNG state would make this rank a copy of rank 0, so RNGs stay as seeded.
-            warnings.warn(
-                f"{directory} was saved by {reader.manifest.get('world_size')} rank(s); rank {engine.rank} resumes "
-                "the data from rank 0's position and keeps its own RNG state.",
-                UserWarning,
-                stacklevel=3,
-            )
-            rank_json, rank_safetensors = _rank_files(0)
-        models = [name for index in range(len(engine.models)) for name in strategy.model_files(index)]
-        # Files whose tensors are copied into live ones (weights; optimizer state where the optimizer has some)
-        # are checked, then mapped, and copied out of the page cache one tensor at a time: the state is never held
-        # twice. Where nothing live would be replaced (a fresh optimizer), one read into memory of its own is both
-        # cheaper and kept as it is.
-        copied = [*models, *([SHARED_TENSORS] if any(o.optimizer.state for o in engine.optimizers) else [])]
-        reader.prefetch([SHARED_JSON, SHARED_TENSORS, rank_json, rank_safetensors, *models], mapped=copied)
-        shared = check_shared(reader.json(SHARED_JSON), str(directory / SHARED_JSON))
-        per_rank = check_rank(reader.json(rank_json), str(directory / rank_json))
-        check_count("model", shared["models"], engine.models)
-        check_count("optimizer", shared["optimizers"], engine.optimizers)
-        check_count("scheduler", shared["schedulers"], engine.schedulers)
-        check_count("registered object", shared["registered"], engine.registered)
-        check_count("dataloader", per_rank["dataloaders"], engine.dataloaders)
-        apply_models = [
-            strategy.read_model(engine.unwrap_model(model), reader, index, entry)
-            for index, (model, entry) in enumerate(zip(engine.models, shared["models"], strict=True))
-        ]
-        tensors = reader.tensors(SHARED_TENSORS)
-        apply_optimizers = _read_optimizers(engine, reader, shared["optimizers"], tensors)
-        rank_tensors = reader.tensors(rank_safetensors)
-        manifest = reader.manifest
+        checked = _read_and_check(engine, reader)
+    _apply(engine, reader, checked)
+    if checked.lr_note is not None:
+        engine.print(checked.lr_note)
+    return checked.manifest
 
-    shared_origin, rank_origin = directory / SHARED_JSON, directory / rank_json
-    scheduler_states = [
-        decoded(saved, tensors, shared_origin, f"scheduler {index}") for index, saved in enumerate(shared["schedulers"])
+
+@dataclass(slots=True)
+class _Checked:
+    """What a load applies once every check passed: apply steps, and states decoded and checked."""
+
+    manifest: dict[str, Any]
+    models: list[Callable[[], None]]
+    optimizers: list[Callable[[], None]]
+    schedulers: list[Any]
+    callbacks: dict[str, Any]
+    registered: list[Any]
+    counters: dict[str, Any]
+    loaders: list[Any]
+    rng: Any
+    lr_note: str | None
+
+
+def _read_and_check(engine: Checkpointed, reader: CheckpointReader) -> _Checked:
+    strategy, directory = engine.strategy, reader.directory
+    check_run_fields(reader.manifest, str(directory / MANIFEST))
+    rank_json, rank_safetensors = _rank_files(engine.rank)
+    restore_rng = reader.has(rank_json)
+    if not restore_rng:
+        # More ranks than saved it: positions are global sample counts, the same in every rank's file, so
+        # rank 0's serve; its RNG state would make this rank a copy of rank 0, so RNGs stay as seeded.
+        warnings.warn(
+            f"{directory} was saved by {reader.manifest.get('world_size')} rank(s); rank {engine.rank} resumes "
+            "the data from rank 0's position and keeps its own RNG state.",
+            UserWarning,
+            stacklevel=4,
+        )
+        rank_json, rank_safetensors = _rank_files(0)
+    models = [name for index in range(len(engine.models)) for name in strategy.model_files(index)]
+    # Files whose tensors are copied into live ones (weights; optimizer state where the optimizer has some)
+    # are checked, then mapped, and copied out of the page cache one tensor at a time: the state is never held
+    # twice. Where nothing live would be replaced (a fresh optimizer), one read into memory of its own is both
+    # cheaper and kept as it is.
+    copied = [*models, *([SHARED_TENSORS] if any(o.optimizer.state for o in engine.optimizers) else [])]
+    reader.prefetch([SHARED_JSON, SHARED_TENSORS, rank_json, rank_safetensors, *models], mapped=copied)
+    shared = check_shared(reader.json(SHARED_JSON), str(directory / SHARED_JSON))
+    per_rank = check_rank(reader.json(rank_json), str(directory / rank_json))
+    check_count("model", shared["models"], engine.models)
+    check_count("optimizer", shared["optimizers"], engine.optimizers)
+    check_count("scheduler", shared["schedulers"], engine.schedulers)
+    check_count("registered object", shared["registered"], engine.registered)
+    check_count("dataloader", per_rank["dataloaders"], engine.dataloaders)
+    apply_models = [
+        strategy.read_model(engine.unwrap_model(model), reader, index, entry)
+        for index, (model, entry) in enumerate(zip(engine.models, shared["models"], strict=True))
     ]
-    callback_states = {
+    tensors = reader.tensors(SHARED_TENSORS)
+    apply_optimizers, lr_note = _read_optimizers(engine, reader, shared["optimizers"], tensors)
+    rank_tensors = reader.tensors(rank_safetensors)
+    shared_origin, rank_origin = directory / SHARED_JSON, directory / rank_json
+    callbacks = {
         key: decoded(saved, tensors, shared_origin, f"callback {key!r}") for key, saved in shared["callbacks"].items()
     }
-    warn_unmatched_callbacks(engine.callbacks, callback_states)
+    warn_unmatched_callbacks(engine.callbacks, callbacks)
     for callback in engine.callbacks:
-        if callback.state_key in callback_states:
-            callback.check_state_dict(callback_states[callback.state_key])
-    registered_states = [
-        decoded(saved, tensors, shared_origin, f"registered object {index}")
-        for index, saved in enumerate(shared["registered"])
-    ]
-    loader_states = [
+        if callback.state_key in callbacks:
+            callback.check_state_dict(callbacks[callback.state_key])
+    loaders = [
         decoded(saved, rank_tensors, rank_origin, f"dataloader {index}")
         for index, saved in enumerate(per_rank["dataloaders"])
     ]
-    for loader, saved in zip(engine.dataloaders, loader_states, strict=True):
+    for loader, saved in zip(engine.dataloaders, loaders, strict=True):
         loader.check_state_dict(saved)
-    rng_states = decoded(per_rank["rng"], rank_tensors, rank_origin, "the RNG states") if restore_rng else None
+    rng = None
+    if restore_rng:
+        rng = decoded(per_rank["rng"], rank_tensors, rank_origin, "the RNG states")
+        check_rng_states(rng, rank_origin)
+    return _Checked(
+        manifest=reader.manifest,
+        models=apply_models,
+        optimizers=apply_optimizers,
+        schedulers=[decoded(s, tensors, shared_origin, f"scheduler {i}") for i, s in enumerate(shared["schedulers"])],
+        callbacks=callbacks,
+        registered=[
+            decoded(saved, tensors, shared_origin, f"registered object {index}")
+            for index, saved in enumerate(shared["registered"])
+        ],
+        counters=shared["counters"],
+        loaders=loaders,
+        rng=rng,
+        lr_note=lr_note,
+    )
 
-    # Every check passed: apply. What is kept rather than copied out gets memory of its own (``reader.owned``).
-    for apply in (*apply_models, *apply_optimizers):
+
+def _apply(engine: Checkpointed, reader: CheckpointReader, checked: _Checked) -> None:
+    """Every check passed: apply. What is kept rather than copied out gets memory of its own (``reader.owned``).
+
+    The states loaded by code of their objects' own (callbacks, registered objects, schedulers) go first: one that
+    raises all the same leaves the weights, optimizers, counters, positions and RNGs as they were. What follows
+    them was checked in full and only copies values."""
+    _apply_own_states(engine, reader, checked)
+    for apply in (*checked.models, *checked.optimizers):
         apply()
-    for scheduler, scheduler_state in zip(engine.schedulers, scheduler_states, strict=True):
-        scheduler.load_state_dict(reader.owned(scheduler_state))
-        scheduler.resync()
-    for callback in engine.callbacks:
-        if callback.state_key in callback_states:
-            callback.load_state_dict(reader.owned(callback_states[callback.state_key]))
-    for registered, registered_state in zip(engine.registered, registered_states, strict=True):
-        registered.load_state_dict(reader.owned(registered_state))
-    engine.state.load_counters(shared["counters"])
-    for loader, loader_state in zip(engine.dataloaders, loader_states, strict=True):
+    engine.state.load_counters(checked.counters)
+    for loader, loader_state in zip(engine.dataloaders, checked.loaders, strict=True):
         loader.load_state_dict(reader.owned(loader_state))
-    if rng_states is not None:
-        restore_rng_states(reader.owned(rng_states))
-    return manifest
+    if checked.rng is not None:
+        restore_rng_states(reader.owned(checked.rng))
+
+
+def _apply_own_states(engine: Checkpointed, reader: CheckpointReader, checked: _Checked) -> None:
+    steps: list[tuple[str, Callable[[], None]]] = [
+        (f"callback {c.state_key!r}", partial(c.load_state_dict, reader.owned(checked.callbacks[c.state_key])))
+        for c in engine.callbacks
+        if c.state_key in checked.callbacks
+    ]
+    steps += [
+        (f"registered object {index} ({type(registered).__qualname__})", partial(registered.load_state_dict, state))
+        for index, (registered, state) in enumerate(
+            zip(engine.registered, reader.owned(checked.registered), strict=True)
+        )
+    ]
+    steps += [
+        (f"scheduler {index}", partial(_load_scheduler, scheduler, state))
+        for index, (scheduler, state) in enumerate(
+            zip(engine.schedulers, reader.owned(checked.schedulers), strict=True)
+        )
+    ]
+    done: list[str] = []
+    for what, step in steps:
+        try:
+            step()
+        except Exception as error:
+            raise CheckpointError(_partly_applied(what, error, done)) from error
+        done.append(what)
+
+
+def _load_scheduler(scheduler: PreparedScheduler, state: dict[str, Any]) -> None:
+    scheduler.load_state_dict(state)
+    scheduler.resync()
+
+
+def _partly_applied(what: str, error: Exception, done: list[str]) -> str:
+    taken = f" ({', '.join(done)} took the checkpoint's state already)" if done else ""
+    return (
+        f"The checkpoint's state for {what} passed every check, but its load_state_dict raised "
+        f"{type(error).__name__}: {error}. Nothing more was applied: the models, optimizers, state counters, "
+        f"dataloader positions and RNG states are as they were{taken}. Make its load_state_dict take what its "
+        "state_dict saved (a callback refuses a state it cannot take in check_state_dict, which load_state calls "
+        "before anything changes), or resume without it."
+    )
 
 
 def _read_optimizers(
     engine: Checkpointed, reader: CheckpointReader, saved: list[Any], tensors: dict[str, torch.Tensor]
-) -> list[Callable[[], None]]:
+) -> tuple[list[Callable[[], None]], str | None]:
     origin = reader.directory / SHARED_JSON
     entries = [decoded(entry, tensors, origin, f"optimizer {index}") for index, entry in enumerate(saved)]
     applies = []
@@ -301,4 +379,4 @@ def _read_optimizers(
         check_optimizer_class(index, optimizer.optimizer, entry)
         owner = _owner(engine, optimizer)
         applies.append(engine.strategy.read_optimizer(owner, optimizer.optimizer, reader, index, entry))
-    return applies
+    return applies, learning_rate_note([o.optimizer for o in engine.optimizers], entries)

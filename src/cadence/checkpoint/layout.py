@@ -1,5 +1,5 @@
-"""Automatic checkpoint naming: ``checkpoint_{n}`` under one directory, newest valid first; which of them
-retention must keep (protected), and which one scored best."""
+"""Automatic checkpoint naming: ``checkpoint_{n}`` under one directory, newest valid first; which run wrote each
+one; which of them retention must keep (protected, or another run's), and which one scored best."""
 
 from __future__ import annotations
 
@@ -7,13 +7,14 @@ import json
 import math
 import os
 import re
+import secrets
 import shutil
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from cadence.checkpoint.commit import check_replaceable, is_checkpoint, remove_abandoned, temporary_name
+from cadence.checkpoint.commit import MANIFEST, check_replaceable, is_checkpoint, remove_abandoned, temporary_name
 from cadence.checkpoint.engine_state import SHARED_JSON
 from cadence.checkpoint.errors import CheckpointCorrupted, CheckpointError
 
@@ -27,12 +28,25 @@ SCORE_KEY = "checkpoint_score"
 checkpoint it is saved in scored ``value`` on metric ``name``: ``CheckpointDirectory.best`` reads it from disk."""
 
 
+RUN_KEY = "run"
+"""The manifest field naming the run that committed the checkpoint (``CheckpointDirectory.run_id``). Checkpoints
+saved before cadence recorded it have none: they count as another run's."""
+
+
 class CheckpointDirectory:
     """Numbers checkpoints ``checkpoint_0``, ``checkpoint_1`` ... The next number follows the last one saved or
-    loaded, and never reuses a number already on disk, so no save overwrites an existing checkpoint."""
+    loaded, and never reuses a number already on disk, so no save overwrites an existing checkpoint.
+
+    Each run has an identity, ``run_id``: random for a fresh run, the loaded checkpoint's after a resume (a resumed
+    run continues the run that wrote it). Every commit records it in the manifest, and ``prune`` and ``delete``
+    touch only checkpoints that carry it: a run never deletes another run's checkpoints in the same directory.
+    The main process's identity is the one recorded; it alone commits and deletes."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
+        self.run_id = secrets.token_hex(8)  # os.urandom: seeding the run's RNGs must not make two runs one
+        self._resumed = False
+        self._told: str | None = None  # the run_id warn_about_other_runs last checked for
         self._next = 0
         self._protected: dict[Path, set[str]] = {}
 
@@ -60,10 +74,26 @@ class CheckpointDirectory:
         """Record that checkpoint ``number`` was saved or loaded: the next save gets ``number + 1``."""
         self._next = number + 1
 
+    def resumed(self, manifest: dict[str, Any]) -> None:
+        """Record that the checkpoint with ``manifest`` was loaded: number after it, and continue the run that
+        wrote it (its retention may delete that run's checkpoints). One saved before runs were recorded keeps
+        this run's own identity, so no checkpoint of that age is ever deleted."""
+        self.advance(int(manifest["checkpoint_number"]))
+        run = manifest.get(RUN_KEY)
+        if isinstance(run, str) and run:
+            self.run_id = run
+        self._resumed = True
+
+    def wrote(self, path: Path) -> bool:
+        """True when ``path`` is a committed checkpoint whose manifest names this run."""
+        return _recorded_run(path) == self.run_id
+
     def claim(self, target: Path | None, final: Path) -> tuple[Path | None, str | None]:
         """On the main rank, before a save to ``final`` (``target``, or one of this directory's names): refuse a
         target cadence may not replace, clear what killed saves left beside it, and create the temporary
         directory. Returns it, or the refusal every rank raises."""
+        if target is None:
+            self.warn_about_other_runs()  # retention acts after automatic saves: say first what it spares
         try:
             if target is not None:
                 check_replaceable(target)
@@ -95,10 +125,11 @@ class CheckpointDirectory:
         directory. Returns the path and number, or the refusal every rank raises."""
         try:
             if target is None:
-                committed, number = writer.commit_numbered(files, self.path, self.next_number(), **manifest)
+                first = self.next_number()
+                committed, number = writer.commit_numbered(files, self.path, first, **manifest, run=self.run_id)
                 return committed, number, None
             number = self.next_number()
-            return writer.commit(files, checkpoint_number=number, **manifest), number, None
+            return writer.commit(files, checkpoint_number=number, **manifest, run=self.run_id), number, None
         except CheckpointError as error:
             return None, -1, str(error)
 
@@ -138,19 +169,52 @@ class CheckpointDirectory:
 
     def delete(self, path: Path) -> bool:
         """Delete ``path`` if it is one of this directory's ``checkpoint_{n}``, committed (with a manifest: anything
-        else under such a name is not cadence's to delete), not a link, and not protected. True if it was."""
+        else under such a name is not cadence's to delete), written by this run, not a link, and not protected.
+        True if it was."""
         if not self.names(path) or path.is_symlink():
             return False
-        if self.is_protected(path) or not is_checkpoint(path):
+        if self.is_protected(path) or not self.wrote(path):
             return False
         shutil.rmtree(path, ignore_errors=True)
         return True
 
     def prune(self, keep: int) -> None:
-        """Delete the checkpoints older than the newest ``keep``, except protected ones: ``keep`` counts every
-        checkpoint, and a protected one older than the newest ``keep`` stays beyond it (see ``delete``)."""
-        for _, directory in self.numbered()[keep:]:
+        """Delete this run's checkpoints older than its newest ``keep``, except protected ones: ``keep`` counts
+        this run's checkpoints, protected ones too, and a protected one older than the newest ``keep`` stays
+        beyond it. Other runs' checkpoints are neither counted nor deleted (see ``delete``)."""
+        own = [directory for _, directory in self.numbered() if self.wrote(directory)]
+        for directory in own[keep:]:
             self.delete(directory)
+
+    def warn_about_other_runs(self) -> None:
+        """Warn, once per run, when this directory holds checkpoints another run wrote, and say how this run treats
+        them. Call on the main process only, where fit() starts or before a run's first automatic save."""
+        if self._told == self.run_id:
+            return
+        self._told = self.run_id
+        others = [
+            (directory.name, run)
+            for _, directory in reversed(self.numbered())
+            if is_checkpoint(directory) and (run := _recorded_run(directory)) != self.run_id
+        ]
+        if not others:
+            return
+        names = [name for name, _ in others]
+        shown = ", ".join(names) if len(names) <= 3 else f"{names[0]}, {names[1]}, ..., {names[-1]}"
+        if any(run is None for _, run in others):
+            shown += "; those saved before cadence recorded which run wrote a checkpoint count as another run's"
+        advice = (
+            "this resumed run never deletes them."
+            if self._resumed
+            else "this run numbers its own after them and never deletes them; to continue that run instead, pass "
+            "fit(..., resume='latest') (or engine.load_state())."
+        )
+        warnings.warn(
+            f"{self.root} holds {len(others)} checkpoint(s) that this run did not write ({shown}): {advice} "
+            "checkpoint_total_limit and Checkpoint(save_top_k=...) count and delete only this run's checkpoints.",
+            UserWarning,
+            stacklevel=3,
+        )
 
     def best(self, monitor: str, mode: Literal["min", "max"] = "min") -> Path:
         """The checkpoint here that scored best on ``monitor`` (lowest with ``mode="min"``, highest with "max"; the
@@ -174,6 +238,19 @@ class CheckpointDirectory:
     def remove_abandoned(self) -> list[Path]:
         """Remove what saves killed mid-way left here (see ``cadence.checkpoint.commit.remove_abandoned``)."""
         return remove_abandoned(self.root)
+
+
+def _recorded_run(directory: Path) -> str | None:
+    """The run a committed checkpoint's manifest names (``RUN_KEY``); None when it names none or is no
+    checkpoint."""
+    if not is_checkpoint(directory):
+        return None
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None  # replaced since is_checkpoint read it: name no run rather than guess
+    run = manifest.get(RUN_KEY) if isinstance(manifest, dict) else None
+    return run if isinstance(run, str) and run else None
 
 
 def _unwritable(directory: Path) -> str | None:

@@ -87,8 +87,11 @@ def check_shared(shared: Any, origin: str) -> dict[str, Any]:
     _count(counters, "batch_idx", origin, "counters", least=-1)
     if "non_finite_steps" in counters:  # absent before cadence 0.2
         _count(counters, "non_finite_steps", origin, "counters")
-    if counters.get("validated_epochs") is not None:  # absent before cadence 0.2
-        _count(counters, "validated_epochs", origin, "counters")
+    for optional in ("validated_epochs", "scheduled_epochs"):  # absent from older checkpoints
+        if counters.get(optional) is not None:
+            _count(counters, optional, origin, "counters")
+    if "metrics" in counters:  # absent from older checkpoints
+        _field(counters, "metrics", dict, origin, "counters")
     skipped = _field(counters, "skipped_steps", dict, origin, "counters")
     for reason in skipped:
         _count(skipped, reason, origin, "counters.skipped_steps")

@@ -131,7 +131,12 @@ class FakeEngine(Engine):
         directory = tempfile.mkdtemp(prefix="cadence-fake-engine-") if project_dir is None else project_dir
         try:
             super().__init__(
-                strategy=strategy, callbacks=callbacks, seed=seed, project_dir=directory, progress_bar=False
+                strategy=strategy,
+                callbacks=callbacks,
+                seed=seed,
+                project_dir=directory,
+                progress_bar=False,
+                model_summary=False,
             )
         except BaseException:
             if owns_directory:
