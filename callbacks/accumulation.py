@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from cadence import Callback
 from cadence.checkpoint.checks import check_state_fields
@@ -30,6 +33,10 @@ class GradientAccumulation(Callback):
       no item at all (every label masked, on every rank) has no mean: its optimizer step is vetoed and recorded
       as ``"no_items"``, and the weights stay as they were. (Telling a zero count apart costs one device sync
       per optimizer step in this mode.)
+    - It warns once when the weights change inside a window, where the prepared optimizer never steps: an optimizer
+      that ``engine.prepare()`` did not return is stepping (and zeroing the gradients) at every batch, so nothing
+      is accumulated. It compares the trainable parameters' version counters (bumped by every in-place update) at
+      the first two ``BATCH_START`` events of a window: no device sync, a few nanoseconds a parameter once per window.
     """
 
     def __init__(self, steps: int) -> None:
@@ -41,6 +48,10 @@ class GradientAccumulation(Callback):
         self._items: Any = 0
         self._item_mode: bool | None = None
         self._no_items = False
+        self._weights: tuple[Sequence[nn.Module], list[torch.Tensor]] = ((), [])
+        """The prepared models and their trainable parameters, whose versions betray a raw optimizer's steps."""
+        self._versions: int | None = None
+        self._warned_raw_step = False
 
     def steps_per_epoch(self, batches: int) -> int:
         """One step per window, the epoch's last (maybe short) window included."""
@@ -59,6 +70,35 @@ class GradientAccumulation(Callback):
             if state.num_batches is not None:
                 self._window_length = min(self.steps, state.num_batches - state.batch_idx)
         state.sync_gradients = position == self.steps - 1 or state.is_last_batch
+        if not self._warned_raw_step:
+            self._watch_weights(engine, position)
+
+    def _watch_weights(self, engine: Engine, position: int) -> None:
+        """Warn when the weights changed over a window's first micro-step (see the class docstring)."""
+        if position == 1 and self._versions is not None and self._versions != self._weight_versions(engine):
+            self._warned_raw_step = True
+            warnings.warn(
+                f"GradientAccumulation({self.steps}): the weights changed during an accumulation micro-step, where "
+                "the optimizer engine.prepare() returned does not step: an optimizer it did not return is stepping "
+                "(and zeroing the gradients) at every batch, so nothing is accumulated. Step the optimizer "
+                "engine.prepare() returned: `model, optimizer = engine.prepare(model, optimizer)`, then "
+                "`optimizer.step()` and `optimizer.zero_grad()` on that one.",
+                UserWarning,
+                stacklevel=2,
+            )
+        sync = engine.state.sync_gradients
+        self._versions = self._weight_versions(engine) if position == 0 and not sync else None
+
+    def _weight_versions(self, engine: Engine) -> int:
+        models = engine.models
+        if self._weights[0] != models:  # listing the parameters costs far more than reading their versions
+            self._weights = (models, [p for model in models for p in model.parameters() if p.requires_grad])
+        return sum(param._version for param in self._weights[1])
+
+    def on_fit_start(self, engine: Engine) -> None:
+        self._versions = None  # a load between two fits rewrites the weights: not an optimizer's step
+
+    on_load_state = on_fit_start
 
     def on_before_backward(self, engine: Engine) -> None:
         state = engine.state

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
+import re
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -18,26 +19,75 @@ if TYPE_CHECKING:
     from cadence import Engine
 
 
-def parse_duration(duration: float | timedelta | str) -> float:
-    """Seconds in ``duration``: a number of seconds, a ``timedelta``, or ``"DD:HH:MM:SS"`` (days, hours, minutes,
-    seconds, as Lightning writes it). Raises ``ValueError`` naming the accepted forms when it is none of them or
-    not positive."""
-    accepted = 'seconds (e.g. 3600), a datetime.timedelta, or "DD:HH:MM:SS" (e.g. "00:12:00:00" for 12 hours)'
+_MAX_SECONDS = (timedelta.max.days + 1) * 86400 - 1
+"""The longest duration Timer takes: 999999999 days and 23:59:59, the most a ``timedelta`` holds in whole seconds
+(its messages print durations as one)."""
+
+_ACCEPTED = (
+    'seconds (e.g. 3600), a datetime.timedelta, a dict of timedelta arguments (e.g. {"hours": 12}), or '
+    '"DD:HH:MM:SS" (e.g. "00:12:00:00" for 12 hours)'
+)
+_CLOCK_PART = re.compile(r"\s*[0-9]+\s*")
+_UNIT_SECONDS = {
+    "weeks": 604800,
+    "days": 86400,
+    "hours": 3600,
+    "minutes": 60,
+    "seconds": 1,
+    "milliseconds": 1e-3,
+    "microseconds": 1e-6,
+}
+
+
+def parse_duration(duration: float | timedelta | str | Mapping[str, float]) -> float:
+    """Seconds in ``duration``: a number of seconds, a ``timedelta``, a dict of ``timedelta`` arguments
+    (``{"hours": 12}``), or ``"DD:HH:MM:SS"`` (days, hours, minutes, seconds, as Lightning writes it). Raises
+    ``ValueError`` naming the accepted forms when it is none of them, not positive, or longer than
+    999999999 days."""
+    try:
+        seconds = _seconds(duration)
+    except OverflowError:  # an int too large for a float, in a dict's milliseconds or microseconds
+        seconds = _MAX_SECONDS + 1
+    if not seconds > 0 or seconds == math.inf:  # `not >` also refuses NaN
+        raise ValueError(f"Timer(max_duration={duration!r}) must be a positive, finite duration; pass {_ACCEPTED}.")
+    if seconds > _MAX_SECONDS:
+        raise ValueError(
+            f"Timer(max_duration={duration!r}) is longer than the longest duration Timer takes, "
+            f'{timedelta.max.days} days ("{timedelta.max.days}:23:59:59"); pass a shorter one.'
+        )
+    return float(seconds)
+
+
+def _seconds(duration: Any) -> float:
+    """``duration`` in seconds, unchecked; Python ints for the clock form, so no digit string overflows."""
     if isinstance(duration, timedelta):
-        seconds = duration.total_seconds()
-    elif isinstance(duration, str):
+        return duration.total_seconds()
+    if isinstance(duration, str):
         parts = duration.split(":")
-        if len(parts) != 4 or not all(part.strip().isdigit() for part in parts):
-            raise ValueError(f"Timer(max_duration={duration!r}) is not DD:HH:MM:SS; pass {accepted}.")
+        # ASCII digits only: str.isdigit() accepts "²", which int() refuses.
+        if len(parts) != 4 or not all(_CLOCK_PART.fullmatch(part) for part in parts):
+            raise ValueError(f"Timer(max_duration={duration!r}) is not DD:HH:MM:SS; pass {_ACCEPTED}.")
         days, hours, minutes, secs = (int(part) for part in parts)
-        seconds = timedelta(days=days, hours=hours, minutes=minutes, seconds=secs).total_seconds()
-    elif isinstance(duration, int | float) and not isinstance(duration, bool):
-        seconds = float(duration)
-    else:
-        raise TypeError(f"Timer(max_duration=...) got {type(duration).__name__} {duration!r}; pass {accepted}.")
-    if not (seconds > 0 and math.isfinite(seconds)):
-        raise ValueError(f"Timer(max_duration={duration!r}) must be a positive, finite duration; pass {accepted}.")
-    return seconds
+        return days * 86400 + hours * 3600 + minutes * 60 + secs
+    if isinstance(duration, Mapping):
+        return _dict_seconds(duration)
+    if isinstance(duration, int | float) and not isinstance(duration, bool):
+        return duration
+    raise TypeError(f"Timer(max_duration=...) got {type(duration).__name__} {duration!r}; pass {_ACCEPTED}.")
+
+
+def _dict_seconds(duration: Mapping[Any, Any]) -> float:
+    total: float = 0
+    for key, value in duration.items():
+        if key not in _UNIT_SECONDS:
+            raise ValueError(
+                f"Timer(max_duration=...) got the key {key!r}; a dict takes timedelta's argument names "
+                f"({', '.join(_UNIT_SECONDS)}). Pass {_ACCEPTED}."
+            )
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise TypeError(f"Timer(max_duration=...): {key!r} must be a number; got {value!r}. Pass {_ACCEPTED}.")
+        total += value * _UNIT_SECONDS[key]
+    return total
 
 
 def _clock_text(seconds: float) -> str:
@@ -67,7 +117,7 @@ class Timer(Callback):
 
     def __init__(
         self,
-        max_duration: float | timedelta | str,
+        max_duration: float | timedelta | str | Mapping[str, float],
         check_every_n_steps: int = 1,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:

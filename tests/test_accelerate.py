@@ -323,6 +323,7 @@ def test_unwrap_model_returns_the_module_with_its_own_forward() -> None:
     with pytest.raises(TypeError, match=r"keep_fp32_wrapper='no'\): keep_fp32_wrapper must be True, False or None"):
         accelerator.unwrap_model(prepared, keep_fp32_wrapper="no")
     # In full precision there is no autocast forward to keep: True is what cadence does.
+    accelerator.end_training()  # the model moves to another accelerator: the first lets it go
     plain = Accelerator(cpu=True)
     assert plain.unwrap_model(plain.prepare(model), keep_fp32_wrapper=True) is model
 

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import pickle
 import re
 import sys
+import warnings
+from copy import deepcopy
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +17,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 import cadence
+from cadence.callbacks import Checkpoint
+from cadence.checkpoint.errors import CheckpointError
 from cadence.testing import FakeEngine, RecordingCallback
 from cadence.wrappers import PreparedDataLoader, PreparedOptimizer, PreparedScheduler
 from tests.helpers import RegressionStep, loader, make_model, make_optimizer
@@ -372,6 +378,59 @@ def test_two_engines_in_one_process_do_not_see_each_other() -> None:
     assert second.events == [] and engine_b.state.step == 0 and engine_a.state.step == 2
 
 
+def test_fit_called_while_fit_runs_is_refused_and_the_engine_fits_again_after() -> None:
+    class FitsAgain(cadence.Callback):
+        def on_batch_end(self, engine: cadence.Engine) -> None:
+            engine.fit(RegressionStep(seed=4), loader(), max_steps=5)
+
+    eng = engine(callbacks=[FitsAgain()])
+    with pytest.raises(RuntimeError, match=r"engine\.fit\(\) was called while this engine's fit\(\) is running"):
+        eng.fit(RegressionStep(), loader(), max_steps=3)
+    assert eng.state.step == 1 and len(eng.models) == 1  # the inner fit() prepared and trained nothing
+    eng.remove_callback(eng.callbacks[0])
+    eng.fit(RegressionStep(), loader(), max_steps=3)
+    assert eng.state.step == 3
+
+
+def test_a_model_and_optimizer_another_open_engine_prepared_warn_and_not_once_it_is_closed() -> None:
+    model = make_model()
+    optimizer = make_optimizer(model)
+    first = engine()
+    _, prepared_optimizer = first.prepare(model, optimizer)
+    second = engine()
+    with pytest.warns(
+        UserWarning, match=r"This model \(Sequential\) was prepared by another Engine that is still open"
+    ):
+        second.prepare(model)
+    with pytest.warns(UserWarning, match=r"This optimizer \(AdamW\) .* Call close\(\) on the other engine first"):
+        second.prepare(prepared_optimizer)  # what the first engine returned: still its optimizer inside
+    first.close()  # releases nothing of the second engine's: it prepared them last
+    third = engine()
+    with pytest.warns(UserWarning, match="This model"):
+        third.prepare(model)
+    second.close()
+    third.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine().prepare(model, optimizer)  # every engine that prepared them is closed
+
+
+def test_an_engine_nobody_holds_and_copies_of_a_prepared_model_do_not_warn() -> None:
+    model = make_model()
+    optimizer = make_optimizer(model)
+    engine().fit(RegressionStep(), loader(), max_steps=1)
+    gone = engine()
+    gone.prepare(model, optimizer)  # the engine and its prepared objects refer to each other: a reference cycle
+    del gone
+    copy = pickle.loads(pickle.dumps(model))  # a pickle needs no cadence to load, and carries no mark
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kept = engine()
+        kept.prepare(model, optimizer)
+        engine().prepare(copy, make_optimizer(copy))
+        engine().prepare(deepcopy(model))
+
+
 @pytest.mark.parametrize(
     ("kwargs", "added"),
     [
@@ -446,6 +505,28 @@ def test_engine_arguments_of_the_wrong_type_name_the_expected_type(kwargs: dict[
         cadence.Engine(accelerator="cpu", **kwargs)
 
 
+@pytest.mark.parametrize(
+    ("callbacks", "message"),
+    [
+        (Checkpoint(), r"takes a list of callbacks; got one Checkpoint\. Pass callbacks=\[Checkpoint\(\.\.\.\)\]"),
+        (
+            [Checkpoint],
+            r"got the class Checkpoint, not a callback built from it: pass callbacks=\[Checkpoint\(\.\.\.\)\]",
+        ),
+        ([RecordingCallback(), object()], r"holds an item of type object: callbacks must subclass cadence\.Callback"),
+        (5, r"takes a list of cadence\.Callback objects; got int 5"),
+        ("Checkpoint", r"takes a list of cadence\.Callback objects; got str"),
+    ],
+)
+def test_callbacks_that_are_not_a_list_of_callbacks_name_the_fix_before_anything_is_seeded(
+    callbacks: Any, message: str
+) -> None:
+    before = torch.get_rng_state()
+    with pytest.raises(TypeError, match=message):
+        cadence.Engine(accelerator="cpu", seed=7, callbacks=callbacks)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def test_a_second_fit_continues_and_leaves_no_stale_dataloader(tmp_path: Any) -> None:
     eng = engine(project_dir=tmp_path)
     step = RegressionStep()
@@ -476,6 +557,49 @@ def test_resume_says_from_where_and_a_finished_run_says_it_is_done(tmp_path: Any
     assert f"Resumed from {tmp_path / 'checkpoints' / 'checkpoint_0'} at step 3 (epoch 0)." in out
     assert "already reached max_steps=3 (step 3, 0 epoch(s) done): nothing left to train" in out
     assert again.state.step == 3
+
+
+@pytest.mark.parametrize("word", ["last", "Latest", "lastest", "newest"])
+def test_resume_with_a_word_for_latest_that_names_no_path_suggests_latest_before_preparing(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, word: str
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    eng = engine(project_dir=tmp_path)
+    with pytest.raises(ValueError, match=rf"fit\(resume='{word}'\): there is no such path; did you mean 'latest'\?"):
+        eng.fit(RegressionStep(), loader(), max_steps=3, resume=word)
+    assert eng.models == () and eng.dataloaders == ()  # refused before anything was prepared
+
+
+def test_resume_from_a_real_path_named_last_still_loads_it(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    eng = engine()
+    eng.fit(RegressionStep(), loader(), max_steps=3)
+    eng.save_state("last")
+    again = engine()
+    again.fit(RegressionStep(seed=4), loader(), max_steps=4, resume="last")
+    assert again.state.step == 4 and again.state.checkpoint_dir == Path("last")
+
+
+def test_resume_that_is_no_path_is_refused_before_preparing_and_names_the_fix(tmp_path: Any) -> None:
+    eng = engine(project_dir=tmp_path)
+    eng.fit(RegressionStep(), loader(), max_steps=1)
+    eng.save_state()
+    again = engine(project_dir=tmp_path)
+    with pytest.raises(
+        CheckpointError,
+        match=r"no checkpoint at checkpoint_0 \(no such path\); did you mean .*checkpoints/checkpoint_0\?",
+    ):
+        again.fit(RegressionStep(), loader(), max_steps=3, resume="checkpoint_0")
+    with pytest.raises(
+        CheckpointError,
+        match=r"no checkpoint at .*nowhere \(no such path\); Pass the directory save_state\(\) returned",
+    ):
+        again.fit(RegressionStep(), loader(), max_steps=3, resume=tmp_path / "nowhere")
+    with pytest.raises(
+        TypeError, match=r"fit\(resume=...\) takes 'latest' or the path of a checkpoint directory; got bool True"
+    ):
+        again.fit(RegressionStep(), loader(), max_steps=3, resume=True)  # type: ignore[arg-type]
+    assert again.models == ()
 
 
 def test_a_non_finite_loss_applied_to_the_weights_is_recorded_and_reported() -> None:

@@ -23,7 +23,18 @@ from cadence.checkpoint.layout import CheckpointDirectory
 from cadence.compile import CompileSetting, check_compile_sources, compile_options, compile_prepared, split_compiled
 from cadence.data import batches_per_epoch, check_shardable, draw_seed, make_batch_mover, to_stateful
 from cadence.event import Event
-from cadence.inputs import PREPARABLE, check_engine_arguments, check_loss, is_preparable, is_scheduler, seed_everything
+from cadence.inputs import (
+    PREPARABLE,
+    check_callbacks,
+    check_engine_arguments,
+    check_loss,
+    is_preparable,
+    is_scheduler,
+    mark_prepared,
+    seed_everything,
+    unmark_prepared,
+    warn_if_prepared_elsewhere,
+)
 from cadence.loop import run_fit
 from cadence.precision import Precision
 from cadence.schedule import Schedule, steps_in_run
@@ -71,6 +82,7 @@ class Engine:
         model_summary: bool = True,
     ) -> None:
         check_engine_arguments(seed, project_dir, progress_bar, checkpoint_total_limit, timeout, model_summary)
+        callbacks = check_callbacks(callbacks)
         self._compile_options = compile_options(compile)
         self.strategy = resolve_strategy(strategy, accelerator, timeout)
         self.state = State()
@@ -86,6 +98,7 @@ class Engine:
         self._dataloaders: list[PreparedDataLoader] = []
         self._fit_loaders: list[tuple[Any, PreparedDataLoader]] = []
         """The (given, prepared) dataloaders of the last ``fit()``, which the next ``fit()`` reuses or releases."""
+        self._fitting = False
         self._registered: list[Any] = []
         self.checkpoint_total_limit = checkpoint_total_limit
         self.checkpoints = CheckpointDirectory(self.project_dir / "checkpoints")
@@ -209,6 +222,8 @@ class Engine:
         that drive training. By default a pass drives training when, as it starts, no model is prepared yet or a
         prepared model is in training mode: call ``model.eval()`` before an evaluation loop and it counts nothing.
         To decide yourself, set ``loader.drives_training = True`` or ``False`` (``fit()`` does so for its loaders).
+
+        A model or optimizer that another Engine prepared warns while that engine is open: ``close()`` it first.
         """
         for obj in objects:
             if not is_preparable(obj):
@@ -224,18 +239,26 @@ class Engine:
         return prepared[0] if len(prepared) == 1 else tuple(prepared)
 
     def _prepare_one(self, obj: Any) -> Any:
-        if isinstance(obj, (PreparedModule, PreparedOptimizer, PreparedScheduler, PreparedDataLoader)):
+        if isinstance(obj, (nn.Module, Optimizer)):
+            # Each carries a mark of the engine that prepared it (inputs._PreparedBy), so preparing it in a second
+            # engine while that one is open warns: both would step it, and neither would count the other's steps.
+            own = self.unwrap_model(obj) if isinstance(obj, nn.Module) else getattr(obj, "optimizer", obj)
+            warn_if_prepared_elsewhere(own, self)
+            return self._prepare_model(obj) if isinstance(obj, nn.Module) else self._prepare_optimizer(obj)
+        if isinstance(obj, (PreparedScheduler, PreparedDataLoader)):
             return obj
-        if isinstance(obj, nn.Module):
-            return self._prepare_model(obj)
-        if isinstance(obj, Optimizer):
-            self.strategy.prepare_optimizer(obj)
-            optimizer = PreparedOptimizer(obj, self)
-            self._optimizers.append(optimizer)
-            return optimizer
         if isinstance(obj, DataLoader):
             return self._prepare_dataloader(obj)
         return self._prepare_scheduler(obj)
+
+    def _prepare_optimizer(self, optimizer: Optimizer) -> PreparedOptimizer:
+        if isinstance(optimizer, PreparedOptimizer):
+            return optimizer
+        self.strategy.prepare_optimizer(optimizer)
+        prepared = PreparedOptimizer(optimizer, self)
+        self._optimizers.append(prepared)
+        mark_prepared(optimizer, self)
+        return prepared
 
     def _prepare_dataloader(self, loader: DataLoader[Any]) -> PreparedDataLoader:
         if self.world_size > 1:
@@ -255,7 +278,7 @@ class Engine:
             loader.close()
 
     def _prepare_model(self, model: nn.Module) -> nn.Module:
-        if any(model is existing for existing in self._models):
+        if isinstance(model, PreparedModule) or any(model is existing for existing in self._models):
             return model  # already the prepared object (one device, full precision: the model itself)
         model, recompile = split_compiled(model)
         if any(model is self.unwrap_model(existing) for existing in self._models):
@@ -265,6 +288,7 @@ class Engine:
         if self._precision.wraps_forward:
             wrapped = PreparedModule(wrapped, self)
         self._models.append(wrapped)
+        mark_prepared(model, self)
         return wrapped
 
     def _prepare_scheduler(self, scheduler: Any) -> PreparedScheduler:
@@ -391,6 +415,8 @@ class Engine:
         try:
             self._saves.close(self)
         finally:
+            for own in [self.unwrap_model(model) for model in self._models] + [o.optimizer for o in self._optimizers]:
+                unmark_prepared(own, self)  # another engine may prepare them now without a warning
             try:
                 # A pass still running (close() from a `with Engine()` block an exception is leaving) stops its
                 # own workers when it is left; closing it here would hide the exception behind a refusal.
@@ -533,7 +559,17 @@ class Engine:
         (``state.stop(exit_code=...)``, as ``cadence.callbacks.Preemption`` does): then, once everything else is
         done, it raises ``SystemExit`` with that code.
         """
-        return run_fit(
-            self, step, train_dataloader, max_epochs=max_epochs, max_steps=max_steps,
-            val_dataloader=val_dataloader, resume=resume,
-        )  # fmt: skip
+        if self._fitting:
+            raise RuntimeError(
+                "engine.fit() was called while this engine's fit() is running (from a callback or a training step): "
+                "both would train the same models and count into the same State. Call fit() again after it "
+                "returns, or train the other run with an Engine of its own."
+            )
+        self._fitting = True
+        try:
+            return run_fit(
+                self, step, train_dataloader, max_epochs=max_epochs, max_steps=max_steps,
+                val_dataloader=val_dataloader, resume=resume,
+            )  # fmt: skip
+        finally:
+            self._fitting = False

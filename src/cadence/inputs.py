@@ -1,10 +1,14 @@
-"""What users hand the engine, checked before anything changes: the Engine's arguments, objects to prepare, a
-loss to backpropagate; and ``seed_everything``."""
+"""What users hand the engine, checked before anything changes: the Engine's arguments, objects to prepare (and the
+mark an engine leaves on the models and optimizers it prepared), a loss to backpropagate; and ``seed_everything``."""
 
 from __future__ import annotations
 
+import gc
 import os
 import random
+import warnings
+import weakref
+from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
 
@@ -14,6 +18,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from torch.utils.data import DataLoader
 
+from cadence.callback import Callback
 from cadence.schedule import Schedule
 from cadence.wrappers import PreparedDataLoader, PreparedScheduler
 
@@ -57,6 +62,33 @@ def check_engine_arguments(
         refuse("timeout", "a datetime.timedelta (e.g. timedelta(minutes=10))", timeout)
 
 
+def check_callbacks(callbacks: Any) -> list[Callback]:
+    """``Engine(callbacks=...)`` as a list, every item checked before the engine builds or seeds anything."""
+    if isinstance(callbacks, Callback):
+        name = type(callbacks).__name__
+        raise TypeError(
+            f"Engine(callbacks=...) takes a list of callbacks; got one {name}. Pass callbacks=[{name}(...)]."
+        )
+    if isinstance(callbacks, str | bytes) or not isinstance(callbacks, Iterable):
+        raise TypeError(
+            f"Engine(callbacks=...) takes a list of cadence.Callback objects; got {type(callbacks).__name__} "
+            f"{callbacks!r}. Pass e.g. callbacks=[Checkpoint(every_n_steps=100)]."
+        )
+    listed = list(callbacks)
+    for callback in listed:
+        if isinstance(callback, type) and issubclass(callback, Callback):
+            raise TypeError(
+                f"Engine(callbacks=[...]) got the class {callback.__name__}, not a callback built from it: "
+                f"pass callbacks=[{callback.__name__}(...)]."
+            )
+        if not isinstance(callback, Callback):
+            raise TypeError(
+                f"Engine(callbacks=[...]) holds an item of type {type(callback).__name__}: callbacks must subclass "
+                "cadence.Callback. Define `class MyCallback(cadence.Callback)` and override its `on_<event>` methods."
+            )
+    return listed
+
+
 def is_scheduler(obj: Any) -> bool:
     return isinstance(obj, (LRScheduler, ReduceLROnPlateau, PreparedScheduler, Schedule))
 
@@ -80,3 +112,61 @@ def check_loss(loss: Any) -> None:
             "torch.no_grad(), detached (.item()/.detach()), or from a model whose parameters are all frozen: "
             "compute it from the prepared model's output with grad enabled."
         )
+
+
+_PREPARED_BY = "_cadence_prepared_by"
+
+
+class _PreparedBy:
+    """The mark an engine leaves on a model or optimizer it prepared (the user's own object, inside any wrapper).
+
+    It holds the engine weakly, so it keeps no engine alive, and it is not carried by copies: ``copy.deepcopy`` and
+    pickling (``torch.save(model)``) rebuild it as ``None``, so a copy counts as prepared by no engine and loading a
+    pickled model needs no cadence. Kept on the object itself: cadence holds no registry of engines.
+    """
+
+    __slots__ = ("engine",)
+
+    def __init__(self, engine: object) -> None:
+        self.engine = weakref.ref(engine)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(None), ())
+
+
+def _preparer(obj: Any) -> object | None:
+    mark = getattr(obj, "__dict__", {}).get(_PREPARED_BY)
+    return mark.engine() if isinstance(mark, _PreparedBy) else None
+
+
+def warn_if_prepared_elsewhere(obj: Any, engine: object) -> None:
+    """Warn when ``obj``, the user's model or optimizer, was prepared by another engine that is still open: both
+    would place, wrap and step it, each counting and checkpointing its own steps."""
+    other = _preparer(obj)
+    if other is None or other is engine:
+        return
+    # An engine nobody holds any more lingers in reference cycles (its prepared objects point back at it) until the
+    # collector runs: collect first, so only an engine that is really still open is reported.
+    del other
+    gc.collect()
+    if _preparer(obj) is None:
+        return
+    kind = "model" if isinstance(obj, nn.Module) else "optimizer"
+    warnings.warn(
+        f"This {kind} ({type(obj).__name__}) was prepared by another Engine that is still open: both engines would "
+        f"place, wrap and step it, each counting and checkpointing its own steps. Call close() on the other engine "
+        f"first (or build it in a `with Engine(...) as engine:` block), or give this engine its own {kind}.",
+        UserWarning,
+        stacklevel=4,  # the caller of engine.prepare()
+    )
+
+
+def mark_prepared(obj: Any, engine: object) -> None:
+    """Record that ``engine`` prepared ``obj`` (see ``_PreparedBy``)."""
+    setattr(obj, _PREPARED_BY, _PreparedBy(engine))
+
+
+def unmark_prepared(obj: Any, engine: object) -> None:
+    """Forget ``engine``'s mark on ``obj`` (the engine is closing); a mark another engine left stays."""
+    if _preparer(obj) is engine:
+        delattr(obj, _PREPARED_BY)

@@ -7,6 +7,8 @@ them."""
 
 from __future__ import annotations
 
+import difflib
+import os
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -17,6 +19,7 @@ from torch import nn
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 from torch.utils.data import DataLoader
 
+from cadence.checkpoint.errors import CheckpointError
 from cadence.event import Event
 from cadence.metrics import ValidationMeans, batch_samples
 from cadence.state import State
@@ -40,6 +43,8 @@ def run_fit(
 ) -> State:
     """The body of ``Engine.fit``."""
     _check_limits(max_epochs, max_steps)
+    _check_resume(engine, resume)
+    _check_checkpoints_writable(engine)
     if val_dataloader is not None and type(step).validation_step is TrainingStep.validation_step:
         raise NotImplementedError(
             f"fit() was given a val_dataloader but {type(step).__name__} defines no `validation_step(self, batch)`; "
@@ -350,3 +355,51 @@ def _check_limits(max_epochs: int | None, max_steps: int | None) -> None:
     for name, value in (("max_epochs", max_epochs), ("max_steps", max_steps)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
             raise ValueError(f"{name} must be a positive integer or None; got {value!r}.")
+
+
+_LATEST_MEANT = {"newest", "recent", "most_recent", "last_checkpoint", "auto", "true", "yes"}
+"""Words that mean resume='latest' in other tools (or in plain English) and name no path."""
+
+
+def _check_resume(engine: Engine, resume: Any) -> None:
+    """Refuse, before anything is prepared, a ``resume`` that is neither ``"latest"`` nor an existing path."""
+    if resume is None or resume == "latest":
+        return
+    if not isinstance(resume, str | os.PathLike):
+        raise TypeError(
+            f"fit(resume=...) takes 'latest' or the path of a checkpoint directory; got {type(resume).__name__} "
+            f"{resume!r}. Pass resume='latest' to continue from the newest checkpoint in {engine.checkpoints.root}."
+        )
+    if os.path.lexists(resume):
+        return  # a real path, even one named "last": load_state checks it is a checkpoint
+    word = str(resume).strip().lower()
+    if word in _LATEST_MEANT or difflib.get_close_matches(word, ["latest"], cutoff=0.6):
+        raise ValueError(
+            f"fit(resume={resume!r}): there is no such path; did you mean 'latest'? resume='latest' continues from "
+            f"the newest checkpoint in {engine.checkpoints.root} (and starts fresh when there is none); any other "
+            "value is the path of a checkpoint directory."
+        )
+    beside = engine.checkpoints.root / resume
+    hint = f"did you mean {beside}? " if os.path.lexists(beside) else ""
+    raise CheckpointError(
+        f"fit(resume={str(resume)!r}): there is no checkpoint at {resume} (no such path); {hint}Pass the directory "
+        f"save_state() returned, or resume='latest' for the newest checkpoint in {engine.checkpoints.root}."
+    )
+
+
+def _check_checkpoints_writable(engine: Engine) -> None:
+    """Refuse, before training, a run whose attached callbacks will save checkpoints where none can be written.
+
+    Only such a run is checked: one that saves nothing (no ``saves_checkpoints`` callback) may train in a read-only
+    place, and a ``save_state()`` called by hand checks its own target."""
+    savers = sorted({type(callback).__name__ for callback in engine.callbacks if callback.saves_checkpoints})
+    if not savers:
+        return
+    # The main rank commits every checkpoint: its answer is every rank's, so all refuse together.
+    reason = engine.broadcast_object(engine.checkpoints.unwritable() if engine.is_main_process else None)
+    if reason is not None:
+        raise CheckpointError(
+            f"fit() would save checkpoints into {engine.checkpoints.root} ({', '.join(savers)} save there), but "
+            f"{reason}. Pass Engine(project_dir=...) a directory you can write to (or make it writable); nothing "
+            "was trained."
+        )

@@ -114,6 +114,39 @@ def test_state_dict_round_trip() -> None:
     assert second.state_dict() == {"micro_batches": 1, "items": 5, "item_mode": True, "window_length": 4}
 
 
+def test_weights_changed_inside_a_window_warn_once_that_a_raw_optimizer_steps() -> None:
+    fake = FakeEngine(callbacks=[GradientAccumulation(3)])
+    model = fake.prepare(nn.Linear(4, 2))
+    frozen = nn.Parameter(torch.zeros(3), requires_grad=False)
+    model.register_parameter("frozen", frozen)
+    start_batch(fake, 0, 9)
+    with torch.no_grad():
+        frozen.add_(1)  # not trainable: no optimizer updates it, so it betrays none
+    start_batch(fake, 1, 9)
+    start_batch(fake, 2, 9)
+    start_batch(fake, 3, 9)
+    with torch.no_grad():
+        model.weight.add_(1)  # what a raw optimizer's step does to every trainable parameter
+    with pytest.warns(
+        UserWarning, match=r"GradientAccumulation\(3\): the weights changed during an accumulation micro"
+    ):
+        start_batch(fake, 4, 9)
+    start_batch(fake, 6, 9)
+    with torch.no_grad():
+        model.weight.add_(1)
+    start_batch(fake, 7, 9)  # once only: pytest turns a second warning into an error
+
+
+def test_a_load_between_two_batches_of_a_window_is_not_taken_for_an_optimizer_step() -> None:
+    fake = FakeEngine(callbacks=[GradientAccumulation(2)])
+    model = fake.prepare(nn.Linear(4, 2))
+    start_batch(fake, 0, 4)
+    with torch.no_grad():
+        model.weight.add_(1)  # load_state copies the checkpoint's weights in place
+    fake.fire(Event.LOAD_STATE)
+    start_batch(fake, 1, 4)
+
+
 # --- real loops against hand-written PyTorch ------------------------------------------------------------------
 def dataset(samples: int, dtype: torch.dtype = torch.float32) -> TensorDataset:
     generator = torch.Generator().manual_seed(5)
@@ -266,6 +299,19 @@ def test_unsized_dataloader_partial_window_is_rescaled() -> None:
         optimizer.zero_grad()
     for ours, theirs in zip(step.model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-12)
+
+
+def test_a_hand_written_loop_stepping_the_raw_optimizer_is_told_to_step_the_prepared_one() -> None:
+    engine = cadence.Engine(accelerator="cpu", callbacks=[GradientAccumulation(4)], progress_bar=False)
+    model, optimizer = model_and_optimizer()
+    model, _, data = engine.prepare(model, optimizer, DataLoader(dataset(32), batch_size=2))
+    with pytest.warns(UserWarning, match=r"Step the optimizer engine\.prepare\(\) returned"):
+        for inputs, targets in data:
+            with engine.accumulate(model):
+                engine.backward(nn.functional.mse_loss(model(inputs), targets))
+                optimizer.step()  # the raw optimizer: it steps and zeroes at every micro-batch
+                optimizer.zero_grad()
+    assert engine.state.step == 0  # the prepared optimizer never stepped
 
 
 def test_real_loop_through_fake_engine_counts_no_sync_micro_steps() -> None:

@@ -13,7 +13,7 @@ import torch
 
 import cadence
 from cadence.callbacks import Checkpoint, GradientAccumulation, Timer
-from cadence.callbacks.timer import parse_duration
+from cadence.callbacks.timer import _clock_text, parse_duration
 from cadence.testing import FakeEngine, TinyStep, tiny_dataloader
 from tests.helpers import (
     BatchClock,
@@ -28,7 +28,15 @@ from tests.helpers import (
 
 @pytest.mark.parametrize(
     ("duration", "seconds"),
-    [(90, 90.0), (0.5, 0.5), (timedelta(hours=2), 7200.0), ("01:02:03:04", 93784.0), ("00:00:00:30", 30.0)],
+    [
+        (90, 90.0),
+        (0.5, 0.5),
+        (timedelta(hours=2), 7200.0),
+        ("01:02:03:04", 93784.0),
+        ("00:00:00:30", 30.0),
+        ({"hours": 1, "minutes": 30}, 5400.0),
+        ("999999999:23:59:59", 86399999999999.0),
+    ],
 )
 def test_durations(duration: Any, seconds: float) -> None:
     assert parse_duration(duration) == seconds
@@ -44,11 +52,24 @@ def test_durations(duration: Any, seconds: float) -> None:
         (timedelta(0), ValueError, "positive, finite"),
         (True, TypeError, "got bool True"),
         (None, TypeError, "got NoneType"),
+        ("00:00:0\u00b2:00", ValueError, "is not DD:HH:MM:SS"),  # a superscript two: isdigit() but not int()
+        ("9999999999:00:00:00", ValueError, r"longer than the longest duration Timer takes, 999999999 days"),
+        ("99999999999999999999999999999999:00:00:00", ValueError, "longer than the longest"),
+        (1e300, ValueError, "longer than the longest"),
+        ({"milliseconds": 10**400}, ValueError, "longer than the longest"),
+        ({"hour": 12}, ValueError, "got the key 'hour'; a dict takes timedelta's argument names"),
+        ({"hours": "12"}, TypeError, "'hours' must be a number"),
+        ({}, ValueError, "positive, finite"),
     ],
 )
 def test_bad_durations(duration: Any, error: type[Exception], message: str) -> None:
     with pytest.raises(error, match=message):
         Timer(duration)
+
+
+def test_the_longest_duration_is_printable() -> None:
+    # Timer prints its budget when it stops: the longest duration it takes must fit a timedelta.
+    assert _clock_text(parse_duration("999999999:23:59:59")) == "999999999 days, 23:59:59"
 
 
 def test_bad_check_every_n_steps_and_clock() -> None:

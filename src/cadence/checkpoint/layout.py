@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import secrets
 import shutil
@@ -96,6 +97,12 @@ class CheckpointDirectory:
         try:
             if target is not None:
                 check_replaceable(target)
+            reason = _unwritable(final.parent)
+            if reason is not None:
+                return None, (
+                    f"save_state() cannot save into {final.parent}: {reason}. Save where you can write: "
+                    "Engine(project_dir=...) for automatic checkpoints, or save_state(path) with another path."
+                )
             final.parent.mkdir(parents=True, exist_ok=True)
             remove_abandoned(final.parent)
             temporary = temporary_name(final)
@@ -105,6 +112,11 @@ class CheckpointDirectory:
         except OSError as error:
             return None, f"save_state() cannot create a checkpoint beside {final}: {error}"
         return temporary, None
+
+    def unwritable(self) -> str | None:
+        """Why no checkpoint could be saved here (this directory, or the nearest existing one above it, is a file or
+        not writable), or None. Creates nothing."""
+        return _unwritable(self.root)
 
     def commit(
         self, writer: CheckpointWriter, files: dict[str, dict[str, Any]], target: Path | None, **manifest: Any
@@ -239,6 +251,25 @@ def _recorded_run(directory: Path) -> str | None:
         return None  # replaced since is_checkpoint read it: name no run rather than guess
     run = manifest.get(RUN_KEY) if isinstance(manifest, dict) else None
     return run if isinstance(run, str) and run else None
+
+
+def _unwritable(directory: Path) -> str | None:
+    """Why a save could neither create ``directory`` (with its missing parents) nor write in it, or None.
+
+    Only asks the file system: nothing is created to find out. ``os.access`` reports a read-only mount as unwritable
+    even to root, whom permission bits do not stop. A save can still fail later (a full disk); this is what would
+    fail every save."""
+    existing = directory.absolute()
+    while not os.path.lexists(existing):
+        existing = existing.parent  # ends at the root of the file system, which exists
+    if not existing.is_dir():
+        return f"{existing} is not a directory"
+    effective = os.access in os.supports_effective_ids
+    if os.access(existing, os.W_OK | os.X_OK, effective_ids=effective):
+        return None
+    if hasattr(os, "statvfs") and os.statvfs(existing).f_flag & os.ST_RDONLY:
+        return f"{existing} is on a read-only file system"
+    return f"this user may not write in {existing}"
 
 
 def _recorded_score(directory: Path, monitor: str) -> float | None:
