@@ -135,7 +135,8 @@ class Logger(Callback):
     def on_fit_start(self, engine: Engine) -> None:
         self._fit_ended = False
 
-    def on_after_backward(self, engine: Engine) -> None:
+    def on_before_backward(self, engine: Engine) -> None:
+        # Before, not after: a refused mix of losses never reaches the gradients.
         state = engine.state
         loss, items = state.loss, state.num_items
         if loss is None:

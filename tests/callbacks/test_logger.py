@@ -18,7 +18,7 @@ from cadence.callbacks.logger import plain_rows
 from cadence.testing import FakeEngine, TinyStep, tiny_dataloader
 from tests.callbacks.test_csv_logger import FailingStep
 from tests.callbacks.test_csv_logger import read as read_csv
-from tests.helpers import RegressionStep, loader, make_model, make_optimizer
+from tests.helpers import RegressionStep, assert_bitwise_equal, loader, make_model, make_optimizer
 
 
 class JSONLinesLogger(Logger):
@@ -367,8 +367,10 @@ def test_losses_with_and_without_num_items_in_one_step_are_refused(tmp_path: Pat
     model, _ = fake.prepare(step.model, step.optimizer)
     inputs, targets = torch.randn(4, 4), torch.randn(4, 2)
     fake.backward(torch.nn.functional.mse_loss(model(inputs), targets, reduction="sum"), num_items=8)
+    gradients = [parameter.grad.clone() for parameter in model.parameters() if parameter.grad is not None]
     with pytest.raises(ValueError, match="some losses came with num_items and some without"):
         fake.backward(torch.nn.functional.mse_loss(model(inputs), targets))
+    assert_bitwise_equal([parameter.grad for parameter in model.parameters()], gradients)  # not run
 
 
 def test_the_real_loop_logs_each_windows_mean_in_the_csv(tmp_path: Path) -> None:
