@@ -200,10 +200,11 @@ def test_a_skipped_step_writes_no_row(tmp_path: Path) -> None:
     assert [step for step, _ in written(recorder)] == [1, 2, 3]
 
 
-def hand_steps(fake: FakeEngine, steps: int) -> None:
+def hand_steps(fake: FakeEngine, steps: int | None = None) -> None:
+    """Train by hand: one whole pass over the data, or ``steps`` batches of a pass that has already ended."""
     step = TinyStep()
     model, optimizer, data = fake.prepare(step.model, step.optimizer, loader(batch_size=4))
-    for inputs, targets in list(data)[:steps]:
+    for inputs, targets in data if steps is None else list(data)[:steps]:
         fake.backward(torch.nn.functional.mse_loss(model(inputs), targets))
         optimizer.step()
         optimizer.zero_grad()
@@ -399,7 +400,7 @@ def test_the_real_loop_logs_each_windows_mean_in_the_csv(tmp_path: Path) -> None
 def test_a_flush_by_hand_on_one_rank_of_several_writes_only_rows_averaged_over_the_ranks(tmp_path: Path) -> None:
     recorder = Recorder(flush_every_n_rows=100)
     fake = FakeEngine(callbacks=[recorder], rank=0, world_size=2, project_dir=tmp_path)
-    hand_steps(fake, 3)  # mid-epoch: no point every rank passes yet
+    hand_steps(fake, 3)  # after the pass ended: no point every rank passes came since
     with pytest.warns(UserWarning, match=r"flush\(\) left 3 row\(s\) from step 1 on buffered: .* 2 ranks"):
         recorder.flush()
     assert written(recorder) == []
@@ -409,15 +410,9 @@ def test_a_flush_by_hand_on_one_rank_of_several_writes_only_rows_averaged_over_t
 
 def test_an_epoch_end_averages_the_rows_so_a_hand_flush_writes_them_all(tmp_path: Path) -> None:
     recorder = Recorder(flush_every_n_rows=100)
-    fake = FakeEngine(callbacks=[recorder], rank=0, world_size=2, project_dir=tmp_path)
-    step = TinyStep()
-    model, optimizer, data = fake.prepare(step.model, step.optimizer, tiny_dataloader(batches=4))
-    for inputs, targets in data:
-        fake.backward(torch.nn.functional.mse_loss(model(inputs), targets))
-        optimizer.step()
-        optimizer.zero_grad()
+    hand_steps(FakeEngine(callbacks=[recorder], rank=0, world_size=2, project_dir=tmp_path))
     recorder.flush()  # no warning: every row's loss was averaged at the epoch's end
-    assert [step for step, _ in written(recorder)] == [1, 2]
+    assert [step for step, _ in written(recorder)] == [1, 2, 3, 4, 5]  # 20 of the 40 samples, in batches of 4
 
 
 # --- resume in the middle of a window -------------------------------------------------------------------------------
