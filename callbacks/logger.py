@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import warnings
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,17 +26,32 @@ class Logger(Callback):
     step (accumulating, fp16 overflow, a veto) writes no row: it leaves ``state.step`` where it was, so its row
     would carry the step number of the next real one; ``state.skipped_steps`` counts them by reason.
 
+    ``loss`` is the loss the step trained on: the mean of its micro-batches' losses (every ``engine.backward``
+    since the previous step; one without accumulation), or, when the losses came with ``num_items``, their sum
+    over the window's item count; then averaged over the ranks as a sum over a sum, so every micro-batch (item) of
+    every rank weighs the same. The progress bar shows the latest micro-batch's loss, on the main rank.
+
     Rows are snapshots, buffered without reading a tensor (a tensor is cloned on its device, as a scheduler may
-    update a tensor learning rate in place); every ``flush_every_n_rows`` rows, whenever a checkpoint is saved
-    (when its state is taken, before its files are written, so a background save that commits can never get ahead
-    of the rows) and at the end of ``fit()`` they are converted to Python numbers (one device-to-host copy per
-    device and dtype for the whole batch, not one sync per value) and handed to the backend in order. A resume
-    (``Event.LOAD_STATE``) drops the buffered rows after the restored step and asks the backend to forget the ones
-    it stored after it, so no step is written twice.
+    update a tensor learning rate in place; the loss stays on the device as a sum and a count). They are flushed
+    every ``flush_every_n_rows`` rows, at each training epoch's end, whenever a checkpoint is saved (when its state
+    is taken, before its files are written, so a background save that commits can never get ahead of the rows), at
+    a resume and at the end of ``fit()``: the losses of the pending rows are averaged over the ranks with one
+    all-reduce (none with one process), the rows converted to Python numbers (one device-to-host copy per device and
+    dtype for the whole batch, not one sync per value) and handed to the backend in order. Every rank takes part in
+    those flushes, at the same points, and only the main one writes. A resume (``Event.LOAD_STATE``) drops the
+    buffered rows after the restored step and asks the backend to forget the ones it stored after it, so no step is
+    written twice; a checkpoint taken mid-window holds the window's losses so far, so the resumed step logs the
+    same loss.
+
+    Those flush points are alike on every rank because rows are: a step is skipped on every rank or on none (DDP
+    gradients are averaged before the fp16 overflow check, FSDP2 reduces its found-inf flag, ``FiniteCheck`` and
+    ``GradientAccumulation`` veto on values reduced over the ranks); a callback of yours that vetoes must decide
+    alike on every rank too. While ``fit()`` handles an exception, perhaps raised on one rank alone, no collective
+    is made: the rows are written, those whose loss was not averaged yet without it.
 
     A backend implements ``write(step, metrics)`` and, where it needs them, ``persist()``, ``resume(step)`` and
     ``close()``; ``self.project_dir`` is the engine's. In a hand-written loop (no ``fit()``), call ``flush()``
-    and ``close()`` at the end, as ``fit()`` does.
+    and ``close()`` at the end, as ``fit()`` does; with several processes, ``flush(every_rank=True)`` on every rank.
     """
 
     def __init__(self, flush_every_n_rows: int = 50) -> None:
@@ -42,8 +60,18 @@ class Logger(Callback):
         self.flush_every_n_rows = flush_every_n_rows
         self.project_dir: Path | None = None
         """The engine's ``project_dir``, known from ``setup``; ``None`` on the other ranks, which write nothing."""
+        self._engine: Engine | None = None
         self._pending: list[tuple[int, dict[str, Any]]] = []
         self._fit_ended = False  # the backend was closed at FIT_END: a later flush closes it again after writing
+        # Kept alike on every rank, so that every rank reaches each flush's all-reduce at the same row with as many
+        # losses: the rows made since the last flush, and the losses of rows not yet averaged over the ranks.
+        self._rows_since_flush = 0
+        self._losses: list[_StepLoss] = []
+        # The micro-batches since the last optimizer step: their losses' sum, their count, their items (or None).
+        self._loss_sum: Any = 0.0
+        self._micro_batches = 0
+        self._items: Any = None
+        self._last_loss: _StepLoss | None = None  # the last step's, for the rows of its other optimizers
 
     # --- the backend ---------------------------------------------------------------------------------------------
     def write(self, step: int, metrics: dict[str, Any]) -> None:
@@ -63,75 +91,265 @@ class Logger(Callback):
 
     # --- events --------------------------------------------------------------------------------------------------
     def setup(self, engine: Engine) -> None:
+        self._engine = engine
         self.project_dir = engine.project_dir if engine.is_main_process else None
 
     def state_dict(self) -> dict[str, Any]:
-        # Every save asks for this before it snapshots. A background save commits, and fires SAVE_STATE, only when
-        # the engine next waits for it: rows stored only then would be lost to a crash after its commit.
-        self.flush()
-        return {}
+        # Every save asks for this, on every rank, before it snapshots. A background save commits, and fires
+        # SAVE_STATE, only when the engine next waits for it: rows stored only then would be lost to a crash after
+        # its commit.
+        if self._engine is None:
+            return {}
+        return self._flush_together(self._engine, window=True)
+
+    def check_state_dict(self, state_dict: dict[str, Any]) -> None:
+        window = state_dict.get("window")
+        if window is None:
+            return
+        numbers = (int, float)
+        if not (
+            isinstance(window, dict)
+            and isinstance(window.get("loss_sum"), numbers)
+            and type(window.get("micro_batches")) is int
+            and window["micro_batches"] > 0
+            and (window.get("items") is None or isinstance(window["items"], numbers))
+        ):
+            raise ValueError(
+                f"The checkpoint's {self.state_key} state holds a malformed accumulation window ({window!r}); it "
+                "was damaged or not written by cadence. Resume from another checkpoint (fit(..., resume=path))."
+            )
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.check_state_dict(state_dict)
+        window = state_dict.get("window")
+        self._last_loss = None
+        self._loss_sum, self._micro_batches, self._items = 0.0, 0, None
+        # The saved window is every rank's sums: the main rank carries them on, the others start from nothing.
+        if window is not None and self._engine is not None and self._engine.is_main_process:
+            self._loss_sum, self._micro_batches, self._items = (
+                window["loss_sum"],
+                window["micro_batches"],
+                window["items"],
+            )
 
     def on_fit_start(self, engine: Engine) -> None:
         self._fit_ended = False
 
+    def on_before_backward(self, engine: Engine) -> None:
+        # Before, not after: a refused mix of losses never reaches the gradients.
+        state = engine.state
+        loss, items = state.loss, state.num_items
+        if loss is None:
+            return
+        if not self._micro_batches:
+            # Without accumulation this is all: the loss tensor is kept as it is.
+            self._loss_sum, self._items = loss, items
+        elif (items is None) != (self._items is None):
+            raise ValueError(
+                "Within one optimizer step some losses came with num_items and some without, so the step's loss "
+                "has no single mean to log. Pass num_items with every engine.backward() of a step, or with none."
+            )
+        else:
+            self._loss_sum = self._loss_sum + loss
+            if items is not None:
+                self._items = self._items + items
+        self._micro_batches += 1
+
     def on_after_optimizer_step(self, engine: Engine) -> None:
         state = engine.state
-        if self.project_dir is None or state.skip_reason is not None:
+        if self._micro_batches:
+            divisor = self._items if self._items is not None else self._micro_batches
+            self._last_loss = _StepLoss(self._loss_sum, divisor)
+            self._loss_sum, self._micro_batches, self._items = 0.0, 0, None
+        if state.skip_reason is not None:
             return
-        row: dict[str, Any] = {"epoch": state.epoch}
-        if state.loss is not None:
-            row["loss"] = state.loss
-        for index, group in enumerate(state.optimizer.param_groups if state.optimizer is not None else ()):
-            row["lr" if index == 0 else f"lr_{index}"] = group["lr"]
-        row.update((name, value) for name, value in state.metrics.items() if not name.startswith(VALIDATION_PREFIX))
-        self._add(state.step, row)
+        loss = self._queue_last_loss(state.step)
+        row: dict[str, Any] | None = None
+        if self.project_dir is not None:
+            row = {"epoch": state.epoch}
+            if loss is not None:
+                row["loss"] = loss
+            for index, group in enumerate(state.optimizer.param_groups if state.optimizer is not None else ()):
+                row["lr" if index == 0 else f"lr_{index}"] = group["lr"]
+            row.update((name, value) for name, value in state.metrics.items() if not name.startswith(VALIDATION_PREFIX))
+        self._add(engine, state.step, row)
+
+    def on_epoch_end(self, engine: Engine) -> None:
+        # Every rank ends the epoch here: a hand-written loop that trains whole epochs leaves no row whose loss
+        # still needs the other ranks, so its final flush() writes them all, whichever ranks call it.
+        self._flush_together(engine)
 
     def on_validation_end(self, engine: Engine) -> None:
-        if self.project_dir is None:
-            return
         state = engine.state
-        row: dict[str, Any] = {"epoch": state.epoch}
-        row.update((name, value) for name, value in state.metrics.items() if name.startswith(VALIDATION_PREFIX))
-        self._add(state.step, row)
+        row: dict[str, Any] | None = None
+        if self.project_dir is not None:
+            row = {"epoch": state.epoch}
+            row.update((name, value) for name, value in state.metrics.items() if name.startswith(VALIDATION_PREFIX))
+        self._add(engine, state.step, row)
 
     def on_save_state(self, engine: Engine) -> None:
-        # A resume keeps the rows up to the checkpoint's step: they must be stored before a crash can strike.
-        self.flush()
+        # The rows up to the checkpoint were stored when its state was taken; no collective here, as a background
+        # save's SAVE_STATE fires whenever this rank next waits.
+        self._write_ready()
 
     def on_load_state(self, engine: Engine) -> None:
-        if self.project_dir is None:
-            return
         restored_step = engine.state.step
-        self._pending = [(step, row) for step, row in self._pending if step <= restored_step]
-        self.resume(restored_step)
-        self.flush()
+        self._last_loss = None
+        self._losses = [loss for loss in self._losses if loss.step <= restored_step]
+        if self.project_dir is not None:
+            self._pending = [(step, row) for step, row in self._pending if step <= restored_step]
+            self.resume(restored_step)
+        self._flush_together(engine)
 
     def on_fit_end(self, engine: Engine) -> None:
-        self.flush()
+        self._flush_together(engine)
         if self.project_dir is not None:
             self.close()
             self._fit_ended = True
 
     # --- rows ----------------------------------------------------------------------------------------------------
-    def _add(self, step: int, row: dict[str, Any]) -> None:
-        # detach: a logged tensor that still carries its graph must not keep the graph alive in the buffer; clone:
-        # the row must keep this step's value of a tensor updated in place (a scheduler's tensor lr, a running sum).
-        self._pending.append((step, {k: _snapshot(v) for k, v in row.items()}))
-        if len(self._pending) >= self.flush_every_n_rows:
-            self.flush()
+    def _queue_last_loss(self, step: int) -> _StepLoss | None:
+        loss = self._last_loss
+        if loss is not None and loss.step < 0:  # not queued yet (a second optimizer's row reuses it)
+            loss.step = step
+            self._losses.append(loss)
+        return loss
 
-    def flush(self) -> None:
-        """Hand the buffered rows to the backend now, and have it persist them."""
-        if not self._pending:
+    def _add(self, engine: Engine, step: int, row: dict[str, Any] | None) -> None:
+        if row is not None:
+            # detach: a logged tensor that still carries its graph must not keep the graph alive in the buffer;
+            # clone: the row must keep this step's value of a tensor updated in place (a scheduler's tensor lr, a
+            # running sum).
+            self._pending.append((step, {k: _snapshot(v) for k, v in row.items()}))
+        # Counted on every rank (the others keep no row), so every rank flushes at the same row.
+        self._rows_since_flush += 1
+        if self._rows_since_flush >= self.flush_every_n_rows:
+            self._flush_together(engine)
+
+    def flush(self, *, every_rank: bool = False) -> None:
+        """Hand the buffered rows to the backend now, and have it persist them.
+
+        With several processes a row's ``loss`` is averaged over the ranks, which takes every rank: that happens at
+        the points every rank passes (see the class), and a plain ``flush()`` makes no collective, so it is safe on
+        the main rank alone. It writes the rows averaged so far and warns about the rest, which wait for the next
+        such point. ``every_rank=True`` averages them first, with one all-reduce: call it on every rank at the same
+        point (the end of a hand-written loop that stopped mid-epoch).
+        """
+        engine = self._engine
+        if engine is not None and (every_rank or engine.world_size == 1):
+            self._flush_together(engine)
             return
-        rows, self._pending = self._pending, []
-        for step, metrics in zip((step for step, _ in rows), plain_rows([row for _, row in rows]), strict=True):
+        self._write_ready()
+        if self._pending and engine is not None:
+            warnings.warn(
+                f"{type(self).__name__}.flush() left {len(self._pending)} row(s) from step {self._pending[0][0]} on "
+                f"buffered: their loss is averaged over the {engine.world_size} ranks, which takes every rank, at "
+                "the points every rank passes (every flush_every_n_rows rows, an epoch's end, a checkpoint save, "
+                "the end of fit()). They are written then; to write them now, call flush(every_rank=True) on "
+                "every rank.",
+                UserWarning,
+                stacklevel=2,
+            )
+
+    def _flush_together(self, engine: Engine, window: bool = False) -> dict[str, Any]:
+        """Average the pending rows' losses over the ranks, write the rows, and with ``window`` return the state of
+        the accumulation window so far (summed over the ranks) for a checkpoint. Every rank calls it at the same
+        point: an event every rank fires, or ``flush(every_rank=True)``."""
+        if engine.world_size > 1 and engine.state.exception is not None:
+            # fit() is failing, perhaps on this rank alone: another rank may never reach a collective here. The
+            # rows are written without the loss they have not been averaged for.
+            self._losses = []
+            self._write_ready(drop_unaveraged=True)
+            return {}
+        saved = self._average(engine, window)
+        self._rows_since_flush = 0
+        self._write_ready()
+        return saved
+
+    def _average(self, engine: Engine, window: bool) -> dict[str, Any]:
+        """Set every queued loss's ``value``: numerators and denominators summed over the ranks in one all-reduce
+        (a mean over micro-batches, items and ranks alike). With ``window``, the open window's sum, divisor and
+        micro-batch count ride along, summed the same way, and come back as its checkpoint state."""
+        entries, self._losses = self._losses, []
+        columns = [(entry.numerator, entry.denominator) for entry in entries]
+        if window:
+            divisor = self._items if self._items is not None else self._micro_batches
+            columns += [(self._loss_sum, divisor), (self._micro_batches, 1)]
+        if not columns:
+            return {}
+        dtypes = [
+            v.dtype for column in columns for v in column if isinstance(v, torch.Tensor) and v.is_floating_point()
+        ]
+        dtype = functools.reduce(torch.promote_types, dtypes, torch.float32)
+        packet = torch.stack([_vector(values, engine.device, dtype) for values in zip(*columns, strict=True)])
+        if engine.world_size > 1:
+            packet = engine.reduce(packet, op="sum")
+        averages = packet[0, : len(entries)] / packet[1, : len(entries)]
+        for entry, average in zip(entries, averages, strict=True):
+            entry.value = average
+        if not window:
+            return {}
+        (loss_sum, micro_batches), (divisor, _) = packet[:, len(entries) :].tolist()
+        if not micro_batches:
+            return {}
+        items = divisor if self._items is not None else None
+        return {"window": {"loss_sum": loss_sum, "micro_batches": round(micro_batches), "items": items}}
+
+    def _write_ready(self, drop_unaveraged: bool = False) -> None:
+        """Hand the backend the pending rows, in order, up to the first whose loss is not averaged yet; with
+        ``drop_unaveraged``, every row, such a loss left out."""
+        ready = len(self._pending)
+        if not drop_unaveraged:
+            ready = next((index for index, (_, row) in enumerate(self._pending) if _unaveraged(row)), ready)
+        if not ready:
+            return
+        rows, self._pending = self._pending[:ready], self._pending[ready:]
+        plain = plain_rows([_with_average(row) for _, row in rows])
+        for (step, _), metrics in zip(rows, plain, strict=True):
             self.write(step, metrics)
         self.persist()
         if self._fit_ended:
             # Rows that came after FIT_END closed the backend (a save at FIT_END, run after the loggers) reopened
             # it to be written; leave it closed as fit() did.
             self.close()
+
+
+@dataclass(eq=False, slots=True)
+class _StepLoss:
+    """One optimizer step's training loss, ``numerator / denominator``: the sum of the step's micro-batch losses
+    over their count, or the sum of its summed losses over their item count. Both stay on the device, as they
+    came, until a flush sums each over the ranks and divides."""
+
+    numerator: Any
+    denominator: Any
+    step: int = -1
+    """The step of the first row that holds it; -1 until a row does."""
+    value: torch.Tensor | None = None
+    """The average, once a flush computed it."""
+
+
+def _unaveraged(row: dict[str, Any]) -> bool:
+    loss = row.get("loss")
+    return isinstance(loss, _StepLoss) and loss.value is None
+
+
+def _with_average(row: dict[str, Any]) -> dict[str, Any]:
+    loss = row.get("loss")
+    if not isinstance(loss, _StepLoss):
+        return row
+    row = dict(row)
+    if loss.value is None:
+        del row["loss"]
+    else:
+        row["loss"] = loss.value
+    return row
+
+
+def _vector(values: tuple[Any, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """One-element tensors and Python numbers as one vector on ``device`` (Python numbers alone: one copy)."""
+    if not any(isinstance(value, torch.Tensor) for value in values):
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.stack([torch.as_tensor(value, dtype=dtype, device=device).reshape(()) for value in values])
 
 
 def _snapshot(value: Any) -> Any:

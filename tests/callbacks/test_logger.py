@@ -9,14 +9,16 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils.data import DataLoader, TensorDataset
 
 import cadence
-from cadence import Engine, Event
-from cadence.callbacks import Checkpoint, Logger
+from cadence import Engine, Event, TrainingStep
+from cadence.callbacks import Checkpoint, CSVLogger, GradientAccumulation, Logger
 from cadence.callbacks.logger import plain_rows
-from cadence.testing import FakeEngine, TinyStep
+from cadence.testing import FakeEngine, TinyStep, tiny_dataloader
 from tests.callbacks.test_csv_logger import FailingStep
-from tests.helpers import loader
+from tests.callbacks.test_csv_logger import read as read_csv
+from tests.helpers import RegressionStep, assert_bitwise_equal, loader, make_model, make_optimizer
 
 
 class JSONLinesLogger(Logger):
@@ -198,10 +200,11 @@ def test_a_skipped_step_writes_no_row(tmp_path: Path) -> None:
     assert [step for step, _ in written(recorder)] == [1, 2, 3]
 
 
-def hand_steps(fake: FakeEngine, steps: int) -> None:
+def hand_steps(fake: FakeEngine, steps: int | None = None) -> None:
+    """Train by hand: one whole pass over the data, or ``steps`` batches of a pass that has already ended."""
     step = TinyStep()
     model, optimizer, data = fake.prepare(step.model, step.optimizer, loader(batch_size=4))
-    for inputs, targets in list(data)[:steps]:
+    for inputs, targets in data if steps is None else list(data)[:steps]:
         fake.backward(torch.nn.functional.mse_loss(model(inputs), targets))
         optimizer.step()
         optimizer.zero_grad()
@@ -258,3 +261,195 @@ def test_a_user_backend_resumes_to_the_same_file_as_an_uninterrupted_run(tmp_pat
     rows = [json.loads(line) for line in expected.splitlines()]
     assert [row["step"] for row in rows if "loss" in row] == list(range(1, 16))
     assert [row["step"] for row in rows if "val/mse" in row] == [5, 10, 15]
+
+
+# --- the logged loss: the step's, over its micro-batches and ranks --------------------------------------------------
+def logged_losses(recorder: Recorder) -> list[float]:
+    return [metrics["loss"] for _, metrics in written(recorder) if "loss" in metrics]
+
+
+def test_the_loss_is_the_mean_over_each_accumulation_window_as_a_plain_loop_computes_it(tmp_path: Path) -> None:
+    # 8 batches in windows of 3: 3, 3 and a short last window of 2 at the epoch's end.
+    recorder = Recorder()
+    torch.manual_seed(0)
+    step = TinyStep()
+    FakeEngine(callbacks=[GradientAccumulation(3), recorder], project_dir=tmp_path).run(steps=8, step=step)
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = list(tiny_dataloader(batches=8))
+    expected = []
+    for window in (batches[0:3], batches[3:6], batches[6:8]):
+        losses = [torch.nn.functional.mse_loss(model(inputs), targets) for inputs, targets in window]
+        (torch.stack(losses).sum() / len(window)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        expected.append(torch.stack(losses).mean().item())
+    assert logged_losses(recorder) == pytest.approx(expected, rel=1e-6)
+
+
+class MaskedTokens(TrainingStep):
+    """A token-level loss: the squared error summed over the tokens its mask keeps, with their count."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        self.model = torch.nn.Linear(3, 1)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1)
+
+    def training_step(self, batch: Any) -> dict[str, torch.Tensor]:
+        tokens, mask = batch
+        return {"loss": masked_sum(self.model, tokens, mask), "num_items": mask.sum()}
+
+
+def masked_sum(model: torch.nn.Module, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (((model(tokens).squeeze(-1) - 1.0) ** 2) * mask).sum()
+
+
+def sequences(lengths: list[int]) -> TensorDataset:
+    """One sequence of 6 tokens per length, the first ``length`` of them kept by the mask."""
+    generator = torch.Generator().manual_seed(11)
+    tokens = torch.randn(len(lengths), 6, 3, generator=generator)
+    mask = (torch.arange(6) < torch.tensor(lengths).unsqueeze(1)).float()
+    return TensorDataset(tokens, mask)
+
+
+def test_in_item_count_mode_the_loss_is_the_windows_summed_loss_over_its_items(tmp_path: Path) -> None:
+    # 2 sequences per micro-batch, so 3, 11, 5, 10 items: windows of 3 micro-batches, then a short one.
+    data = sequences([1, 2, 5, 6, 4, 1, 6, 4])
+    recorder = Recorder()
+    fake = FakeEngine(callbacks=[GradientAccumulation(3), recorder], project_dir=tmp_path)
+    fake.run(steps=4, step=MaskedTokens(), dataloader=DataLoader(data, batch_size=2))
+
+    reference = MaskedTokens()
+    batches = list(DataLoader(data, batch_size=2))
+    expected, means_of_micro_batches = [], []
+    for window in (batches[0:3], batches[3:4]):
+        sums = [masked_sum(reference.model, tokens, mask) for tokens, mask in window]
+        items = sum(mask.sum() for _, mask in window)
+        (torch.stack(sums).sum() / items).backward()
+        reference.optimizer.step()
+        reference.optimizer.zero_grad()
+        expected.append((torch.stack(sums).sum() / items).item())
+        means = [(summed / mask.sum()).item() for summed, (_, mask) in zip(sums, window, strict=True)]
+        means_of_micro_batches.append(sum(means) / len(means))
+    assert logged_losses(recorder) == pytest.approx(expected, rel=1e-6)
+    assert logged_losses(recorder)[0] != pytest.approx(means_of_micro_batches[0], rel=1e-3)  # items weigh, not batches
+
+
+class MicroBatchLosses(cadence.Callback):
+    """Every micro-batch loss ``engine.backward`` saw, as a number."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_after_backward(self, engine: Engine) -> None:
+        assert engine.state.loss is not None
+        self.losses.append(engine.state.loss.item())
+
+
+def test_a_vetoed_steps_micro_batches_are_not_in_the_next_steps_loss(tmp_path: Path) -> None:
+    recorder, seen = Recorder(), MicroBatchLosses()
+    callbacks = [GradientAccumulation(2), VetoStep(batch=1), seen, recorder]
+    state = FakeEngine(callbacks=callbacks, project_dir=tmp_path).run(steps=4)
+    assert state.skipped_steps["test veto"] == 1 and state.step == 1
+    assert logged_losses(recorder) == pytest.approx([(seen.losses[2] + seen.losses[3]) / 2], rel=1e-6)
+
+
+def test_without_accumulation_each_row_holds_its_batchs_loss(tmp_path: Path) -> None:
+    recorder, seen = Recorder(), MicroBatchLosses()
+    FakeEngine(callbacks=[seen, recorder], project_dir=tmp_path).run(steps=3)
+    assert logged_losses(recorder) == seen.losses
+
+
+def test_losses_with_and_without_num_items_in_one_step_are_refused(tmp_path: Path) -> None:
+    fake = FakeEngine(callbacks=[Recorder()], project_dir=tmp_path)
+    step = TinyStep()
+    model, _ = fake.prepare(step.model, step.optimizer)
+    inputs, targets = torch.randn(4, 4), torch.randn(4, 2)
+    fake.backward(torch.nn.functional.mse_loss(model(inputs), targets, reduction="sum"), num_items=8)
+    gradients = [parameter.grad.clone() for parameter in model.parameters() if parameter.grad is not None]
+    with pytest.raises(ValueError, match="some losses came with num_items and some without"):
+        fake.backward(torch.nn.functional.mse_loss(model(inputs), targets))
+    assert_bitwise_equal([parameter.grad for parameter in model.parameters()], gradients)  # not run
+
+
+def test_the_real_loop_logs_each_windows_mean_in_the_csv(tmp_path: Path) -> None:
+    # 5 batches an epoch in windows of 3: a full window, then a short one, for 2 epochs.
+    engine = Engine(
+        accelerator="cpu", project_dir=tmp_path, callbacks=[GradientAccumulation(3), CSVLogger()], progress_bar=False
+    )
+    engine.fit(RegressionStep(), loader(), max_epochs=2)
+    logged = [float(row["loss"]) for row in read_csv(tmp_path / "metrics.csv")]
+
+    model = make_model(0)
+    optimizer = make_optimizer(model)
+    expected = []
+    for _ in range(2):
+        batches = list(loader())
+        for window in (batches[0:3], batches[3:5]):
+            losses = torch.stack([torch.nn.functional.mse_loss(model(inputs), targets) for inputs, targets in window])
+            (losses.sum() / len(window)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            expected.append(losses.mean().item())
+    assert logged == pytest.approx(expected, rel=1e-6)
+
+
+# --- several ranks: the loss is averaged where every rank passes, never in a flush one rank makes alone --------------
+def test_a_flush_by_hand_on_one_rank_of_several_writes_only_rows_averaged_over_the_ranks(tmp_path: Path) -> None:
+    recorder = Recorder(flush_every_n_rows=100)
+    fake = FakeEngine(callbacks=[recorder], rank=0, world_size=2, project_dir=tmp_path)
+    hand_steps(fake, 3)  # after the pass ended: no point every rank passes came since
+    with pytest.warns(UserWarning, match=r"flush\(\) left 3 row\(s\) from step 1 on buffered: .* 2 ranks"):
+        recorder.flush()
+    assert written(recorder) == []
+    recorder.flush(every_rank=True)
+    assert [step for step, _ in written(recorder)] == [1, 2, 3]
+
+
+def test_an_epoch_end_averages_the_rows_so_a_hand_flush_writes_them_all(tmp_path: Path) -> None:
+    recorder = Recorder(flush_every_n_rows=100)
+    hand_steps(FakeEngine(callbacks=[recorder], rank=0, world_size=2, project_dir=tmp_path))
+    recorder.flush()  # no warning: every row's loss was averaged at the epoch's end
+    assert [step for step, _ in written(recorder)] == [1, 2, 3, 4, 5]  # 20 of the 40 samples, in batches of 4
+
+
+# --- resume in the middle of a window -------------------------------------------------------------------------------
+class SaveAndStopAt(cadence.Callback):
+    """Saves and stops at the end of the ``batch``-th training batch, as Timer and Preemption do."""
+
+    saves_checkpoints = True
+
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+        self.seen = 0
+
+    def on_batch_end(self, engine: Engine) -> None:
+        self.seen += 1
+        if self.seen == self.batch:
+            engine.save_state()
+            engine.state.stop("test stop")
+
+
+def windowed_run(project: Path, stop_at: int | None = None) -> None:
+    callbacks: list[cadence.Callback] = [GradientAccumulation(3), JSONLinesLogger(flush_every_n_rows=2)]
+    if stop_at is not None:
+        callbacks.append(SaveAndStopAt(stop_at))
+    engine = Engine(accelerator="cpu", project_dir=project, callbacks=callbacks, progress_bar=False)
+    engine.fit(RegressionStep(), loader(), max_epochs=2, resume="latest")
+
+
+def test_a_run_resumed_mid_window_logs_the_windows_loss_as_the_uninterrupted_run(tmp_path: Path) -> None:
+    windowed_run(tmp_path / "straight")
+    interrupted = tmp_path / "interrupted"
+    windowed_run(interrupted, stop_at=2)  # two micro-batches into the first window of 3
+    windowed_run(interrupted)
+    expected = (tmp_path / "straight" / "metrics.jsonl").read_text()
+    assert (interrupted / "metrics.jsonl").read_text() == expected
+    assert len(expected.splitlines()) == 4
+
+
+def test_a_malformed_window_in_a_checkpoint_is_refused_before_anything_changes() -> None:
+    with pytest.raises(ValueError, match="malformed accumulation window"):
+        Recorder().check_state_dict({"window": {"loss_sum": "1.5", "micro_batches": 2, "items": None}})
