@@ -210,7 +210,8 @@ class Checkpoint(Callback):
             self._save(engine, "fit ended")
         best = self._best
         trained = engine.state.step > self._fit_start_step
-        if best is not None and best.after_validation and trained and not self._validated:
+        failed = engine.state.exception is not None  # the failure is the news, not the validation it cut short
+        if best is not None and best.after_validation and trained and not self._validated and not failed:
             warnings.warn(
                 f"Checkpoint(monitor={best.ranking.monitor!r}) ranks checkpoints after validation, and this fit() ran "
                 "none: pass fit(..., val_dataloader=...) with a validation_step.",

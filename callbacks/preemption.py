@@ -148,6 +148,7 @@ class Preemption(Callback):
             f"Preemption: {name} received before this fit() trained a step; nothing new to save, so no checkpoint "
             "was written",
             exit_code=exit_code,
+            now=True,
         )
 
     def on_batch_start(self, engine: Engine) -> None:
@@ -171,7 +172,7 @@ class Preemption(Callback):
         engine.print(f"Preemption: {name} received; saving a checkpoint at step {state.step}.")
         saved = save_once(engine)
         exit_code = self.exit_code if self.exit_on_preemption else None
-        state.stop(f"Preemption: {name} received; saved checkpoint {saved}", exit_code=exit_code)
+        state.stop(f"Preemption: {name} received; saved checkpoint {saved}", exit_code=exit_code, now=True)
 
     def _agreed_signal(self, engine: Engine) -> int | None:
         """The largest signal number any rank received, the same on every rank (None when none did)."""

@@ -151,7 +151,8 @@ class Timer(Callback):
             # The loaded state is the main rank's on every rank: they all take this branch together.
             engine.state.stop(
                 f"Timer: the {_clock_text(self.max_duration)} budget was already used "
-                f"({_clock_text(self._used_before)}); raise max_duration to train further"
+                f"({_clock_text(self._used_before)}); raise max_duration to train further",
+                now=True,
             )
 
     def on_batch_end(self, engine: Engine) -> None:
@@ -175,7 +176,8 @@ class Timer(Callback):
         saved = engine.save_state()
         state.stop(
             f"Timer: {_clock_text(elapsed)} of training reached max_duration {_clock_text(self.max_duration)}; "
-            f"saved checkpoint {saved}"
+            f"saved checkpoint {saved}",
+            now=True,  # a wall-clock budget does not wait for fit()'s min_steps / min_epochs
         )
 
     @staticmethod

@@ -51,3 +51,17 @@ def test_classifier_keeps_the_best_checkpoints_stops_early_and_exports_the_avera
     # Run again: it resumes from the newest checkpoint and says so.
     again = run_example("classifier.py", "--epochs", "40", "--project-dir", str(tmp_path))
     assert f"Resumed from {tmp_path / 'checkpoints'}" in again
+
+
+def test_schedules_sizes_the_cosine_with_estimated_steps_and_validates_every_40_steps(tmp_path: Path) -> None:
+    out = run_example("schedules.py", "--epochs", "3", "--project-dir", str(tmp_path))
+    assert "57 optimizer steps planned" in out
+    steps = [int(line.split()[1]) for line in out.splitlines() if line.startswith("step ")]
+    assert steps == [19, 38, 40, 57]  # epoch ends and step 40, never twice at one step
+    assert out.splitlines()[-2].endswith("lr 0.00000")  # the schedule ends exactly at the last step
+
+
+def test_schedules_plateau_and_early_stopping_waits_for_min_steps(tmp_path: Path) -> None:
+    out = run_example("schedules.py", "--plateau", "--project-dir", str(tmp_path))
+    assert "A stop was asked at step 40" in out and "trains to min_steps=57 first" in out
+    assert "Stopped at step 57 " in out

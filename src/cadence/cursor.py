@@ -105,6 +105,21 @@ class DataCursor:
         if iterator is not None:
             _stop_workers(iterator)
 
+    def end_epoch_early(self) -> None:
+        """Count the epoch a pass left early (``break``) as done, without reading the rest: the next pass starts the
+        next epoch at its first batch, as after a whole pass (``fit()``'s ``val_batches`` reads only the first
+        batches of each validation)."""
+        if self._in_epoch:
+            raise RuntimeError(
+                "end_epoch_early() was called while a pass over this dataloader is running; leave it first."
+            )
+        if not (self._pending_batches or self._pending_samples):
+            return  # the last pass finished the epoch, or none started
+        self._pending_batches = self._pending_samples = 0
+        self._pending_generator_state = None
+        self.loader.next_iter_state = None  # the user's sampler's paused position, if any
+        self.epoch += 1
+
     def num_batches(self) -> int | None:
         """Batches in a whole epoch, ``None`` without a length."""
         try:

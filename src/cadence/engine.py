@@ -35,7 +35,7 @@ from cadence.inputs import (
     unmark_prepared,
     warn_if_prepared_elsewhere,
 )
-from cadence.loop import run_fit
+from cadence.loop import Plan, set_up_fit
 from cadence.precision import Precision
 from cadence.schedule import Schedule, steps_in_run
 from cadence.state import State
@@ -550,14 +550,24 @@ class Engine:
         max_steps: int | None = None,
         val_dataloader: DataLoader[Any] | PreparedDataLoader | None = None,
         resume: str | Path | None = None,
+        val_every_n_steps: int | None = None,
+        val_every_n_epochs: int | None = 1,
+        val_batches: int | None = None,
+        min_steps: int | None = None,
+        min_epochs: int | None = None,
     ) -> State:
         """Train ``step`` until ``max_epochs`` epochs or ``max_steps`` optimizer steps, whichever comes first.
 
-        The loop is the imperative API (see ``cadence.Event``). ``resume="latest"`` continues from the newest
-        valid checkpoint in ``project_dir/checkpoints`` (or starts fresh when there is none); a path resumes
-        from that checkpoint. Returns the final ``State``, unless a callback stopped the run with an exit code
-        (``state.stop(exit_code=...)``, as ``cadence.callbacks.Preemption`` does): then, once everything else is
-        done, it raises ``SystemExit`` with that code.
+        The loop is the imperative API (``cadence.loop`` shows it phase by phase, ``cadence.Event`` each event's
+        guarantee). With a ``val_dataloader`` it validates every ``val_every_n_steps`` optimizer updates of the run
+        and at the end of every ``val_every_n_epochs``-th epoch (``None``: not at epoch ends), never twice at one
+        step, reading at most ``val_batches`` batches each time. A stop asked before ``min_steps`` updates and
+        ``min_epochs`` epochs (``EarlyStopping``, ``state.stop()``) waits for them; ``Timer`` and ``Preemption`` do
+        not. ``resume="latest"`` continues from the newest valid checkpoint in ``project_dir/checkpoints`` (or starts
+        fresh when there is none); a path resumes from that checkpoint, and the run validates and stops at exactly
+        the steps the uninterrupted run did. Returns the final ``State``, unless a callback stopped the run with an
+        exit code (``state.stop(exit_code=...)``, as ``cadence.callbacks.Preemption`` does): then, once everything
+        else is done, it raises ``SystemExit`` with that code.
         """
         if self._fitting:
             raise RuntimeError(
@@ -565,11 +575,9 @@ class Engine:
                 "both would train the same models and count into the same State. Call fit() again after it "
                 "returns, or train the other run with an Engine of its own."
             )
+        plan = Plan(max_epochs, max_steps, min_epochs, min_steps, val_every_n_steps, val_every_n_epochs, val_batches)
         self._fitting = True
         try:
-            return run_fit(
-                self, step, train_dataloader, max_epochs=max_epochs, max_steps=max_steps,
-                val_dataloader=val_dataloader, resume=resume,
-            )  # fmt: skip
+            return set_up_fit(self, step, train_dataloader, val_dataloader, resume, plan).run()
         finally:
             self._fitting = False

@@ -19,8 +19,10 @@ the same places in both::
                 scheduler.step()                       # steps only if its optimizer really stepped
                 optimizer.zero_grad()                  # skipped unless state.sync_gradients
                                                        # BATCH_END: when the next batch is asked for
+            VALIDATION_START ... VALIDATION_END        # fit(val_every_n_steps=N): after BATCH_END, every N updates
                                                        # EPOCH_END: when the dataloader is exhausted
-        VALIDATION_START ... VALIDATION_END            # fit() only, with a val_dataloader, after each epoch
+        VALIDATION_START ... VALIDATION_END            # fit() only, with a val_dataloader, after every
+                                                       # val_every_n_epochs-th epoch, unless it validated at that step
     EXCEPTION                                          # fit() only, when it raises: before FIT_END
     FIT_END                                            # fit() only, once FIT_PREPARED fired, also after an exception
     save_state() -> SAVE_STATE, load_state() -> LOAD_STATE  # after the checkpoint is committed / restored
@@ -113,13 +115,16 @@ class Event(str, Enum):
 
     VALIDATION_START = (
         "validation_start",
-        "``fit()`` is about to run ``validation_step`` over the validation dataloader (model in eval mode, no grad).",
+        "``fit()`` is about to run ``validation_step`` over the validation dataloader (model in eval mode, no grad): "
+        "after a training batch's ``BATCH_END`` every ``val_every_n_steps`` updates, or after ``EPOCH_END``; never "
+        "twice at one ``state.step`` (``state.validated_step`` is that step).",
     )
 
     VALIDATION_END = (
         "validation_end",
         "Validation metrics are in ``state.metrics`` under ``val/<name>``, as Python floats, each the mean over the "
-        "validation samples of every rank (see ``TrainingStep.validation_step``), the same on every rank.",
+        "validation samples of every rank (see ``TrainingStep.validation_step``), the same on every rank. At an "
+        'epoch\'s end, its ``Schedule(interval="epoch")`` has stepped too, so a checkpoint taken here holds both.',
     )
 
     FIT_END = "fit_end", "``fit()`` is returning, normally or through an exception: release resources here."

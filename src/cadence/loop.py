@@ -1,9 +1,28 @@
-"""``fit()``: the managed loop. Each batch goes through the engine's public imperative API (``prepare``,
-``accumulate``, ``backward``, the prepared optimizer's ``step``/``zero_grad``; see ``cadence.Event``), so a
-callback behaves the same here as in a hand-written loop; the loop-level events (``FIT_PREPARED``, ``FIT_START``,
-``EXCEPTION``, ``FIT_END``, ``VALIDATION_START``/``_END``) go through ``engine.fire``. One thing is not public: the
-loaders a previous ``fit()`` prepared are tracked in private engine fields, because only ``fit()`` reuses or releases
-them."""
+"""``fit()``: the managed loop, in four phases: set-up (checks, ``prepare``, the default callbacks, ``FIT_PREPARED``
+and the resume), training (epochs of batches through the engine's public imperative API), validation (every
+``val_every_n_steps`` updates and at epoch ends), and the finish (``FIT_END``, the stop's message, the exit code).
+
+When each event fires, read top to bottom (``cadence.Event`` says what each guarantees)::
+
+    set-up      FIT_PREPARED, then load_state() -> LOAD_STATE when resuming
+    FIT_START
+    [the end of an epoch, or a validation, that the restored checkpoint came before]
+    for each epoch (while no stop and max_epochs not reached):
+        for each batch of the training loader:   EPOCH_START before the first, BATCH_START: the loader
+            training_step, backward()            BEFORE_BACKWARD, AFTER_BACKWARD: engine.backward
+            optimizer.step()                     BEFORE_/AFTER_OPTIMIZER_STEP on a sync step: the prepared optimizer
+            scheduler.step()                     a "step" Schedule, when its optimizer updated
+            optimizer.zero_grad()
+                                                 BATCH_END: the loader, when the next batch is asked for
+            [step validation]                    every val_every_n_steps updates: VALIDATION_START ... VALIDATION_END
+        EPOCH_END                                the loader, once it is exhausted
+        [epoch validation]                       every val_every_n_epochs epochs (never twice at one step), then the
+                                                 "epoch" Schedule's step, both before VALIDATION_END
+    EXCEPTION when something raised; FIT_END always
+
+A stop (``state.stop``) takes effect after the batch it was asked in, at once or, below ``min_steps`` /
+``min_epochs``, when they are reached. The loaders a previous ``fit()`` prepared are tracked in private engine
+fields, because only ``fit()`` reuses or releases them."""
 
 from __future__ import annotations
 
@@ -11,6 +30,7 @@ import difflib
 import os
 import warnings
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,18 +51,51 @@ if TYPE_CHECKING:
     from cadence.wrappers import PreparedDataLoader, PreparedOptimizer, PreparedScheduler
 
 
-def run_fit(
+@dataclass(frozen=True)
+class Plan:
+    """``fit()``'s limits and validation schedule, checked before anything is prepared."""
+
+    max_epochs: int | None = None
+    max_steps: int | None = None
+    min_epochs: int | None = None
+    min_steps: int | None = None
+    val_every_n_steps: int | None = None
+    val_every_n_epochs: int | None = 1
+    val_batches: int | None = None
+
+    def check(self, validates: bool) -> None:
+        if self.max_epochs is None and self.max_steps is None:
+            raise ValueError("fit() needs a limit: pass max_epochs=..., max_steps=..., or both.")
+        for name in ("max_epochs", "max_steps", "min_epochs", "min_steps", "val_every_n_steps", "val_every_n_epochs",
+                     "val_batches"):  # fmt: skip
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise ValueError(f"{name} must be a positive integer or None; got {value!r}.")
+        for low, high in (("min_steps", "max_steps"), ("min_epochs", "max_epochs")):
+            floor, ceiling = getattr(self, low), getattr(self, high)
+            if floor is not None and ceiling is not None and floor > ceiling:
+                raise ValueError(f"fit(): {low}={floor} is above {high}={ceiling}; the run would stop before it.")
+        asked = [name for name in ("val_every_n_steps", "val_batches") if getattr(self, name) is not None]
+        if asked and not validates:
+            raise ValueError(f"fit() got {' and '.join(asked)} but no val_dataloader: pass val_dataloader=... too.")
+        if validates and self.val_every_n_steps is None and self.val_every_n_epochs is None:
+            raise ValueError(
+                "fit() got a val_dataloader but val_every_n_steps=None and val_every_n_epochs=None, so it would never "
+                "validate: set one of them (val_every_n_epochs=1 validates after every epoch)."
+            )
+
+
+def set_up_fit(
     engine: Engine,
     step: TrainingStep,
     train_dataloader: DataLoader[Any] | PreparedDataLoader,
-    *,
-    max_epochs: int | None,
-    max_steps: int | None,
     val_dataloader: DataLoader[Any] | PreparedDataLoader | None,
     resume: str | Path | None,
-) -> State:
-    """The body of ``Engine.fit``."""
-    _check_limits(max_epochs, max_steps)
+    plan: Plan,
+) -> FitRun:
+    """Everything before ``FIT_START`` (checks, ``prepare``, the default callbacks, ``FIT_PREPARED``, the resume);
+    ``.run()`` on the result runs the rest. ``Engine.fit`` is the two together."""
+    plan.check(val_dataloader is not None)
     _check_resume(engine, resume)
     _check_checkpoints_writable(engine)
     if val_dataloader is not None and type(step).validation_step is TrainingStep.validation_step:
@@ -55,61 +108,218 @@ def run_fit(
     train_loader, val_loader = _prepare_loaders(engine, train_dataloader, val_dataloader)
     for callback in defaults:
         engine.add_callback(callback)
-    _prepared_then_resume(engine, resume)
     state = engine.state
-    state.max_epochs, state.max_steps = max_epochs, max_steps
-    state.should_stop = _reached(state)
     state.stop_reason = state.exit_code = None
-    if resume is not None and (state.should_stop or (max_epochs is not None and train_loader.epoch >= max_epochs)):
+    state.stop_requested = False
+    _prepared_then_resume(engine, resume)
+    state.max_epochs, state.max_steps = plan.max_epochs, plan.max_steps
+    state.min_epochs, state.min_steps = plan.min_epochs, plan.min_steps
+    run = FitRun(engine, step, model, optimizer, scheduler, train_loader, val_loader, plan, resume is not None)
+    state.should_stop = run.limit_reached()
+    if not state.should_stop:
+        run.update_minimum()
+    if resume is not None and (state.should_stop or run.epochs_done()):
         engine.print(
-            f"This run already reached {_limits(max_epochs, max_steps)} (step {state.step}, {train_loader.epoch} "
-            "epoch(s) done): nothing left to train. Raise max_epochs/max_steps to train further."
+            f"This run already reached {_limits(plan.max_epochs, plan.max_steps)} (step {state.step}, "
+            f"{train_loader.epoch} epoch(s) done): nothing left to train. Raise max_epochs/max_steps to train further."
         )
-    try:
-        # Inside the try: a FIT_START hook that raises still gets FIT_END for the callbacks that started before it.
-        engine.fire(Event.FIT_START)
-        if resume is not None:
-            _finish_interrupted_epoch(engine, step, model, val_loader, train_loader, scheduler)
-        while not state.should_stop and (max_epochs is None or train_loader.epoch < max_epochs):
-            model.train()
-            epochs_before = train_loader.epoch
-            batches = 0
-            for batch in train_loader:
+    return run
+
+
+class FitRun:
+    """One ``fit()`` from ``FIT_START`` on: the training phase, the validation phase and the finish."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        step: TrainingStep,
+        model: nn.Module,
+        optimizer: PreparedOptimizer,
+        scheduler: PreparedScheduler | None,
+        train_loader: PreparedDataLoader,
+        val_loader: PreparedDataLoader | None,
+        plan: Plan,
+        resumed: bool,
+    ) -> None:
+        self.engine, self.state, self.step, self.plan = engine, engine.state, step, plan
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.train_loader, self.val_loader = train_loader, val_loader
+        self.resumed = resumed
+        self._announced_wait = False
+
+    # --- the phases ----------------------------------------------------------------------------------------
+    def run(self) -> State:
+        engine, state = self.engine, self.state
+        self.train_loader.after_batch_end = self.after_batch_end
+        try:
+            # Inside the try: a FIT_START hook that raises still gets FIT_END for the callbacks that started before it.
+            engine.fire(Event.FIT_START)
+            self.train()
+        except BaseException as error:
+            state.exception = error
+            engine.fire(Event.EXCEPTION)
+            raise
+        finally:
+            self.train_loader.after_batch_end = None
+            state.below_minimum = False
+            _finish(engine)
+        return _report(engine)
+
+    def train(self) -> None:
+        state = self.state
+        if self.resumed:
+            self.catch_up()
+        while not state.should_stop and not self.epochs_done():
+            self.model.train()
+            epochs_before, batches = self.train_loader.epoch, 0
+            for batch in self.train_loader:
                 batches += 1
-                with engine.accumulate(model):
-                    loss, num_items = _unpack_training_output(engine, step.training_step(batch))
-                    engine.backward(loss, num_items=num_items)
-                    optimizer.step()
-                    if scheduler is not None and scheduler.interval == "step":
-                        scheduler.step()
-                    optimizer.zero_grad()
-                if _reached(state):
-                    state.stop()
-            if train_loader.empty_epoch:
+                self.train_batch(batch)
+            if self.train_loader.empty_epoch:
                 raise RuntimeError(
                     "The training dataloader yielded no batch: check that its dataset is not empty and that "
                     "drop_last does not drop every sample."
                 )
-            # An epoch that ended here is validated even when a resume left none of its batches to run (the
-            # checkpoint was taken at its last batch, before the uninterrupted run validated it). A run that reached
-            # max_steps mid-epoch is validated as it ends; one a callback paused mid-epoch (Timer, Preemption) is
-            # not: the resumed run finishes the epoch and validates it then, as the uninterrupted run does.
-            if train_loader.epoch > epochs_before:
-                _end_epoch(engine, step, model, val_loader, train_loader, scheduler)
-            elif val_loader is not None and batches and _reached(state):
-                _validate(engine, step, model, val_loader, train_loader)
-    except BaseException as error:
-        state.exception = error
-        engine.fire(Event.EXCEPTION)
-        raise
-    finally:
-        # A background save commits, and its SAVE_STATE fires, while callbacks are still live; one started at
-        # FIT_END is waited for too: fit() never returns with a save in flight.
-        save_failure = _finish_background_save(engine)
-        engine.fire(Event.FIT_END)
-        save_failure = _finish_background_save(engine) or save_failure
-        _raise_save_failure(save_failure, failing=state.exception)
-        state.exception = None
+            # An epoch that ended here has its end processed even when a resume left none of its batches to run (the
+            # checkpoint was taken at its last batch). A run that reached max_steps mid-epoch is validated as it
+            # ends; one a callback paused mid-epoch (Timer, Preemption) is not: the resumed run finishes the epoch
+            # and validates it then, as the uninterrupted run does.
+            if self.train_loader.epoch > epochs_before:
+                self.end_epoch()
+            elif batches and self.limit_reached() and self.plan.val_every_n_epochs is not None:
+                self.validate_once()
+            self.update_minimum()
+
+    def train_batch(self, batch: Any) -> None:
+        engine, optimizer, scheduler = self.engine, self.optimizer, self.scheduler
+        with engine.accumulate(self.model):
+            loss, num_items = _unpack_training_output(engine, self.step.training_step(batch))
+            engine.backward(loss, num_items=num_items)
+            optimizer.step()
+            if scheduler is not None and scheduler.interval == "step":
+                scheduler.step()
+            optimizer.zero_grad()
+        if self.limit_reached():
+            self.state.stop(now=True)
+
+    def after_batch_end(self) -> None:
+        """After every callback's ``BATCH_END``: the step's validation when one is due, then the minimum's check."""
+        if self.step_validation_due():
+            self.validate_once()
+        self.update_minimum()
+
+    def end_epoch(self) -> None:
+        """An epoch's end: its validation when due (``val_every_n_epochs``, never twice at one step), then its epoch
+        schedule's step, both before ``VALIDATION_END`` so a checkpoint taken there holds both."""
+        every = self.plan.val_every_n_epochs
+        due = self.val_loader is not None and every is not None and self.train_loader.epoch % every == 0
+        if due and self.state.validated_step != self.state.step:
+            self.validate(before_end=self.step_epoch_schedule)
+        else:
+            self.step_epoch_schedule()
+
+    def catch_up(self) -> None:
+        """What the restored run had left to do at its checkpoint, as the uninterrupted run did it: the end of its
+        last epoch (an ``EPOCH_END`` checkpoint comes before its validation and schedule step), or the validation of
+        the step it was saved at (a ``BATCH_END`` checkpoint comes before the step's validation)."""
+        state, finished = self.state, self.train_loader.epoch - 1
+        if state.ended_epochs is not None:
+            pending_end = state.ended_epochs == finished
+        else:  # a checkpoint from before ended_epochs: its validation marks the epoch's end
+            pending_end = self.val_loader is not None and state.validated_epochs == finished
+        if pending_end:
+            self.end_epoch()
+        elif self.step_validation_due():
+            self.validate_once()
+
+    # --- validation ----------------------------------------------------------------------------------------
+    def step_validation_due(self) -> bool:
+        every, state = self.plan.val_every_n_steps, self.state
+        return every is not None and state.step > 0 and state.step % every == 0 and state.validated_step != state.step
+
+    def validate_once(self) -> None:
+        if self.val_loader is not None and self.state.validated_step != self.state.step:
+            self.validate()
+
+    def validate(self, before_end: Callable[[], None] | None = None) -> None:
+        """One validation: ``validation_step`` over the validation loader (its first ``val_batches`` batches) in eval
+        mode without grad, each metric's mean over samples and ranks logged as ``val/<name>``."""
+        engine, state, loader = self.engine, self.state, self.val_loader
+        if loader is None:
+            raise RuntimeError("fit() cannot validate without a val_dataloader")  # callers check first
+        state.validated_epochs, state.validated_step = self.train_loader.epoch, state.step
+        engine.fire(Event.VALIDATION_START)
+        training = self.model.training
+        self.model.eval()
+        means = ValidationMeans(engine.rank, engine.world_size)
+        limit, read = self.plan.val_batches, 0
+        with torch.no_grad():
+            for batch in loader:
+                samples = batch_samples(batch)  # before the step, which may take the batch apart
+                padding = loader.padding if loader.in_last_batch else 0
+                means.add(self.step.validation_step(batch), samples, padding)
+                read += 1
+                if read == limit and not loader.in_last_batch:
+                    break
+        if read == limit:
+            loader.end_epoch_early()  # the next validation starts at the first batch again
+        engine.log_dict({f"val/{name}": value for name, value in means.reduce(engine).items()})
+        self.model.train(training)
+        if before_end is not None:
+            before_end()
+        engine.fire(Event.VALIDATION_END)
+
+    def step_epoch_schedule(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.end_epoch(self.train_loader.epoch)
+        self.state.ended_epochs = self.train_loader.epoch
+
+    # --- limits --------------------------------------------------------------------------------------------
+    def limit_reached(self) -> bool:
+        """True once the run's ``max_steps`` (if any) optimizer updates are done."""
+        return self.plan.max_steps is not None and self.state.step >= self.plan.max_steps
+
+    def epochs_done(self) -> bool:
+        return self.plan.max_epochs is not None and self.train_loader.epoch >= self.plan.max_epochs
+
+    def update_minimum(self) -> None:
+        """Let a stop asked below ``min_steps`` / ``min_epochs`` take effect once both are reached."""
+        state, plan = self.state, self.plan
+        state.below_minimum = (plan.min_steps is not None and state.step < plan.min_steps) or (
+            plan.min_epochs is not None and self.train_loader.epoch < plan.min_epochs
+        )
+        if not state.stop_requested or state.should_stop:
+            return
+        if state.below_minimum:
+            if not self._announced_wait:
+                self._announced_wait = True
+                self.engine.print(
+                    f"A stop was asked at step {state.step} ({state.stop_reason or 'no reason given'}), but this run "
+                    f"trains to {_minimum(plan)} first, and stops there."
+                )
+            return
+        state.should_stop = True
+
+
+def _minimum(plan: Plan) -> str:
+    return " and ".join(f"{name}={value}" for name, value in (("min_steps", plan.min_steps),
+                                                              ("min_epochs", plan.min_epochs)) if value)  # fmt: skip
+
+
+def _finish(engine: Engine) -> None:
+    """``FIT_END``, with every background save committed before and after it: ``fit()`` never returns with a save in
+    flight, and a save's failure fails ``fit()`` unless it is failing already."""
+    state = engine.state
+    save_failure = _finish_background_save(engine)
+    engine.fire(Event.FIT_END)
+    save_failure = _finish_background_save(engine) or save_failure
+    _raise_save_failure(save_failure, failing=state.exception)
+    state.exception = None
+
+
+def _report(engine: Engine) -> State:
+    """The stop's reason, a warning for non-finite updates, and last of all the exit code a callback asked for."""
+    state = engine.state
     if state.stop_reason is not None:
         engine.print(f"Stopped at step {state.step} (epoch {state.epoch}): {state.stop_reason}.")
     if state.non_finite_steps:
@@ -117,7 +327,7 @@ def run_fit(
             f"{state.non_finite_steps} optimizer step(s) applied a NaN or infinite loss, so the weights are no longer "
             "finite. Attach cadence.callbacks.FiniteCheck() to skip such steps, or lower the learning rate.",
             UserWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
     if state.exit_code is not None:
         # Last of all, so every FIT_END (loggers flushing, checkpoints committing) and the messages above ran.
@@ -254,73 +464,6 @@ def _unpack_training_output(engine: Engine, output: Any) -> tuple[torch.Tensor, 
     )
 
 
-def _reached(state: State) -> bool:
-    """True once the run's ``max_steps`` (if any) optimizer updates are done."""
-    return state.max_steps is not None and state.step >= state.max_steps
-
-
-def _finish_interrupted_epoch(
-    engine: Engine,
-    step: TrainingStep,
-    model: nn.Module,
-    val_loader: PreparedDataLoader | None,
-    train_loader: PreparedDataLoader,
-    scheduler: PreparedScheduler | None,
-) -> None:
-    """Run what the restored run had left of its last epoch's end (an ``EPOCH_END`` checkpoint comes before the
-    epoch's validation and its epoch schedule's step), as the uninterrupted run did."""
-    state, finished = engine.state, train_loader.epoch - 1
-    validate = val_loader is not None and state.validated_epochs == finished
-    if validate or state.scheduled_epochs == finished:
-        _end_epoch(engine, step, model, val_loader if validate else None, train_loader, scheduler)
-
-
-def _end_epoch(
-    engine: Engine,
-    step: TrainingStep,
-    model: nn.Module,
-    val_loader: PreparedDataLoader | None,
-    train_loader: PreparedDataLoader,
-    scheduler: PreparedScheduler | None,
-) -> None:
-    """An epoch's end: its validation, then its epoch schedule's step (``Schedule(interval="epoch")``), both before
-    ``VALIDATION_END`` so a checkpoint taken there holds both."""
-
-    def step_schedule() -> None:
-        if scheduler is not None:
-            scheduler.end_epoch(train_loader.epoch)
-        engine.state.scheduled_epochs = train_loader.epoch
-
-    if val_loader is None:
-        step_schedule()
-    else:
-        _validate(engine, step, model, val_loader, train_loader, before_end=step_schedule)
-
-
-def _validate(
-    engine: Engine,
-    step: TrainingStep,
-    model: nn.Module,
-    loader: PreparedDataLoader,
-    train_loader: PreparedDataLoader,
-    before_end: Callable[[], None] | None = None,
-) -> None:
-    engine.state.validated_epochs = train_loader.epoch
-    engine.fire(Event.VALIDATION_START)
-    model.eval()
-    means = ValidationMeans(engine.rank, engine.world_size)
-    with torch.no_grad():
-        for batch in loader:
-            samples = batch_samples(batch)  # before the step, which may take the batch apart
-            padding = loader.padding if loader.in_last_batch else 0
-            means.add(step.validation_step(batch), samples, padding)
-    engine.log_dict({f"val/{name}": value for name, value in means.reduce(engine).items()})
-    model.train()
-    if before_end is not None:
-        before_end()
-    engine.fire(Event.VALIDATION_END)
-
-
 def _default_callbacks(engine: Engine) -> list[Callback]:
     """What ``fit()`` adds: a model summary and a progress bar, each unless the Engine turned it off or an attached
     callback does that job already (``summarizes_model`` / ``shows_progress``). The summary comes first, so it is
@@ -347,14 +490,6 @@ def _default_callbacks(engine: Engine) -> list[Callback]:
     if bar:
         defaults.append(default_progress_bar())
     return defaults
-
-
-def _check_limits(max_epochs: int | None, max_steps: int | None) -> None:
-    if max_epochs is None and max_steps is None:
-        raise ValueError("fit() needs a limit: pass max_epochs=..., max_steps=..., or both.")
-    for name, value in (("max_epochs", max_epochs), ("max_steps", max_steps)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-            raise ValueError(f"{name} must be a positive integer or None; got {value!r}.")
 
 
 _LATEST_MEANT = {"newest", "recent", "most_recent", "last_checkpoint", "auto", "true", "yes"}

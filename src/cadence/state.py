@@ -166,7 +166,11 @@ class State:
     )
 
     should_stop: bool = field(
-        default=False, metadata=_doc("Set by ``stop()``; ``fit()`` ends after the current batch.")
+        default=False,
+        metadata=_doc(
+            "``fit()`` ends after the current batch. Set by ``stop()``, or by ``fit()`` when a ``stop_requested`` "
+            "below the minimum may take effect."
+        ),
     )
 
     stop_reason: str | None = field(
@@ -195,12 +199,50 @@ class State:
         ),
     )
 
-    scheduled_epochs: int | None = field(
+    ended_epochs: int | None = field(
         default=0,
         metadata=_doc(
-            "Completed training epochs when ``fit()`` last processed an epoch's end for its ``Schedule(interval="
-            '"epoch")`` (``None``: unknown, from a checkpoint older than this field). Like ``validated_epochs``, it '
-            "lets a run resumed from an ``EPOCH_END`` checkpoint step that epoch's schedule. Written by ``fit()``."
+            "Training epochs whose end ``fit()`` has processed: the epoch's validation when one was due, then its "
+            '``Schedule(interval="epoch")`` step (``None``: unknown, from a checkpoint older than this field). '
+            "A run resumed from an ``EPOCH_END`` checkpoint processes that epoch's end first, as the uninterrupted run "
+            "did. Written by ``fit()``, before ``VALIDATION_END``."
+        ),
+    )
+
+    validated_step: int | None = field(
+        default=None,
+        metadata=_doc(
+            "``step`` when ``fit()`` last validated (``None``: not yet). ``fit()`` never validates twice at one step, "
+            "and a run resumed from a checkpoint taken at a step due for validation (``val_every_n_steps``) before "
+            "it ran validates first. Written by ``fit()`` at ``VALIDATION_START``."
+        ),
+    )
+
+    min_steps: int | None = field(
+        default=None,
+        metadata=_doc("The run's ``min_steps``, when ``fit()`` was given one. Written by ``fit()``."),
+    )
+
+    min_epochs: int | None = field(
+        default=None,
+        metadata=_doc("The run's ``min_epochs``, when ``fit()`` was given one. Written by ``fit()``."),
+    )
+
+    below_minimum: bool = field(
+        default=False,
+        metadata=_doc(
+            "True while ``fit()``'s ``min_steps`` / ``min_epochs`` are not reached: a ``stop()`` asked for now is kept "
+            "in ``stop_requested`` and takes effect once they are (``stop(now=True)`` and exit codes do not wait). "
+            "Written by ``fit()`` after each batch and epoch."
+        ),
+    )
+
+    stop_requested: bool = field(
+        default=False,
+        metadata=_doc(
+            "Set by ``stop()``; ``should_stop`` follows at once, or when the minimum is reached (``below_minimum``). "
+            "Saved in checkpoints, so a resumed run stops where the uninterrupted one did. Cleared when ``fit()`` "
+            "starts a fresh run."
         ),
     )
 
@@ -256,16 +298,22 @@ class State:
             self._non_finite_steps = self._non_finite_steps + self._window_non_finite
             self._window_non_finite = False
 
-    def stop(self, reason: str | None = None, *, exit_code: int | None = None) -> None:
+    def stop(self, reason: str | None = None, *, exit_code: int | None = None, now: bool = False) -> None:
         """Ask ``fit()`` to end after the current batch (any callback, any event). ``reason`` (e.g. "val/loss did
         not improve for 3 checks") is kept in ``stop_reason`` and printed when ``fit()`` ends; the first reason
         given wins. ``exit_code`` (0-255) makes ``fit()`` end the process with that status after its normal end
-        (``exit_code``); the first one given wins."""
+        (``exit_code``); the first one given wins.
+
+        While ``fit()``'s ``min_steps`` / ``min_epochs`` are not reached (``below_minimum``) the stop waits for them,
+        as in Lightning, unless ``now=True`` or an ``exit_code`` is given (a wall-clock budget or a scheduler's
+        signal cannot wait)."""
         if reason is not None and not (isinstance(reason, str) and reason):
             raise ValueError(f"stop() takes a non-empty string reason or None; got {reason!r}.")
         if exit_code is not None and (type(exit_code) is not int or not 0 <= exit_code <= 255):
             raise ValueError(f"stop(exit_code=...) takes an integer from 0 to 255 or None; got {exit_code!r}.")
-        self.should_stop = True
+        self.stop_requested = True
+        if now or exit_code is not None or not self.below_minimum:
+            self.should_stop = True
         if self.stop_reason is None:
             self.stop_reason = reason
         if self.exit_code is None:
@@ -299,7 +347,10 @@ class State:
             "skipped_steps": dict(self.skipped_steps),
             "non_finite_steps": self.non_finite_steps,
             "validated_epochs": self.validated_epochs,
-            "scheduled_epochs": self.scheduled_epochs,
+            "ended_epochs": self.ended_epochs,
+            "validated_step": self.validated_step,
+            "stop_requested": self.stop_requested and not self.should_stop,
+            "requested_stop_reason": self.stop_reason if self.stop_requested and not self.should_stop else None,
             "metrics": _portable_metrics(self.metrics),
         }
 
@@ -313,8 +364,14 @@ class State:
         self._window_non_finite = False
         validated = counters.get("validated_epochs")  # absent before cadence 0.2: unknown
         self.validated_epochs = None if validated is None else int(validated)
-        scheduled = counters.get("scheduled_epochs")  # absent from checkpoints written before Schedule existed
-        self.scheduled_epochs = None if scheduled is None else int(scheduled)
+        # Absent from checkpoints written before mid-epoch validation and Schedule existed: unknown, or no request.
+        ended = counters.get("ended_epochs")
+        self.ended_epochs = None if ended is None else int(ended)
+        validated_step = counters.get("validated_step")
+        self.validated_step = None if validated_step is None else int(validated_step)
+        self.stop_requested = bool(counters.get("stop_requested", False))
+        if self.stop_requested:
+            self.stop_reason = counters.get("requested_stop_reason")
         if "metrics" in counters:  # absent from earlier checkpoints: the metrics logged so far stay
             self.metrics = dict(counters["metrics"])
 

@@ -230,6 +230,10 @@ class PreparedDataLoader:
         self._engine = engine
         self._move = mover
         self._drives_training: bool | None = None
+        self.after_batch_end: Callable[[], None] | None = None
+        """Called after each training batch's ``BATCH_END``, before the next batch is read and before a stop is
+        obeyed: ``fit()`` validates there (``val_every_n_steps``), after every callback's ``BATCH_END``, so a
+        checkpoint taken during that validation resumes at the next batch with nothing of this one left to run."""
 
     @property
     def drives_training(self) -> bool | None:
@@ -294,6 +298,11 @@ class PreparedDataLoader:
         """True while a pass over this loader is running (a ``for`` loop over it has neither finished nor left)."""
         return self.cursor.in_pass
 
+    def end_epoch_early(self) -> None:
+        """After a pass left with ``break``: count its epoch as done, so the next pass starts the next epoch at its
+        first batch instead of continuing this one (see ``DataCursor.end_epoch_early``)."""
+        self.cursor.end_epoch_early()
+
     def close(self) -> None:
         """Stop the worker processes that ``persistent_workers`` keep between passes, now rather than when the
         garbage collector reaches this loader (which costs seconds per worker). The position is kept."""
@@ -339,6 +348,8 @@ class PreparedDataLoader:
                 pending = False
                 fire(Event.BATCH_END)
                 state.batch = None
+                if self.after_batch_end is not None:
+                    self.after_batch_end()
                 if state.should_stop and not is_last:
                     return  # a stop on the epoch's last batch still ends the epoch (EPOCH_END, next epoch)
             fire(Event.EPOCH_END)

@@ -87,9 +87,13 @@ def check_shared(shared: Any, origin: str) -> dict[str, Any]:
     _count(counters, "batch_idx", origin, "counters", least=-1)
     if "non_finite_steps" in counters:  # absent before cadence 0.2
         _count(counters, "non_finite_steps", origin, "counters")
-    for optional in ("validated_epochs", "scheduled_epochs"):  # absent from older checkpoints
+    for optional in ("validated_epochs", "ended_epochs", "validated_step"):  # absent from older checkpoints
         if counters.get(optional) is not None:
             _count(counters, optional, origin, "counters")
+    if "stop_requested" in counters:  # absent from older checkpoints
+        _field(counters, "stop_requested", bool, origin, "counters")
+    if counters.get("requested_stop_reason") is not None:
+        _field(counters, "requested_stop_reason", str, origin, "counters")
     if "metrics" in counters:  # absent from older checkpoints
         _field(counters, "metrics", dict, origin, "counters")
     skipped = _field(counters, "skipped_steps", dict, origin, "counters")

@@ -177,4 +177,4 @@ class _BatchLimit(Callback):
     def on_batch_end(self, engine: Engine) -> None:
         self.remaining -= 1
         if self.remaining == 0:
-            engine.state.stop()
+            engine.state.stop(now=True)

@@ -1,0 +1,196 @@
+"""fit()'s loop semantics: validation every N steps and every N epochs (never twice at one step), val_batches,
+min_steps / min_epochs, and a run killed at any checkpoint and resumed that validates and stops exactly where the
+uninterrupted run did."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import cadence
+from cadence import Engine
+from cadence.callbacks import Checkpoint, EarlyStopping
+from tests.helpers import RegressionStep, assert_bitwise_equal, loader, parameters
+
+
+class Validations(cadence.Callback):
+    """The step of every validation, and the first sample each validation's first batch held."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def on_validation_start(self, engine: cadence.Engine) -> None:
+        self.steps.append(engine.state.step)
+
+
+class CountingStep(RegressionStep):
+    def __init__(self) -> None:
+        super().__init__()
+        self.validation_batches: list[float] = []
+
+    def validation_step(self, batch: Any) -> dict[str, torch.Tensor]:
+        self.validation_batches.append(float(batch[0][0, 0]))
+        return super().validation_step(batch)
+
+
+def fit(tmp_path: Path, *callbacks: cadence.Callback, step: Any = None, **arguments: Any) -> tuple[Validations, Any]:
+    validations = Validations()
+    step = step if step is not None else CountingStep()
+    engine = Engine(progress_bar=False, model_summary=False, project_dir=tmp_path, seed=0,
+                    callbacks=[validations, *callbacks])  # fmt: skip
+    with engine:
+        arguments.setdefault("val_dataloader", loader(batch_size=10))
+        engine.fit(step, loader(shuffle=True), **arguments)  # 5 batches an epoch
+    return validations, step
+
+
+@pytest.mark.parametrize(
+    ("arguments", "expected"),
+    [
+        ({"val_every_n_steps": 3, "max_epochs": 2}, [3, 5, 6, 9, 10]),
+        ({"val_every_n_steps": 5, "max_epochs": 2}, [5, 10]),  # a step validation at an epoch's end counts for it
+        ({"val_every_n_steps": 4, "val_every_n_epochs": None, "max_epochs": 2}, [4, 8]),
+        ({"val_every_n_epochs": 2, "max_epochs": 4}, [10, 20]),
+        ({"val_every_n_steps": 4, "max_steps": 7}, [4, 5, 7]),  # max_steps mid-epoch: validated as it ends
+    ],
+)
+def test_validation_runs_at_the_steps_and_epochs_asked(
+    tmp_path: Path, arguments: dict[str, Any], expected: list[int]
+) -> None:
+    validations, _ = fit(tmp_path, **arguments)
+    assert validations.steps == expected
+
+
+def test_val_batches_reads_the_first_batches_of_every_validation(tmp_path: Path) -> None:
+    _, step = fit(tmp_path, max_epochs=3, val_batches=2)
+    first_two = [float(x[0, 0]) for x, _ in list(loader(batch_size=10))[:2]]
+    assert step.validation_batches == first_two * 3
+
+
+def test_validation_after_every_callbacks_batch_end_and_with_the_model_in_eval(tmp_path: Path) -> None:
+    order: list[str] = []
+
+    class Watch(cadence.Callback):
+        def on_batch_end(self, engine: cadence.Engine) -> None:
+            order.append(f"batch_end {engine.state.step}")
+
+        def on_validation_start(self, engine: cadence.Engine) -> None:
+            order.append(f"validation {engine.state.step}")
+
+    fit(tmp_path, Watch(), max_steps=4, val_every_n_steps=2, val_every_n_epochs=None)
+    assert order == ["batch_end 1", "batch_end 2", "validation 2", "batch_end 3", "batch_end 4", "validation 4"]
+
+
+class StopAt(cadence.Callback):
+    def __init__(self, step: int, now: bool = False) -> None:
+        self.step, self.now = step, now
+
+    def on_batch_end(self, engine: cadence.Engine) -> None:
+        if engine.state.step == self.step:
+            engine.state.stop(f"asked at {self.step}", now=self.now)
+
+
+@pytest.mark.parametrize(
+    ("minimum", "now", "stopped_at"),
+    [
+        ({"min_steps": 7}, False, 7),
+        ({"min_epochs": 2}, False, 10),
+        ({"min_steps": 7, "min_epochs": 2}, False, 10),
+        ({"min_steps": 12, "min_epochs": 1}, False, 12),
+        ({"min_steps": 7}, True, 2),  # Timer and Preemption: stop(now=True) does not wait
+        ({}, False, 2),
+    ],
+)
+def test_a_stop_below_the_minimum_waits_for_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], minimum: dict[str, int], now: bool, stopped_at: int
+) -> None:
+    fit(tmp_path, StopAt(2, now=now), max_epochs=5, **minimum)
+    out = capsys.readouterr().out
+    assert f"Stopped at step {stopped_at} " in out
+    assert "asked at 2" in out
+    assert ("but this run trains to" in out) == (stopped_at != 2)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"max_steps": 5, "min_steps": 6}, "min_steps=6 is above max_steps=5"),
+        ({"max_epochs": 1, "min_epochs": 2}, "min_epochs=2 is above max_epochs=1"),
+        ({"max_epochs": 1, "val_every_n_steps": 0}, "val_every_n_steps must be a positive integer"),
+        ({"max_epochs": 1, "val_batches": True}, "val_batches must be a positive integer"),
+        ({"max_epochs": 1, "val_every_n_epochs": None}, "it would never validate"),
+    ],
+)
+def test_loop_arguments_are_checked_before_anything_is_prepared(
+    tmp_path: Path, arguments: dict[str, Any], message: str
+) -> None:
+    step = CountingStep()
+    model = step.model
+    with pytest.raises(ValueError, match=message):
+        fit(tmp_path, step=step, **arguments)
+    assert step.model is model  # nothing prepared
+
+
+def test_validation_arguments_without_a_val_dataloader_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="val_every_n_steps but no val_dataloader"):
+        fit(tmp_path, max_epochs=1, val_dataloader=None, val_every_n_steps=2)
+
+
+class Killed(Exception):
+    """A process killed right after a checkpoint committed."""
+
+
+class KillAfterSave(cadence.Callback):
+    def __init__(self, save: int) -> None:
+        self.save, self.saves = save, 0
+
+    def on_save_state(self, engine: cadence.Engine) -> None:
+        self.saves += 1
+        if self.saves == self.save:
+            raise Killed
+
+
+def resumable(tmp_path: Path, validations: Validations, *extra: cadence.Callback, resume: str | None = None) -> Any:
+    """3 epochs of 5 batches, validating every 3 steps and at epoch ends; a checkpoint at every step, at every epoch's
+    end and at every validation that enters the best 2; EarlyStopping asking to stop below min_steps=9; a plateau
+    schedule on the validation loss. Returns the final step, the stop's reason and the weights."""
+    step = RegressionStep()
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(step.optimizer, patience=0, factor=0.5, threshold=0.2)
+    step.scheduler = cadence.Schedule(plateau, interval="epoch", monitor="val/mse")
+    callbacks = [
+        validations,
+        EarlyStopping("val/mse", patience=1, min_delta=0.05),
+        Checkpoint(every_n_steps=1, every_n_epochs=1, monitor="val/mse", save_top_k=2),
+        *extra,
+    ]
+    engine = Engine(progress_bar=False, model_summary=False, project_dir=tmp_path, seed=0, callbacks=callbacks)
+    with engine:
+        state = engine.fit(step, loader(shuffle=True), max_epochs=3, val_dataloader=loader(batch_size=10),
+                           val_every_n_steps=3, min_steps=9, resume=resume)  # fmt: skip
+    return state.step, state.stop_reason, parameters(step.model)
+
+
+def test_killed_at_any_checkpoint_and_resumed_validates_and_stops_where_the_uninterrupted_run_did(
+    tmp_path: Path,
+) -> None:
+    straight = Validations()
+    last_step, reason, weights = resumable(tmp_path / "straight", straight)
+    assert reason is not None and "EarlyStopping" in reason, "the test needs an early stop"
+    saves = 1
+    while True:
+        directory, before, after = tmp_path / f"kill-{saves}", Validations(), Validations()
+        try:
+            resumable(directory, before, KillAfterSave(saves))
+        except Killed:
+            pass
+        else:
+            break  # the run finished before that many saves: every kill point was tried
+        step, stop_reason, resumed_weights = resumable(directory, after, resume="latest")
+        assert before.steps + after.steps == straight.steps, f"killed after save {saves}"
+        assert (step, stop_reason) == (last_step, reason), f"killed after save {saves}"
+        assert_bitwise_equal(resumed_weights, weights)
+        saves += 1
+    assert saves > 10
