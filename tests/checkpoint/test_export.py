@@ -802,6 +802,41 @@ def test_a_kill_after_any_step_leaves_the_old_or_the_new_export_and_the_next_exp
     assert distinct_in_order(after_kill) == ["old", "new"]
 
 
+def both_index_kinds(old: str, new: str) -> bool:
+    """A switch between a .bin index and a safetensors one: Accelerate refuses a directory holding two indexes."""
+    return "shards" in old and "shards" in new and old.startswith("pickle") != new.startswith("pickle")
+
+
+@pytest.mark.slow  # Accelerate's loader takes about 0.3 s a call here
+@pytest.mark.parametrize(
+    ("old_layout", "new_layout"),
+    [
+        pytest.param(LAYOUTS[old], LAYOUTS[new], id=f"{old}-to-{new}")
+        for old, new in REPRESENTATIVE
+        if not both_index_kinds(old, new)
+    ],
+)
+def test_accelerate_reads_the_old_or_the_new_export_after_a_kill_at_any_step(
+    tmp_path: Path, old_layout: Layout, new_layout: Layout
+) -> None:
+    """Hugging Face Accelerate's load_checkpoint_in_model takes pytorch_model.bin, then model.safetensors, then the
+    one *.index.json: another order than transformers', which the same sequence also serves."""
+    accelerate_utils = pytest.importorskip("accelerate.utils", reason="compares with the accelerate package")
+    after_kill = []
+    for directory, _ in killed_exports(tmp_path, old_layout, new_layout):
+        model = build(Net, seed=99)
+        accelerate_utils.load_checkpoint_in_model(model, str(directory))
+        loaded = model.state_dict()
+        labels = [
+            label
+            for label, source in (("old", OLD), ("new", NEW))
+            if all(torch.equal(loaded[name], tensor) for name, tensor in source.state_dict().items())
+        ]
+        assert len(labels) == 1, f"{directory.name}: a mix"
+        after_kill.append(labels[0])
+    assert distinct_in_order(after_kill) == ["old", "new"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("old_layout", "new_layout"),
