@@ -81,9 +81,9 @@ def _is_aside(name: str) -> bool:
 
 @dataclass(frozen=True)
 class Step:
-    """One change ``save_weights`` makes to the export directory: writing one file under a temporary name, or one
-    rename, link, unlink or fsync. A process killed at any instant has run the first steps of its plan, the last
-    one perhaps in part, which only a write can be: into a name no reader looks at."""
+    """One change ``save_weights`` makes to the export directory: writing one file under a name no reader looks at,
+    or one rename, link, unlink or fsync. A process killed at any instant has run the first steps of its plan, the
+    last one perhaps in part, which only a write can be (so what it leaves is never read)."""
 
     does: str
     run: Callable[[], object]
