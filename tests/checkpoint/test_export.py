@@ -10,7 +10,10 @@ import os
 import pathlib
 import pickle
 import re
-from collections.abc import Callable
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -608,40 +611,52 @@ def test_re_exporting_keeps_unrelated_files(tmp_path: Path) -> None:
 # --- 9. an interrupted re-export leaves the old export or the new one, whole -----------------------------------
 USER_FILES = {"config.json": b'{"hidden": 32}', "tokenizer.json": b'{"vocab": {}}'}
 Layout = dict[str, Any]
+SINGLE: Layout = {}
 SHARDED_3: Layout = {"max_shard_size": "2KB"}
 SHARDED_4: Layout = {"max_shard_size": 1200}
-SINGLE: Layout = {}
 PICKLE_SINGLE: Layout = {"safe_serialization": False}
 PICKLE_SHARDED_3: Layout = {"max_shard_size": "2KB", "safe_serialization": False}
-# (old layout, new layout, whether the directory may load nothing for a while): only an index that reads the very
-# shard names the new export writes must stop being served before they are replaced.
-RE_EXPORTS = [
-    (SHARDED_3, SHARDED_3, True),
-    (PICKLE_SHARDED_3, PICKLE_SHARDED_3, True),
-    (SHARDED_3, SHARDED_4, False),
-    (SHARDED_4, SHARDED_3, False),
-    (SINGLE, SINGLE, False),
-    (SINGLE, SHARDED_3, False),
-    (SHARDED_3, SINGLE, False),
-    (SHARDED_3, PICKLE_SINGLE, False),
-    (PICKLE_SINGLE, SHARDED_3, False),
-    (PICKLE_SHARDED_3, SHARDED_4, False),
-    (PICKLE_SINGLE, PICKLE_SHARDED_3, False),
+PICKLE_SHARDED_4: Layout = {"max_shard_size": 1200, "safe_serialization": False}
+LAYOUTS = {
+    "single": SINGLE,
+    "3-shards": SHARDED_3,
+    "4-shards": SHARDED_4,
+    "pickle": PICKLE_SINGLE,
+    "pickle-3-shards": PICKLE_SHARDED_3,
+    "pickle-4-shards": PICKLE_SHARDED_4,
+}
+# Every (old layout, new layout) pair: a single file to shards and back, more and fewer shards, as many (the new
+# export takes over the old shards' names), safetensors and .bin either way.
+PAIRS = list(itertools.product(LAYOUTS, repeat=2))
+RE_EXPORTS = [pytest.param(LAYOUTS[old], LAYOUTS[new], id=f"{old}-to-{new}") for old, new in PAIRS]
+# One of each kind of pair, for the tests that export once per step of another export.
+REPRESENTATIVE = [
+    ("3-shards", "3-shards"),
+    ("pickle-3-shards", "pickle-3-shards"),
+    ("3-shards", "4-shards"),
+    ("4-shards", "3-shards"),
+    ("single", "single"),
+    ("single", "3-shards"),
+    ("3-shards", "single"),
+    ("3-shards", "pickle"),
+    ("pickle", "3-shards"),
+    ("pickle-3-shards", "4-shards"),
+    ("pickle", "pickle-3-shards"),
 ]
-RE_EXPORT_IDS = [
-    "3-shards-to-3",
-    "pickle-3-shards-to-3",
-    "3-shards-to-4",
-    "4-shards-to-3",
-    "single-to-single",
-    "single-to-shards",
-    "shards-to-single",
-    "shards-to-pickle",
-    "pickle-to-shards",
-    "pickle-shards-to-shards",
-    "pickle-single-to-pickle-shards",
+# The kill test exports once per step of once per step: the fast lane runs the pairs whose sequences differ most.
+FAST_KILLS = [
+    ("3-shards", "3-shards"),
+    ("pickle-3-shards", "pickle-3-shards"),
+    ("4-shards", "3-shards"),
+    ("single", "3-shards"),
+    ("3-shards", "single"),
+    ("pickle-3-shards", "4-shards"),
 ]
-OLD, NEW = trained_net(seed=1), trained_net(seed=2)
+RE_EXPORTS_SLOW_BEYOND_FAST_KILLS = [
+    pytest.param(*param.values, id=param.id, marks=() if pair in FAST_KILLS else pytest.mark.slow)
+    for pair, param in zip(PAIRS, RE_EXPORTS, strict=True)
+]
+OLD, NEW, NEWER = trained_net(seed=1), trained_net(seed=2), trained_net(seed=3)
 
 
 def old_export(directory: Path, layout: Layout) -> dict[str, bytes]:
@@ -654,14 +669,14 @@ def old_export(directory: Path, layout: Layout) -> dict[str, bytes]:
 
 
 def what_loads(directory: Path) -> str:
-    """'old', 'new' or 'nothing' (no export in view); anything else names what went wrong."""
+    """'old', 'new', 'newer' or 'nothing' (no export in view); anything else names what went wrong."""
     model = build(Net, seed=99)
     try:
         load_checkpoint_in_model(model, directory)
     except cadence.CheckpointError as error:
         return "nothing" if "holds no" in str(error) else f"a broken export ({error})"
     state = model.state_dict()
-    for label, source in (("old", OLD), ("new", NEW)):
+    for label, source in (("old", OLD), ("new", NEW), ("newer", NEWER)):
         if all(torch.equal(state[name], tensor) for name, tensor in source.state_dict().items()):
             return label
     return "a mix of exports"
@@ -715,48 +730,182 @@ def test_a_full_disk_at_the_third_shard_leaves_the_old_export_untouched(
 
 
 def watch_directory_changes(monkeypatch: pytest.MonkeyPatch, after_each: Callable[[], None]) -> None:
-    """Run ``after_each`` after every rename and removal: what a SIGKILL at that instant would leave."""
-    real_replace, real_unlink = os.replace, os.unlink
+    """Run ``after_each`` after every rename, link and removal: what a SIGKILL at that instant would leave."""
+    for name in ("replace", "link", "unlink"):
+        real = getattr(os, name)
 
-    def replace(*args: Any, **kwargs: Any) -> None:
-        real_replace(*args, **kwargs)
-        after_each()
+        def changed(*args: Any, real: Callable[..., None] = real, **kwargs: Any) -> None:
+            real(*args, **kwargs)
+            after_each()
 
-    def unlink(*args: Any, **kwargs: Any) -> None:
-        real_unlink(*args, **kwargs)
-        after_each()
-
-    monkeypatch.setattr(os, "replace", replace)
-    monkeypatch.setattr(os, "unlink", unlink)
+        monkeypatch.setattr(os, name, changed)
 
 
 def distinct_in_order(labels: list[str]) -> list[str]:
     return [label for position, label in enumerate(labels) if position == 0 or labels[position - 1] != label]
 
 
-@pytest.mark.parametrize(("old_layout", "new_layout", "may_show_nothing"), RE_EXPORTS, ids=RE_EXPORT_IDS)
+@pytest.mark.parametrize(("old_layout", "new_layout"), RE_EXPORTS)
 def test_every_instant_of_a_re_export_loads_the_old_or_the_new_export_whole(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, old_layout: Layout, new_layout: Layout, may_show_nothing: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, old_layout: Layout, new_layout: Layout
 ) -> None:
     old_export(tmp_path, old_layout)
     seen: list[str] = []
     watch_directory_changes(monkeypatch, lambda: seen.append(what_loads(tmp_path)))
-    save_weights(NEW.state_dict(), tmp_path, **new_layout)
+    written = save_weights(NEW.state_dict(), tmp_path, **new_layout)
     monkeypatch.undo()
 
-    expected = ["old", "nothing", "new"] if may_show_nothing else ["old", "new"]
-    assert distinct_in_order(["old", *seen]) == expected
+    assert distinct_in_order(["old", *seen]) == ["old", "new"]  # never nothing, never a mix, never back
     assert what_loads(tmp_path) == "new"
     assert_user_files_kept(tmp_path)
-    assert not temporaries(tmp_path)
+    assert file_names(tmp_path) == {*USER_FILES, *(path.name for path in written)}
 
 
-@pytest.mark.parametrize("change", ["replace", "unlink"])
-@pytest.mark.parametrize(("old_layout", "new_layout", "_"), RE_EXPORTS, ids=RE_EXPORT_IDS)
-def test_a_re_export_failing_at_any_rename_or_removal_leaves_one_whole_export(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, old_layout: Layout, new_layout: Layout, _: bool, change: str
+def killed_exports(root: Path, old_layout: Layout, new_layout: Layout) -> Iterator[tuple[Path, list[export.Step]]]:
+    """For each k from 0 to the number of steps: a directory holding the old export and the user's files in which the
+    first k steps of the new export's plan ran (what a SIGKILL after them leaves), with those steps."""
+    template = root / "old"
+    old_export(template, old_layout)
+    for killed_after in itertools.count():
+        directory = shutil.copytree(template, root / f"killed-after-{killed_after}")
+        steps = export.plan_export(NEW.state_dict(), directory, **new_layout).steps
+        for step in steps[:killed_after]:
+            step.run()
+        yield directory, steps[:killed_after]
+        if killed_after == len(steps):
+            return
+
+
+def export_watching_every_step(directory: Path, layout: Layout) -> list[str]:
+    """Export NEWER with ``layout``; returns what the directory loads before and after each step."""
+    plan = export.plan_export(NEWER.state_dict(), directory, **layout)
+    seen = [what_loads(directory)]
+    for step in plan.steps:
+        step.run()
+        seen.append(what_loads(directory))
+    assert file_names(directory) == {*USER_FILES, *(path.name for path in plan.files)}  # no leftovers
+    return seen
+
+
+@pytest.mark.parametrize(("old_layout", "new_layout"), RE_EXPORTS_SLOW_BEYOND_FAST_KILLS)
+def test_a_kill_after_any_step_leaves_the_old_or_the_new_export_and_the_next_export_clears_up(
+    tmp_path: Path, old_layout: Layout, new_layout: Layout
 ) -> None:
-    """Fail each rename (or each removal) in turn with an I/O error, until the export gets through."""
+    after_kill: list[str] = []
+    for directory, done in killed_exports(tmp_path, old_layout, new_layout):
+        after_kill.append(what_loads(directory))
+        assert after_kill[-1] in ("old", "new"), f"after {[step.does for step in done]}: {after_kill[-1]}"
+        assert_user_files_kept(directory)
+        # The export run again goes from what the kill left, never showing a mix either, and removes its leftovers.
+        assert distinct_in_order(export_watching_every_step(directory, new_layout)) == [after_kill[-1], "newer"]
+        assert_user_files_kept(directory)
+    assert distinct_in_order(after_kill) == ["old", "new"]
+
+
+def both_index_kinds(old: str, new: str) -> bool:
+    """A switch between a .bin index and a safetensors one: Accelerate refuses a directory holding two indexes."""
+    return "shards" in old and "shards" in new and old.startswith("pickle") != new.startswith("pickle")
+
+
+@pytest.mark.slow  # Accelerate's loader takes about 0.3 s a call here
+@pytest.mark.parametrize(
+    ("old_layout", "new_layout"),
+    [
+        pytest.param(LAYOUTS[old], LAYOUTS[new], id=f"{old}-to-{new}")
+        for old, new in REPRESENTATIVE
+        if not both_index_kinds(old, new)
+    ],
+)
+def test_accelerate_reads_the_old_or_the_new_export_after_a_kill_at_any_step(
+    tmp_path: Path, old_layout: Layout, new_layout: Layout
+) -> None:
+    """Hugging Face Accelerate's load_checkpoint_in_model takes pytorch_model.bin, then model.safetensors, then the
+    one *.index.json: another order than transformers', which the same sequence also serves."""
+    accelerate_utils = pytest.importorskip("accelerate.utils", reason="compares with the accelerate package")
+    after_kill = []
+    for directory, _ in killed_exports(tmp_path, old_layout, new_layout):
+        model = build(Net, seed=99)
+        accelerate_utils.load_checkpoint_in_model(model, str(directory))
+        loaded = model.state_dict()
+        labels = [
+            label
+            for label, source in (("old", OLD), ("new", NEW))
+            if all(torch.equal(loaded[name], tensor) for name, tensor in source.state_dict().items())
+        ]
+        assert len(labels) == 1, f"{directory.name}: a mix"
+        after_kill.append(labels[0])
+    assert distinct_in_order(after_kill) == ["old", "new"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("old_layout", "new_layout"),
+    [pytest.param(LAYOUTS[old], LAYOUTS[new], id=f"{old}-to-{new}") for old, new in FAST_KILLS],
+)
+def test_a_process_sigkilled_after_any_change_of_its_export_leaves_the_old_or_the_new_export(
+    tmp_path: Path, old_layout: Layout, new_layout: Layout
+) -> None:
+    """tests/checkpoint/export_worker.py forks an export per kill point and SIGKILLs it after its k-th rename, link,
+    unlink or fsync; each directory loads as the old export or the new one, and the next export clears what was left."""
+    old_export(tmp_path / "old", old_layout)
+    torch.save(NEW.state_dict(), tmp_path / "new.pt")
+    arguments = [str(tmp_path / "old"), str(tmp_path), str(tmp_path / "new.pt"), json.dumps(new_layout)]
+    finished = subprocess.run(
+        [sys.executable, "-m", "tests.checkpoint.export_worker", *arguments],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert finished.returncode == 0, finished.stderr
+    last = int(finished.stdout)
+    assert last > 4  # it was killed at every change up to the last, not once or never
+    expected = {
+        *USER_FILES,
+        *(path.name for path in save_weights(NEW.state_dict(), tmp_path / "in-process", **new_layout)),
+    }
+    assert file_names(tmp_path / f"killed-at-{last}") == expected  # the worker wrote the same files
+    after_kill = [what_loads(tmp_path / f"killed-at-{number}") for number in range(1, last + 1)]
+    assert distinct_in_order(["old", *after_kill]) == ["old", "new"], after_kill
+    for number in range(1, last + 1):
+        directory = tmp_path / f"killed-at-{number}"
+        assert_user_files_kept(directory)
+        written = save_weights(NEWER.state_dict(), directory, **new_layout)
+        assert what_loads(directory) == "newer"
+        assert file_names(directory) == {*USER_FILES, *(path.name for path in written)}
+
+
+@pytest.mark.parametrize(
+    ("old_layout", "new_layout"),
+    [(SHARDED_3, SHARDED_3), (PICKLE_SHARDED_3, PICKLE_SHARDED_3)],
+    ids=["3-shards-to-3-shards", "pickle-3-shards-to-pickle-3-shards"],
+)
+def test_where_the_file_system_has_no_hard_links_the_old_shards_are_copied_aside(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, old_layout: Layout, new_layout: Layout
+) -> None:
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise OSError(errno.EPERM, "Operation not permitted")  # vfat, some network file systems
+
+    monkeypatch.setattr(os, "link", refuse)
+    after_kill = []
+    for directory, done in killed_exports(tmp_path, old_layout, new_layout):
+        after_kill.append(what_loads(directory))
+        assert after_kill[-1] in ("old", "new"), f"after {[step.does for step in done]}: {after_kill[-1]}"
+        aside = [path for path in directory.iterdir() if ".cadence-old." in path.name]
+        assert all(path.stat().st_nlink == 1 for path in aside)  # copies, not links
+    assert distinct_in_order(after_kill) == ["old", "new"]
+    assert any(step.does.startswith("link") for step in done)
+
+
+@pytest.mark.parametrize("change", ["replace", "link", "unlink"])
+@pytest.mark.parametrize(
+    ("old_layout", "new_layout"),
+    [pytest.param(LAYOUTS[old], LAYOUTS[new], id=f"{old}-to-{new}") for old, new in REPRESENTATIVE],
+)
+def test_a_re_export_failing_at_any_rename_link_or_removal_leaves_one_whole_export(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, old_layout: Layout, new_layout: Layout, change: str
+) -> None:
+    """Fail each rename (or link, or removal) in turn with an I/O error, until the export gets through."""
     for step in itertools.count(1):
         directory = tmp_path / str(step)
         old_export(directory, old_layout)
@@ -768,14 +917,33 @@ def test_a_re_export_failing_at_any_rename_or_removal_leaves_one_whole_export(
             except OSError as error:
                 assert error.errno == errno.EIO
                 finished = False
-        assert what_loads(directory) in ({"new"} if finished else {"old", "nothing", "new"}), step
+        assert what_loads(directory) in ({"new"} if finished else {"old", "new"}), step
         assert not temporaries(directory)
         assert_user_files_kept(directory)
         save_weights(NEW.state_dict(), directory, **new_layout)  # a retry completes
         assert what_loads(directory) == "new"
         if finished:
             break
-    assert step > 1 or change == "unlink"  # a re-export with nothing to remove never unlinks
+    assert step > 1 or change != "replace"  # every export renames; only some link or remove
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [(SHARDED_3, SINGLE), (PICKLE_SHARDED_3, PICKLE_SINGLE), (PICKLE_SINGLE, SHARDED_3), (PICKLE_SHARDED_3, SINGLE)],
+    ids=["single-before-index", "pickle-before-its-index", "safetensors-index-before-pickle", "safetensors-first"],
+)
+def test_of_two_exports_in_one_directory_the_one_transformers_takes_loads(
+    tmp_path: Path, first: Layout, second: Layout
+) -> None:
+    """transformers' from_pretrained looks for model.safetensors, then model.safetensors.index.json, then
+    pytorch_model.bin, then its index; cadence takes the same, so both readers load the same export (``second``,
+    the one that comes first in that order)."""
+    save_weights(OLD.state_dict(), tmp_path / "one", **first)
+    save_weights(NEW.state_dict(), tmp_path / "two", **second)
+    for path in (tmp_path / "two").iterdir():
+        assert not (tmp_path / "one" / path.name).exists()
+        path.replace(tmp_path / "one" / path.name)
+    assert what_loads(tmp_path / "one") == "new"
 
 
 def test_an_export_never_brings_an_older_shadowed_export_back_into_view(
@@ -792,15 +960,28 @@ def test_an_export_never_brings_an_older_shadowed_export_back_into_view(
     watch_directory_changes(monkeypatch, lambda: seen.append(what_loads(tmp_path)))
     save_weights(NEW.state_dict(), tmp_path, **SHARDED_3)
     monkeypatch.undo()
-    assert distinct_in_order(["old", *seen]) == ["old", "nothing", "new"]
+    assert distinct_in_order(["old", *seen]) == ["old", "new"]
     assert file_names(tmp_path) == {*USER_FILES, "model.safetensors.index.json"} | {
         f"model-{n:05d}-of-00003.safetensors" for n in (1, 2, 3)
     }
 
 
 def test_an_export_clears_the_temporaries_a_killed_export_left_and_nothing_else(tmp_path: Path) -> None:
-    killed = [".model-00004-of-00004.safetensors.partial", ".model.safetensors.index.json.partial"]
-    kept = [".config.json.partial", "model.safetensors.partial", ".notes.partial", "model-00001-of-00003.txt"]
+    killed = [
+        ".model-00004-of-00004.safetensors.partial",
+        ".model.safetensors.index.json.partial",
+        "model-00001-of-00003.cadence-old.safetensors",  # a second name no index reads
+        "model.safetensors.index.cadence-old.json",
+    ]
+    kept = [
+        ".config.json.partial",
+        "model.safetensors.partial",
+        ".notes.partial",
+        "model-00001-of-00003.txt",
+        "model.old.safetensors",
+        "model-00001-of-00003.old.safetensors",
+        "notes.cadence-old.json",
+    ]
     for name in killed + kept:
         (tmp_path / name).write_bytes(b"x")
     save_weights(NEW.state_dict(), tmp_path, **SHARDED_3)

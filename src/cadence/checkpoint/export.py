@@ -4,9 +4,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import functools
 import json
 import os
 import re
+import shutil
 import sys
 from collections import defaultdict
 from collections.abc import Callable, Mapping
@@ -29,10 +33,15 @@ SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
 PICKLE_WEIGHTS = "pytorch_model.bin"
 PICKLE_INDEX = "pytorch_model.bin.index.json"
-_ENTRIES = (SAFE_INDEX, SAFE_WEIGHTS, PICKLE_INDEX, PICKLE_WEIGHTS)
-"""Where loading looks for an export, in the order it prefers them."""
+_ENTRIES = (SAFE_WEIGHTS, SAFE_INDEX, PICKLE_WEIGHTS, PICKLE_INDEX)
+"""Where loading looks for an export, in the order it prefers them: transformers' ``from_pretrained`` order, so that
+cadence and transformers load the same export from a directory that holds two."""
 _SHARD = re.compile(r"(model|pytorch_model)-\d{5}-of-\d{5}\.(safetensors|bin)")
 _TEMPORARY = re.compile(r"\.(.+)\.partial")
+_ASIDE = ".cadence-old"
+"""Marks the second name an earlier export's file gets (``model-00001-of-00003.cadence-old.safetensors``) while this
+export takes its own name: see ``_setting_aside``. The suffix stays last: readers pick the format by it."""
+_NO_HARD_LINKS = frozenset({errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.ENOSYS})
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -47,8 +56,13 @@ def parse_size(size: int | str) -> int:
     return parsed
 
 
-def _temporary(path: Path) -> Path:
-    return path.with_name(f".{path.name}.partial")
+def _temporary(name: str) -> str:
+    return f".{name}.partial"
+
+
+def _aside(name: str) -> str:
+    stem, suffix = name.rsplit(".", 1)
+    return f"{stem}{_ASIDE}.{suffix}"
 
 
 def _is_export_file(name: str) -> bool:
@@ -60,6 +74,28 @@ def _is_temporary(name: str) -> bool:
     return match is not None and _is_export_file(match.group(1))
 
 
+def _is_aside(name: str) -> bool:
+    stem, _, suffix = name.rpartition(".")
+    return stem.endswith(_ASIDE) and _is_export_file(f"{stem.removesuffix(_ASIDE)}.{suffix}")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One change ``save_weights`` makes to the export directory: writing one file under a name no reader looks at,
+    or one rename, link, unlink or fsync. A process killed at any instant has run the first steps of its plan, the
+    last one perhaps in part, which only a write can be (so what it leaves is never read)."""
+
+    does: str
+    run: Callable[[], object]
+
+
+@dataclass(frozen=True)
+class ExportPlan:
+    steps: list[Step]
+    files: list[Path]
+    """The export's files, once every step has run."""
+
+
 def save_weights(
     state_dict: Mapping[str, torch.Tensor],
     save_directory: str | Path,
@@ -68,26 +104,67 @@ def save_weights(
 ) -> list[Path]:
     """Write ``state_dict`` to ``save_directory`` (tied tensors once); returns the files written.
 
-    The directory loads as the earlier export or as this one, whole, or not at all, at every instant, even if the
-    process dies: see ``_commit``. Only cadence's export names are written or removed; other files stay.
+    Runs the steps of ``plan_export``, so the directory loads as the earlier export or as this one, whole, at every
+    instant, even if the process dies. Only cadence's export names are written or removed; other files stay.
+    """
+    plan = plan_export(state_dict, save_directory, max_shard_size, safe_serialization)
+    try:
+        for step in plan.steps:
+            step.run()
+    except BaseException:
+        # Every step leaves the old export or the new one in view, so only what no reader reaches is cleared: after
+        # a full disk, all this export wrote, and the directory is as it was.
+        directory = Path(save_directory)
+        _remove(directory, _leftovers(directory, _reads(directory, _served(directory))))
+        raise
+    return plan.files
+
+
+def plan_export(
+    state_dict: Mapping[str, torch.Tensor],
+    save_directory: str | Path,
+    max_shard_size: int | str = "1GB",
+    safe_serialization: bool = True,
+) -> ExportPlan:
+    """Check the arguments and the directory, changing nothing, and list the steps that write the export there.
+
+    Between any two steps, a reader that takes the first of ``_ENTRIES`` it finds (cadence, transformers'
+    ``from_pretrained``) loads the earlier export or this one, whole:
+
+    - the new files are written under temporary names and fsynced, then renamed into place, shards before entry;
+    - an earlier index that reads a file whose name this export writes (the same number of shards) is first
+      replaced, in one rename, by an equal index that reads those bytes under second names;
+    - entries no reader looks at go before the served one, which would bring them into view; the served entry goes
+      once the new one is in place, and the files it read after that;
+    - the directory is fsynced between changes whose order matters, so that a power cut keeps the order too.
+
+    A killed export's leftovers (temporaries, second names, old shards) are removed by the next export.
     """
     directory = Path(save_directory)
     if directory.exists() and not directory.is_dir():
         raise NotADirectoryError(f"save_model() needs a directory; {directory} is a file.")
     files, entry = _export_files(state_dict, parse_size(max_shard_size), safe_serialization)
     _check_replaceable(directory, files)
-    _make_directory(directory)
-    # An earlier export's temporaries (it was killed) are never read; they would only fill the disk.
-    _remove(directory, [path.name for path in directory.iterdir() if _is_temporary(path.name) and path.is_file()])
-    try:
-        _write_temporaries(directory, files)
-        _commit(directory, [name for name in files if name != entry], entry)
-    except BaseException:
-        # Every step of _commit leaves one whole export or none in view, so only the temporaries not yet renamed
-        # are left to clear (after a full disk: all of them, and the earlier export is untouched).
-        _remove(directory, [_temporary(directory / name).name for name in files], durable=False)
-        raise
-    return [directory / name for name in files]
+    served = _served(directory)
+    reads = _reads(directory, served)
+    leftovers = _leftovers(directory, reads)
+    shadowed = [name for name in _ENTRIES if name != served and name not in reads and (directory / name).is_file()]
+    taken = sorted((reads - {served}) & set(files))
+    retired = [served] if served is not None and served != entry else []
+    ours = {name for name in _files_in(directory) if _is_export_file(name) or _is_aside(name)}
+    stale = (ours - {*files, *leftovers, *shadowed, *retired}) | {_aside(name) for name in taken}
+    steps = [
+        *([] if directory.is_dir() else [_step(f"create {directory}", _make_directory, directory)]),
+        *_removing(directory, leftovers, durable=False),  # never read: they would only fill the disk
+        *_writing(directory, files),
+        *_removing(directory, shadowed),
+        *_setting_aside(directory, served, taken),
+        *_renaming(directory, [name for name in files if name != entry]),
+        *_renaming(directory, [entry]),  # the switch, unless the served entry comes before it in _ENTRIES
+        *_removing(directory, retired),  # then this is the switch
+        *_removing(directory, sorted(stale)),
+    ]
+    return ExportPlan(steps, [directory / name for name in files])
 
 
 def _export_files(
@@ -131,6 +208,41 @@ def _check_replaceable(directory: Path, files: Mapping[str, object]) -> None:
             )
 
 
+def _files_in(directory: Path) -> list[str]:
+    return sorted(path.name for path in directory.iterdir() if path.is_file()) if directory.is_dir() else []
+
+
+def _served(directory: Path) -> str | None:
+    """The entry loading starts from in ``directory`` now, if any."""
+    return next((name for name in _ENTRIES if (directory / name).is_file()), None)
+
+
+def _reads(directory: Path, served: str | None) -> set[str]:
+    """The files loading ``served`` reads, itself included. Only itself for an index that loads nothing (unreadable,
+    or naming a file that is not there): there is no whole export to keep whole."""
+    if served is None:
+        return set()
+    if not served.endswith(".index.json"):
+        return {served}
+    try:
+        names = set(json.loads((directory / served).read_text())["weight_map"].values())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError):
+        return {served}
+    if all(isinstance(name, str) and Path(name).name == name and (directory / name).is_file() for name in names):
+        return {served, *names}
+    return {served}
+
+
+def _leftovers(directory: Path, reads: set[str]) -> list[str]:
+    """What a killed or failed export left that no reader reaches: temporaries, and second names the served index
+    does not read."""
+    return [name for name in _files_in(directory) if _is_temporary(name) or (_is_aside(name) and name not in reads)]
+
+
+def _step(does: str, function: Callable[..., object], *args: Any) -> Step:
+    return Step(does, functools.partial(function, *args))
+
+
 def _make_directory(directory: Path) -> None:
     missing = [path for path in (directory, *directory.parents) if not path.exists()]
     directory.mkdir(parents=True, exist_ok=True)
@@ -138,54 +250,77 @@ def _make_directory(directory: Path) -> None:
         fsync_path(created.parent)  # a new directory's entry is durable only once its parent is
 
 
-def _write_temporaries(directory: Path, files: Mapping[str, Callable[[Path], object]]) -> None:
-    for name, write in files.items():
-        temporary = _temporary(directory / name)
-        write(temporary)
-        fsync_path(temporary)
+def _write_durably(write: Callable[[Path], object], path: Path) -> None:
+    write(path)
+    fsync_path(path)
 
 
-def _commit(directory: Path, shards: list[str], entry: str) -> None:
-    """Move the fsynced temporaries into place so that, at every instant, the entry loading prefers (``_ENTRIES``
-    order) leads to one whole export, the old or the new, or to none (loading fails: never a mix).
-
-    Each step's directory changes are fsynced before the next step, so no later change is durable before an
-    earlier one."""
-    served = next((name for name in _ENTRIES if (directory / name).is_file()), None)
-    # Entries shadowed now would come into view while the served one is removed: they go first, unseen.
-    _remove(directory, [name for name in _ENTRIES if name != served and (directory / name).is_file()])
-    replaced = [name for name in [*shards, entry] if name != served and (directory / name).is_file()]
-    if served is not None and served.endswith(".index.json") and replaced:
-        # The old index may read a file the new export replaces (same shard names): it stops being served first,
-        # so the directory loads nothing until the new entry is in place, rather than a mix.
-        _remove(directory, [served])
-        served = None
-    _rename_into_place(directory, shards)
-    _rename_into_place(directory, [entry])  # the switch, unless the old entry outranks it
-    if served not in (None, entry):
-        _remove(directory, [served])  # now either shadowed, or shadowing the new entry: the switch
-    stale = [path.name for path in directory.iterdir() if _SHARD.fullmatch(path.name) and path.name not in shards]
-    _remove(directory, [name for name in stale if (directory / name).is_file()])
+def _writing(directory: Path, files: Mapping[str, Callable[[Path], object]]) -> list[Step]:
+    return [
+        _step(f"write {_temporary(name)}", _write_durably, write, directory / _temporary(name))
+        for name, write in files.items()
+    ]
 
 
-def _rename_into_place(directory: Path, names: list[str]) -> None:
+def _durable(directory: Path, steps: list[Step]) -> list[Step]:
+    """``steps``, then an fsync of the directory, so that no later change is durable before theirs."""
+    return [*steps, _step(f"fsync {directory}", fsync_path, directory)] if steps else []
+
+
+def _renaming(directory: Path, names: list[str]) -> list[Step]:
+    return _durable(
+        directory,
+        [_step(f"rename {_temporary(name)} to {name}", _rename, directory, _temporary(name), name) for name in names],
+    )
+
+
+def _removing(directory: Path, names: list[str], durable: bool = True) -> list[Step]:
+    """Steps that unlink ``names`` (cadence's own export names only)."""
+    steps = [_step(f"remove {name}", _remove, directory, [name]) for name in names]
+    return _durable(directory, steps) if durable else steps
+
+
+def _setting_aside(directory: Path, served: str | None, taken: list[str]) -> list[Step]:
+    """Steps that give the files ``taken`` (read by the served index, named as files of this export) a second name
+    and then replace the index, in one rename, by one that reads them there: it stays whole, and loads the same
+    tensors, while their own names pass to the new export."""
+    if served is None or not taken:
+        return []
+    index = json.loads((directory / served).read_text())
+    index["weight_map"] = {key: _aside(name) if name in taken else name for key, name in index["weight_map"].items()}
+    text = json.dumps(index, indent=2)
+    rewritten = _aside(served)
+    links = [
+        _step(f"link {name} as {_aside(name)}", _link, directory / name, directory / _aside(name)) for name in taken
+    ]
+    return [
+        *_durable(directory, links),
+        _step(f"write {rewritten}", _write_durably, lambda path: path.write_text(text), directory / rewritten),
+        *_durable(directory, [_step(f"rename {rewritten} to {served}", _rename, directory, rewritten, served)]),
+    ]
+
+
+def _link(source: Path, target: Path) -> None:
+    """``target`` as a second name for ``source``'s bytes: a hard link, or a durable copy where the file system has
+    no hard links."""
+    try:
+        os.link(source, target)
+    except OSError as error:
+        if error.errno not in _NO_HARD_LINKS:
+            raise
+        shutil.copyfile(source, target)
+        fsync_path(target)
+
+
+def _rename(directory: Path, source: str, target: str) -> None:
+    os.replace(directory / source, directory / target)
+
+
+def _remove(directory: Path, names: list[str]) -> None:
+    """Unlink ``names`` (callers pass cadence's own export names only), those still there."""
     for name in names:
-        os.replace(_temporary(directory / name), directory / name)
-    if names:
-        fsync_path(directory)
-
-
-def _remove(directory: Path, names: list[str], durable: bool = True) -> None:
-    """Unlink ``names`` (callers pass cadence's own export names only); ``durable`` fsyncs the directory."""
-    removed = False
-    for name in names:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(directory / name)
-            removed = True
-        except FileNotFoundError:
-            pass
-    if removed and durable:
-        fsync_path(directory)
 
 
 @dataclass(frozen=True)
@@ -200,9 +335,9 @@ class _Source:
 
 def _resolve(checkpoint: Path) -> _Source:
     if checkpoint.is_dir():
-        for candidate in _ENTRIES:
-            if (checkpoint / candidate).is_file():
-                return _resolve(checkpoint / candidate)
+        entry = _served(checkpoint)
+        if entry is not None:
+            return _resolve(checkpoint / entry)
         raise CheckpointError(
             f"{checkpoint} holds no {SAFE_WEIGHTS}, {SAFE_INDEX}, {PICKLE_WEIGHTS} or {PICKLE_INDEX}: "
             "point to the directory save_model() wrote, or to a weights file."
