@@ -62,8 +62,13 @@ def _real_core_files() -> list[Path]:
     return files
 
 
+def _front_ends() -> list[Path]:
+    """Each front end: a module (``frontends/<name>.py``) or a package (``frontends/<name>/``)."""
+    return sorted(path for path in FRONTENDS.iterdir() if path.suffix == ".py" or (path / "__init__.py").is_file())
+
+
 def _front_end_modules() -> set[str]:
-    return {f"cadence.{path.stem}" for path in FRONTENDS.glob("*.py")}
+    return {f"cadence.{path.stem}" for path in _front_ends()}
 
 
 def _is_within(module: str, package: str) -> bool:
@@ -76,7 +81,7 @@ def test_every_link_in_the_core_leads_to_callbacks_or_a_front_end() -> None:
     for link in links:
         target = link.resolve()
         assert target == CALLBACKS or target.parent == FRONTENDS, f"{link} -> {target}"
-    for front_end in FRONTENDS.glob("*.py"):
+    for front_end in _front_ends():
         exposed = CORE / front_end.name
         assert exposed.is_symlink() and exposed.resolve() == front_end, (
             f"{front_end.name} is not installed: `ln -s ../../frontends/{front_end.name} {exposed.relative_to(ROOT)}`"

@@ -52,8 +52,10 @@ def test_a_wheel_holds_front_ends_and_callbacks_as_real_files_and_no_entry_point
     (wheel,) = tmp_path.glob("cadence-*.whl")
     with zipfile.ZipFile(wheel) as archive:
         members = {info.filename: info for info in archive.infolist()}
-        for front_end in (ROOT / "frontends").glob("*.py"):
-            info = members[f"cadence/{front_end.name}"]
+        front_ends = [*(ROOT / "frontends").glob("*.py"), *(ROOT / "frontends").glob("*/*.py")]
+        assert any(path.parent.name == "accelerate" for path in front_ends)
+        for front_end in front_ends:
+            info = members[f"cadence/{front_end.relative_to(ROOT / 'frontends').as_posix()}"]
             assert stat.S_ISREG(info.external_attr >> 16) and archive.read(info) == front_end.read_bytes()
         assert archive.read("cadence/callbacks/progress.py") == (ROOT / "callbacks" / "progress.py").read_bytes()
         entry_points = next(name for name in members if name.endswith(".dist-info/entry_points.txt"))

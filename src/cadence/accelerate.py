@@ -1,1 +1,0 @@
-../../frontends/accelerate.py
