@@ -20,6 +20,9 @@ from typing import Any, NoReturn, TypeVar, cast
 import torch
 from torch import nn
 
+from cadence.accelerate.process import ProcessMembers
+from cadence.accelerate.tracking import TrackingMembers
+from cadence.accelerate.training import TrainingMembers
 from cadence.callback import Callback
 from cadence.callbacks import GradientAccumulation, MixedPrecision
 from cadence.callbacks.mixed_precision import PrecisionName
@@ -284,7 +287,7 @@ def _check_device_placement(placement: object, count: int) -> None:
         )
 
 
-class Accelerator:
+class Accelerator(ProcessMembers, TrainingMembers, TrackingMembers):
     """The Accelerate tutorial's ``Accelerator``, running on a ``cadence.Engine`` (``accelerator.engine``).
 
     ``dynamo_backend`` (``"inductor"``, ``"aot_eager"``, ... or ``"no"``) becomes ``Engine(compile={"backend": ...})``:
