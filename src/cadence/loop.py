@@ -150,7 +150,10 @@ class FitRun:
     # --- the phases ----------------------------------------------------------------------------------------
     def run(self) -> State:
         engine, state = self.engine, self.state
-        self.train_loader.after_batch_end = self.after_batch_end
+        plan = self.plan
+        # Only a run that validates by steps or has a minimum needs a call per batch: the default loop pays nothing.
+        if plan.val_every_n_steps is not None or plan.min_steps is not None or plan.min_epochs is not None:
+            self.train_loader.after_batch_end = self.after_batch_end
         try:
             # Inside the try: a FIT_START hook that raises still gets FIT_END for the callbacks that started before it.
             engine.fire(Event.FIT_START)
