@@ -1,0 +1,123 @@
+"""Where cadence must give Lightning's results, checked against Lightning itself (lightning is in the dev extras):
+the sample-weighted validation mean of uneven batches, EarlyStopping's min_delta boundary with Python floats, and
+the refusal of two param groups that would log under one learning-rate name."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import cadence
+from cadence.callbacks import EarlyStopping, LearningRateMonitor
+
+lightning = pytest.importorskip("lightning")  # a dev dependency: CI always has it
+from lightning.pytorch.callbacks import EarlyStopping as LightningEarlyStopping  # noqa: E402
+from lightning.pytorch.callbacks import LearningRateMonitor as LightningLearningRateMonitor  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]  # importing Lightning takes seconds
+
+
+def train_loader() -> DataLoader[Any]:
+    return DataLoader(TensorDataset(torch.zeros(2, 1)), batch_size=2)
+
+
+class LightningModel(lightning.LightningModule):
+    """Logs ``values[k]`` at the k-th validation batch of the run (or of the epoch, with ``per_epoch``)."""
+
+    def __init__(self, values: list[float], per_epoch: bool = False, groups: int = 1) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(1, 1) for _ in range(groups))
+        self.values, self.per_epoch, self.calls = values, per_epoch, 0
+
+    def training_step(self, batch: Any, index: int) -> torch.Tensor:
+        return sum(layer(batch[0]).sum() for layer in self.layers)  # type: ignore[return-value]
+
+    def validation_step(self, batch: Any, index: int) -> None:
+        position = self.current_epoch if self.per_epoch else self.calls
+        self.calls += 1
+        self.log("x", self.values[min(position, len(self.values) - 1)], batch_size=len(batch[0]))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        groups = [{"params": layer.parameters(), "name": "linear"} for layer in self.layers]
+        return torch.optim.SGD(groups, lr=0.0)
+
+
+def lightning_fit(
+    model: LightningModel, val: DataLoader[Any], epochs: int, *callbacks: Any, logger: Any = False
+) -> Any:
+    trainer = lightning.Trainer(
+        max_epochs=epochs, logger=logger, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, accelerator="cpu", callbacks=list(callbacks),
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, train_loader(), val)
+    return trainer
+
+
+class CadenceStep(cadence.TrainingStep):
+    def __init__(self, values: list[float], per_epoch: bool = False, groups: int = 1) -> None:
+        self.layers = nn.ModuleList(nn.Linear(1, 1) for _ in range(groups))
+        self.model = self.layers
+        self.optimizer = torch.optim.SGD([{"params": m.parameters(), "name": "linear"} for m in self.layers], lr=0.0)
+        self.values, self.per_epoch, self.calls, self.epoch = values, per_epoch, 0, 0
+
+    def training_step(self, batch: Any) -> torch.Tensor:
+        return sum(layer(batch[0]).sum() for layer in self.model)  # type: ignore[return-value]
+
+    def validation_step(self, batch: Any) -> dict[str, float]:
+        position = self.epoch if self.per_epoch else self.calls
+        self.calls += 1
+        return {"x": self.values[min(position, len(self.values) - 1)]}
+
+
+class EpochCounter(cadence.Callback):
+    def __init__(self, step: CadenceStep) -> None:
+        self.step = step
+
+    def on_validation_end(self, engine: cadence.Engine) -> None:
+        self.step.epoch += 1
+
+
+def cadence_engine(tmp_path: Path, *callbacks: cadence.Callback) -> cadence.Engine:
+    return cadence.Engine(progress_bar=False, model_summary=False, project_dir=tmp_path, callbacks=list(callbacks))
+
+
+def test_the_validation_mean_of_uneven_batches_is_lightnings(tmp_path: Path) -> None:
+    # 3 samples in batches of 2 and 1, batch values 1 and 4: the mean over samples is 2.0 (a mean of means: 2.5).
+    val = DataLoader(TensorDataset(torch.zeros(3, 1)), batch_size=2)
+    theirs = float(lightning_fit(LightningModel([1.0, 4.0]), val, 1).callback_metrics["x"])
+    state = cadence_engine(tmp_path).fit(CadenceStep([1.0, 4.0]), train_loader(), max_epochs=1, val_dataloader=val)
+    assert state.metrics["val/x"] == theirs == 2.0
+
+
+@pytest.mark.parametrize("values", [[1.0, 0.9, 0.9, 0.9], [1.0, 0.8999, 0.8, 0.8, 0.8], [0.3, 0.2, 0.1, 0.1]])
+def test_early_stopping_at_the_min_delta_boundary_stops_where_lightning_does(
+    tmp_path: Path, values: list[float]
+) -> None:
+    val = DataLoader(TensorDataset(torch.zeros(1, 1)), batch_size=1)
+    theirs = LightningEarlyStopping("x", min_delta=0.1, patience=1, mode="min")
+    trainer = lightning_fit(LightningModel(values, per_epoch=True), val, 6, theirs)
+    step = CadenceStep(values, per_epoch=True)
+    ours = EarlyStopping("val/x", min_delta=0.1, patience=1, mode="min")
+    state = cadence_engine(tmp_path, EpochCounter(step), ours).fit(
+        step, train_loader(), max_epochs=6, val_dataloader=val
+    )
+    assert state.step == trainer.global_step  # one step an epoch: the epochs both ran
+    assert ours.best_score == pytest.approx(float(theirs.best_score))
+
+
+def test_two_param_groups_under_one_lr_name_are_refused_as_lightning_does(tmp_path: Path) -> None:
+    val = DataLoader(TensorDataset(torch.zeros(1, 1)), batch_size=1)
+    with pytest.raises(Exception, match="linear") as lightning_error:
+        logger = lightning.pytorch.loggers.CSVLogger(tmp_path / "lightning")
+        lightning_fit(LightningModel([1.0], groups=2), val, 1, LightningLearningRateMonitor(), logger=logger)
+    assert "unique" in str(lightning_error.value).lower() or "duplicate" in str(lightning_error.value).lower()
+    with pytest.raises(ValueError, match="linear"):
+        cadence_engine(tmp_path, LearningRateMonitor()).fit(CadenceStep([1.0], groups=2), train_loader(), max_epochs=1)
