@@ -143,7 +143,7 @@ def test_members_delegate_to_the_engine(tmp_path: Path, capsys: pytest.CaptureFi
     ("kwargs", "message"),
     [
         ({"deepspeed_plugin": object()}, r"DeepSpeed.*Engine\(strategy='fsdp'\)"),
-        ({"log_with": "wandb"}, r"cadence\.callbacks\.CSVLogger"),
+        ({"log_with": "wandb"}, r"write a cadence\.callbacks\.Logger backend"),
         ({"dynamo_plugin": object()}, r"pass dynamo_backend='inductor'.*Engine\(compile=\{\.\.\.\}\)"),
         ({"split_batches": True}, "per-rank batch size"),
         ({"mixed_precision": "fp8"}, "use 'no', 'fp16' or 'bf16'"),

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from cadence.accelerate.process import ProcessMembers
-from cadence.accelerate.tracking import TrackingMembers
+from cadence.accelerate.tracking import TrackingMembers, checked_log_with
 from cadence.accelerate.training import TrainingMembers
 from cadence.callback import Callback
 from cadence.callbacks import GradientAccumulation, MixedPrecision
@@ -42,10 +42,6 @@ _UNSUPPORTED = {
     "megatron_lm_plugin": "Megatron-LM is not supported; use Engine(strategy='fsdp')",
     "parallelism_config": "use Engine(strategy='ddp' | 'fsdp')",
     "rng_types": "cadence always saves and restores every RNG (python, numpy, torch, each device) per rank",
-    "log_with": (
-        "attach cadence.callbacks.CSVLogger() or TensorBoardLogger() (or a cadence.callbacks.Logger of your own) "
-        "to the Engine"
-    ),
     "gradient_accumulation_plugin": "pass gradient_accumulation_steps=N",
     "kwargs_handlers": "configure the Engine and its callbacks directly (e.g. MixedPrecision(init_scale=...))",
     "dynamo_plugin": (
@@ -63,9 +59,8 @@ _PER_RANK_BATCHES = "each rank loads its own batch_size from one global sample o
 class ProjectConfiguration:
     """Where checkpoints go: ``project_dir/checkpoints/checkpoint_{n}`` with ``automatic_checkpoint_naming``.
 
-    ``logging_dir`` (default: ``project_dir``) is what ``accelerator.logging_dir`` returns. In Accelerate only its
-    trackers write there; cadence has none (``log_with`` is refused): attach ``cadence.callbacks.CSVLogger``, which
-    writes ``metrics.csv`` under ``project_dir``, or point your own writer at ``accelerator.logging_dir``.
+    ``logging_dir`` (default: ``project_dir``) is what ``accelerator.logging_dir`` returns: the trackers of
+    ``log_with`` write in ``logging_dir / project_name`` once ``init_trackers(project_name)`` starts them.
     """
 
     project_dir: str | os.PathLike[str] | None = None
@@ -306,6 +301,7 @@ class Accelerator(ProcessMembers, TrainingMembers, TrackingMembers):
         step_scheduler_with_optimizer: bool = True,
         callbacks: Iterable[Callback] = (),
         dynamo_backend: str | None = None,
+        log_with: Any = None,
         **unsupported: Any,
     ) -> None:
         # Everything is checked before the Engine is built: building it seeds the RNGs and may join processes.
@@ -331,6 +327,8 @@ class Accelerator(ProcessMembers, TrainingMembers, TrackingMembers):
         _check_user_callbacks(user_callbacks, mixed_precision)
         features = [*_accumulation_callbacks(gradient_accumulation_steps), _precision_callback(mixed_precision)]
         compile_setting = _compile_setting(dynamo_backend)
+        self.log_with = checked_log_with(log_with)
+        self.trackers = []
         self.project_configuration = project
         self.project_dir = directory
         self.gradient_accumulation_steps: int = gradient_accumulation_steps
@@ -478,6 +476,3 @@ class Accelerator(ProcessMembers, TrainingMembers, TrackingMembers):
 
     def load_state(self, input_dir: str | os.PathLike[str] | None = None) -> None:
         self.engine.load_state(self._checkpoint_path(input_dir, "load_state"))
-
-    def end_training(self) -> None:
-        self.engine.close()
