@@ -1,41 +1,6 @@
 """``accelerate.utils.operations``: data moved between processes (``cadence.accelerate.operations``)."""
 
-from cadence.accelerate.operations import (
-    DistributedOperationException,
-    broadcast,
-    broadcast_object_list,
-    concatenate,
-    convert_to_fp32,
-    copy_tensor_to_devices,
-    find_batch_size,
-    gather,
-    gather_object,
-    honor_type,
-    is_torch_tensor,
-    listify,
-    pad_across_processes,
-    recursively_apply,
-    reduce,
-    send_to_device,
-    slice_tensors,
-)
+from cadence.accelerate import operations as _operations
+from cadence.accelerate.operations import *  # noqa: F403 - the same names, under Accelerate's module path
 
-__all__ = [
-    "DistributedOperationException",
-    "broadcast",
-    "broadcast_object_list",
-    "concatenate",
-    "convert_to_fp32",
-    "copy_tensor_to_devices",
-    "find_batch_size",
-    "gather",
-    "gather_object",
-    "honor_type",
-    "is_torch_tensor",
-    "listify",
-    "pad_across_processes",
-    "recursively_apply",
-    "reduce",
-    "send_to_device",
-    "slice_tensors",
-]
+__all__ = list(_operations.__all__)
