@@ -1,7 +1,12 @@
 """``cadence.accelerate``: the Hugging Face Accelerate API over a ``cadence.Engine``; change one import line.
 
-``from cadence.accelerate import Accelerator`` is ``accelerate.Accelerator`` for the tutorial's loop and the members
-listed in docs/accelerate.md. Each concern lives in a module of its own: ``accelerator`` (the ``Accelerator``)."""
+``from cadence.accelerate import Accelerator`` is ``accelerate.Accelerator`` for the members listed in
+docs/accelerate.md. Each concern lives in a module of its own: ``accelerator`` (the ``Accelerator``), ``state``
+(``PartialState``, ``AcceleratorState``, ``GradientState``, ``DistributedType``), ``operations`` (data between
+processes), ``utils`` (the names Accelerate's ``accelerate.utils`` offers). A name Accelerate has and cadence does not
+raises an error naming the cadence alternative (``refusals``)."""
+
+from typing import NoReturn
 
 from cadence.accelerate.accelerator import (
     Accelerator,
@@ -9,5 +14,20 @@ from cadence.accelerate.accelerator import (
     ProjectConfiguration,
     load_checkpoint_in_model,
 )
+from cadence.accelerate.refusals import refuse_name
+from cadence.accelerate.state import AcceleratorState, DistributedType, GradientState, PartialState
 
-__all__ = ["Accelerator", "DataLoaderConfiguration", "ProjectConfiguration", "load_checkpoint_in_model"]
+__all__ = [
+    "Accelerator",
+    "AcceleratorState",
+    "DataLoaderConfiguration",
+    "DistributedType",
+    "GradientState",
+    "PartialState",
+    "ProjectConfiguration",
+    "load_checkpoint_in_model",
+]
+
+
+def __getattr__(name: str) -> NoReturn:
+    refuse_name(__name__, name)

@@ -15,12 +15,13 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar, cast
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, cast
 
 import torch
 from torch import nn
 
 from cadence.accelerate.process import ProcessMembers
+from cadence.accelerate.refusals import refuse_member
 from cadence.accelerate.tracking import TrackingMembers, checked_log_with
 from cadence.accelerate.training import TrainingMembers
 from cadence.callback import Callback
@@ -344,31 +345,6 @@ class Accelerator(ProcessMembers, TrainingMembers, TrackingMembers):
         if project.iteration:
             self.engine.checkpoints.advance(project.iteration - 1)
 
-    # --- where and who -------------------------------------------------------------------------------------
-    @property
-    def device(self) -> torch.device:
-        return self.engine.device
-
-    @property
-    def is_main_process(self) -> bool:
-        return self.engine.is_main_process
-
-    @property
-    def is_local_main_process(self) -> bool:
-        return self.engine.local_rank == 0
-
-    @property
-    def process_index(self) -> int:
-        return self.engine.rank
-
-    @property
-    def local_process_index(self) -> int:
-        return self.engine.local_rank
-
-    @property
-    def num_processes(self) -> int:
-        return self.engine.world_size
-
     @property
     def sync_gradients(self) -> bool:
         return self.engine.state.sync_gradients
@@ -383,6 +359,15 @@ class Accelerator(ProcessMembers, TrainingMembers, TrackingMembers):
     def mixed_precision(self) -> str:
         name = self.engine.precision.name
         return "no" if name == "fp32" else name
+
+    if not TYPE_CHECKING:  # mypy would otherwise take every misspelt member for this
+
+        def __getattr__(self, name: str) -> Any:
+            """Reached only for a member ``Accelerator`` lacks: Accelerate's members cadence does not provide
+            raise an error naming the cadence alternative (docs/accelerate.md)."""
+            if name.startswith("__") or name == "engine":  # copy/pickle probes, and a half-built Accelerator
+                raise AttributeError(name)
+            refuse_member("Accelerator", name)
 
     # --- the step ------------------------------------------------------------------------------------------
     def prepare(self, *objects: Any, device_placement: Sequence[bool | None] | None = None) -> Any:
@@ -427,24 +412,6 @@ class Accelerator(ProcessMembers, TrainingMembers, TrackingMembers):
                 "unset to get your module with its own forward",
             )
         return self.engine.unwrap_model(model)
-
-    # --- processes -----------------------------------------------------------------------------------------
-    def wait_for_everyone(self) -> None:
-        self.engine.wait_for_everyone()
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        self.engine.print(*args, **kwargs)
-
-    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self.engine.gather(tensor)
-
-    def gather_for_metrics(self, data: Any, use_gather_object: bool = False) -> Any:
-        if use_gather_object:
-            _refuse("gather_for_metrics(use_gather_object=True)", "gather tensors (one row per sample)")
-        return self.engine.gather_for_metrics(data)
-
-    def reduce(self, tensor: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
-        return self.engine.reduce(tensor, op=reduction)  # type: ignore[arg-type]
 
     # --- saving --------------------------------------------------------------------------------------------
     def register_for_checkpointing(self, *objects: Any) -> None:

@@ -1,1 +1,15 @@
 """``cadence.accelerate.utils``: the names Accelerate's examples and test scripts import from ``accelerate.utils``."""
+
+from typing import NoReturn
+
+from cadence.accelerate.refusals import refuse_name
+from cadence.accelerate.utils import operations as _operations
+from cadence.accelerate.utils.dataclasses import DataLoaderConfiguration, DistributedType, ProjectConfiguration
+from cadence.accelerate.utils.operations import *  # noqa: F403 - accelerate.utils offers them too
+
+__all__ = ["DataLoaderConfiguration", "DistributedType", "ProjectConfiguration"]
+__all__ += _operations.__all__
+
+
+def __getattr__(name: str) -> NoReturn:
+    refuse_name(__name__, name)
