@@ -120,8 +120,8 @@ EXCLUDED = {
 NEEDS = {
     "test_script.py": "issue 19: needs Accelerator.state, AcceleratorState and the cadence.accelerate.state module",
     "test_sync.py": "issue 19: needs the cadence.accelerate.state module (GradientState) and accelerator.state",
-    "test_ops.py": "issue 19: needs PartialState and cadence.accelerate.utils.operations",
 }
+"""Scripts whose checks cadence does not pass yet, with what they wait for; a script not listed must pass."""
 
 _IMPORT = re.compile(r"^(?P<indent>[ \t]*)(?P<keyword>from|import)[ \t]+accelerate(?P<rest>(?:\.\w+)*)\b", re.M)
 
@@ -237,7 +237,7 @@ def _cases() -> list[Any]:
         for processes in check.processes:
             for target in ("accelerate", "cadence"):
                 marks = [pytest.mark.slow]
-                if target == "cadence":
+                if target == "cadence" and check.script in NEEDS:
                     marks.append(pytest.mark.xfail(strict=True, reason=NEEDS[check.script]))
                 case_id = f"{check.id}-{target}-{processes}proc"
                 cases.append(pytest.param(check, target, processes, marks=marks, id=case_id))
