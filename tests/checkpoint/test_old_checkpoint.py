@@ -10,19 +10,13 @@ import torch
 
 from cadence import Engine
 from cadence.checkpoint.layout import CheckpointDirectory
-from tests.fixtures.make_main_checkpoint import TARGET, build
+from tests.fixtures.make_main_checkpoint import TARGET, build, train_one_step
 
 
 def replayed() -> tuple[torch.nn.Linear, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     """What the fixture's script did, in plain torch: the state the checkpoint must hold."""
     model, optimizer, scheduler, _ = build()
-    with torch.no_grad():
-        model.weight.copy_(torch.arange(6, dtype=torch.float32).reshape(2, 3) / 10)
-        model.bias.copy_(torch.tensor([-1.0, 1.0]))
-    model(torch.ones(1, 3)).sum().backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    scheduler.step()
+    train_one_step(model, optimizer, scheduler)
     return model, optimizer, scheduler
 
 
