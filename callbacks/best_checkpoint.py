@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from cadence.checkpoint.layout import SCORE_KEY
+from cadence.checkpoint.state_document import SCORE_KEY
 
 if TYPE_CHECKING:
     from cadence import Engine

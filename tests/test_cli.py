@@ -140,7 +140,7 @@ def test_a_structurally_damaged_manifest_gets_one_line_naming_the_checkpoint(
 def test_verify_names_a_malformed_document_whose_checksums_match(
     checkpoint: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from tests.checkpoint.test_schema import rewrite
+    from tests.checkpoint.test_state_document import rewrite
 
     rewrite(checkpoint, "state.json", lambda document: document["counters"].pop("step"))
     assert main(["checkpoint", "verify", str(checkpoint)]) == 1

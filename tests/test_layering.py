@@ -132,3 +132,17 @@ def test_the_import_parser_sees_what_the_rules_forbid(tmp_path: Path) -> None:
         ("cadence.callbacks", "progress"),
         ("cadence.engine", "_private"),
     }
+
+
+def test_strategies_never_import_the_checkpoint_layer_that_drives_them() -> None:
+    """The checkpoint format has one owner (``checkpoint.state_document``): strategies hand their tensors and entries
+    over through ``strategies.storage`` and never import ``cadence.checkpoint``, even for type checking."""
+    files = sorted((CORE / "strategies").glob("*.py"))
+    assert CORE / "strategies" / "checkpoint_state.py" in files
+    edges = {
+        (path.name, module)
+        for path in files
+        for module, name in _imports(path, _module_name(path, CORE, "cadence"))
+        if _is_within(module, "cadence.checkpoint") or _is_within(f"{module}.{name}", "cadence.checkpoint")
+    }
+    assert edges == set()

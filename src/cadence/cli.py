@@ -71,7 +71,7 @@ def environment_report() -> str:
 
 def _checkpoint(options: argparse.Namespace) -> int:
     from cadence.checkpoint.files import CheckpointError, CheckpointReader
-    from cadence.checkpoint.schema import check_documents
+    from cadence.checkpoint.state_document import check_documents
 
     directory: Path = options.directory
     try:

@@ -22,7 +22,7 @@ from cadence.callbacks import (
 )
 from cadence.checkpoint.checks import check_state_fields, check_state_items, learning_rate_note
 from cadence.checkpoint.errors import CheckpointCorrupted
-from tests.checkpoint.test_schema import rewrite
+from tests.checkpoint.test_state_document import rewrite
 from tests.helpers import RegressionStep, assert_bitwise_equal, loader, parameters
 
 

@@ -620,7 +620,7 @@ def test_a_registered_object_whose_load_state_dict_raises_is_named_and_nothing_e
 
 
 def test_malformed_rng_states_are_refused_before_anything_changes(tmp_path: Path, saved: Path) -> None:
-    from tests.checkpoint.test_schema import rewrite
+    from tests.checkpoint.test_state_document import rewrite
 
     rewrite(saved, "rank_0.json", lambda document: document["rng"].update(python=[3, [1, 2], None]))
     with pytest.raises(CheckpointError, match=r"rank_0\.json is malformed: the RNG states cannot be restored"):
@@ -714,7 +714,7 @@ def test_a_resumed_finished_run_has_its_last_metrics(tmp_path: Path) -> None:
 
 
 def test_a_checkpoint_without_metrics_still_loads_and_keeps_the_metrics_logged(tmp_path: Path, saved: Path) -> None:
-    from tests.checkpoint.test_schema import rewrite
+    from tests.checkpoint.test_state_document import rewrite
 
     rewrite(saved, "state.json", lambda document: document["counters"].pop("metrics"))  # as earlier versions wrote
     eng = engine(tmp_path / "run")

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from cadence import Callback, CheckpointError
-from cadence.checkpoint.layout import SCORE_KEY, CheckpointDirectory
+from cadence.checkpoint.layout import CheckpointDirectory
+from cadence.checkpoint.state_document import SCORE_KEY
 from cadence.testing import FakeEngine
 
 

@@ -14,7 +14,7 @@ import torch
 
 from cadence.checkpoint.codec import decode
 from cadence.checkpoint.errors import CheckpointCorrupted, CheckpointError
-from cadence.checkpoint.schema import _describe, _is
+from cadence.checkpoint.state_document import _describe, _is
 
 if TYPE_CHECKING:
     from cadence.callback import Callback

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -28,61 +28,35 @@ from cadence.checkpoint.checks import (
     optimizer_identity,
     warn_unmatched_callbacks,
 )
-from cadence.checkpoint.codec import encode
 from cadence.checkpoint.errors import CheckpointError
 from cadence.checkpoint.files import MANIFEST, CheckpointReader, CheckpointWriter
 from cadence.checkpoint.rng import capture_rng_states, check_rng_states, restore_rng_states
-from cadence.checkpoint.schema import check_rank, check_run_fields, check_shared
+from cadence.checkpoint.state_document import (
+    RANK_SECTIONS,
+    SHARED_JSON,
+    SHARED_SECTIONS,
+    SHARED_TENSORS,
+    check_optimizer_state,
+    check_rank,
+    check_run_fields,
+    check_shared,
+    rank_files,
+    write_document,
+)
+from cadence.strategies.storage import SHARDS
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
-
-    from cadence.callback import Callback
-    from cadence.checkpoint.layout import CheckpointDirectory
     from cadence.checkpoint.snapshot import HostBuffers
-    from cadence.state import State
-    from cadence.strategies.base import ObjectCollectives, Strategy
-    from cadence.wrappers import PreparedDataLoader, PreparedOptimizer, PreparedScheduler
+    from cadence.engine import Engine
+    from cadence.strategies.base import ObjectCollectives
+    from cadence.wrappers import PreparedOptimizer, PreparedScheduler
+
+# Engine is the one caller, and every public member the save and load read is Engine's own (strategy, state,
+# checkpoints, rank, world_size, is_main_process, the prepared objects, unwrap_model, print): a protocol copying them
+# would only restate Engine's signatures. The annotation is for type checking; nothing here imports engine.py.
 
 
-class Checkpointed(Protocol):
-    """What a checkpoint saves and restores, as ``Engine`` exposes it publicly (so this module needs no engine)."""
-
-    strategy: Strategy
-    state: State
-    checkpoints: CheckpointDirectory
-
-    @property
-    def rank(self) -> int: ...
-    @property
-    def world_size(self) -> int: ...
-    @property
-    def is_main_process(self) -> bool: ...
-    @property
-    def models(self) -> Sequence[nn.Module]: ...
-    @property
-    def optimizers(self) -> Sequence[PreparedOptimizer]: ...
-    @property
-    def schedulers(self) -> Sequence[PreparedScheduler]: ...
-    @property
-    def callbacks(self) -> Sequence[Callback]: ...
-    @property
-    def registered(self) -> Sequence[Any]: ...
-    @property
-    def dataloaders(self) -> Sequence[PreparedDataLoader]: ...
-    def unwrap_model(self, model: nn.Module) -> nn.Module: ...
-    def print(self, *args: Any, **kwargs: Any) -> None: ...
-
-
-SHARED_JSON = "state.json"
-SHARED_TENSORS = "state.safetensors"
-
-
-def _rank_files(rank: int) -> tuple[str, str]:
-    return f"rank_{rank}.json", f"rank_{rank}.safetensors"
-
-
-def save_engine_state(engine: Checkpointed, target: Path | None, number: int) -> tuple[Path, int]:
+def save_engine_state(engine: Engine, target: Path | None, number: int) -> tuple[Path, int]:
     """Write the engine's complete state as a committed checkpoint at ``target``, or, when ``target`` is None, at
     the first free ``checkpoint_{n}`` of ``engine.checkpoints`` from ``n = number`` on; returns the directory and
     its number.
@@ -96,7 +70,7 @@ def save_engine_state(engine: Checkpointed, target: Path | None, number: int) ->
 
 
 def begin_engine_save(
-    engine: Checkpointed, target: Path | None, number: int, buffers: HostBuffers | None = None
+    engine: Engine, target: Path | None, number: int, buffers: HostBuffers | None = None
 ) -> EngineSave:
     """The part of ``save_engine_state`` that must run on the training thread, on every rank: claim the temporary
     directory and hand every file's content to a writer. With ``buffers``, tensors are copied into them (a
@@ -136,7 +110,7 @@ class EngineSave:
     """A save whose files were handed to its writer: ``complete`` waits until every rank's are durable, and the
     main rank commits. What the manifest records (step, world size) was read when the save began."""
 
-    def __init__(self, engine: Checkpointed, writer: CheckpointWriter, target: Path | None, number: int) -> None:
+    def __init__(self, engine: Engine, writer: CheckpointWriter, target: Path | None, number: int) -> None:
         self._checkpoints = engine.checkpoints
         self._main = engine.is_main_process
         self._manifest = {"step": engine.state.step, "world_size": engine.world_size}
@@ -163,7 +137,7 @@ class EngineSave:
             raise
 
 
-def _owner(engine: Checkpointed, optimizer: PreparedOptimizer) -> nn.Module | None:
+def _owner(engine: Engine, optimizer: PreparedOptimizer) -> nn.Module | None:
     """The prepared model whose parameters this optimizer updates (``None`` when they span several)."""
     wanted = {id(p) for group in optimizer.param_groups for p in group["params"]}
     for model in engine.models:
@@ -174,40 +148,32 @@ def _owner(engine: Checkpointed, optimizer: PreparedOptimizer) -> nn.Module | No
 
 
 def _write_shared(
-    engine: Checkpointed,
+    engine: Engine,
     writer: CheckpointWriter,
     models: list[dict[str, Any]],
     optimizers: list[dict[str, Any]],
     callbacks: dict[str, dict[str, Any]],
 ) -> None:
-    tensors: dict[str, torch.Tensor] = {}
     shared = {
         "counters": engine.state.counters(),
         "models": models,
         "optimizers": [
-            encode({**entry, **optimizer_identity(optimizer.optimizer)}, tensors, f"optimizer_{i}")
-            for i, (optimizer, entry) in enumerate(zip(engine.optimizers, optimizers, strict=True))
+            {**entry, **optimizer_identity(optimizer.optimizer)}
+            for optimizer, entry in zip(engine.optimizers, optimizers, strict=True)
         ],
-        "schedulers": [encode(s.state_dict(), tensors, f"scheduler_{i}") for i, s in enumerate(engine.schedulers)],
-        "callbacks": {key: encode(state, tensors, key) for key, state in callbacks.items()},
-        "registered": [encode(o.state_dict(), tensors, f"registered_{i}") for i, o in enumerate(engine.registered)],
+        "schedulers": [scheduler.state_dict() for scheduler in engine.schedulers],
+        "callbacks": callbacks,
+        "registered": [registered.state_dict() for registered in engine.registered],
     }
-    writer.write_tensors(SHARED_TENSORS, tensors)
-    writer.write_json(SHARED_JSON, shared)
+    write_document(writer, (SHARED_JSON, SHARED_TENSORS), SHARED_SECTIONS, shared)
 
 
-def _write_rank(engine: Checkpointed, writer: CheckpointWriter) -> None:
-    tensors: dict[str, torch.Tensor] = {}
-    per_rank = {
-        "rng": encode(capture_rng_states(), tensors, "rng"),
-        "dataloaders": [encode(d.state_dict(), tensors, f"dataloader_{i}") for i, d in enumerate(engine.dataloaders)],
-    }
-    rank_json, rank_safetensors = _rank_files(engine.rank)
-    writer.write_tensors(rank_safetensors, tensors)
-    writer.write_json(rank_json, per_rank)
+def _write_rank(engine: Engine, writer: CheckpointWriter) -> None:
+    per_rank = {"rng": capture_rng_states(), "dataloaders": [loader.state_dict() for loader in engine.dataloaders]}
+    write_document(writer, rank_files(engine.rank), RANK_SECTIONS, per_rank)
 
 
-def load_engine_state(engine: Checkpointed, directory: Path) -> dict[str, Any]:
+def load_engine_state(engine: Engine, directory: Path) -> dict[str, Any]:
     """Restore the engine from a committed checkpoint; returns its manifest.
 
     Every file is read and checked against the manifest, every document's structure is checked, every value is
@@ -239,10 +205,10 @@ class _Checked:
     lr_note: str | None
 
 
-def _read_and_check(engine: Checkpointed, reader: CheckpointReader) -> _Checked:
+def _read_and_check(engine: Engine, reader: CheckpointReader) -> _Checked:
     strategy, directory = engine.strategy, reader.directory
     check_run_fields(reader.manifest, str(directory / MANIFEST))
-    rank_json, rank_safetensors = _rank_files(engine.rank)
+    rank_json, rank_safetensors = rank_files(engine.rank)
     restore_rng = reader.has(rank_json)
     if not restore_rng:
         # More ranks than saved it: positions are global sample counts, the same in every rank's file, so
@@ -253,7 +219,7 @@ def _read_and_check(engine: Checkpointed, reader: CheckpointReader) -> _Checked:
             UserWarning,
             stacklevel=4,
         )
-        rank_json, rank_safetensors = _rank_files(0)
+        rank_json, rank_safetensors = rank_files(0)
     models = [name for index in range(len(engine.models)) for name in strategy.model_files(index)]
     # Files whose tensors are copied into live ones (weights; optimizer state where the optimizer has some)
     # are checked, then mapped, and copied out of the page cache one tensor at a time: the state is never held
@@ -310,7 +276,7 @@ def _read_and_check(engine: Checkpointed, reader: CheckpointReader) -> _Checked:
     )
 
 
-def _apply(engine: Checkpointed, reader: CheckpointReader, checked: _Checked) -> None:
+def _apply(engine: Engine, reader: CheckpointReader, checked: _Checked) -> None:
     """Every check passed: apply. What is kept rather than copied out gets memory of its own (``reader.owned``).
 
     The states loaded by code of their objects' own (callbacks, registered objects, schedulers) go first: one that
@@ -326,7 +292,7 @@ def _apply(engine: Checkpointed, reader: CheckpointReader, checked: _Checked) ->
         restore_rng_states(reader.owned(checked.rng))
 
 
-def _apply_own_states(engine: Checkpointed, reader: CheckpointReader, checked: _Checked) -> None:
+def _apply_own_states(engine: Engine, reader: CheckpointReader, checked: _Checked) -> None:
     steps: list[tuple[str, Callable[[], None]]] = [
         (f"callback {c.state_key!r}", partial(c.load_state_dict, reader.owned(checked.callbacks[c.state_key])))
         for c in engine.callbacks
@@ -370,13 +336,15 @@ def _partly_applied(what: str, error: Exception, done: list[str]) -> str:
 
 
 def _read_optimizers(
-    engine: Checkpointed, reader: CheckpointReader, saved: list[Any], tensors: dict[str, torch.Tensor]
+    engine: Engine, reader: CheckpointReader, saved: list[Any], tensors: dict[str, torch.Tensor]
 ) -> tuple[list[Callable[[], None]], str | None]:
     origin = reader.directory / SHARED_JSON
     entries = [decoded(entry, tensors, origin, f"optimizer {index}") for index, entry in enumerate(saved)]
     applies = []
     for index, (optimizer, entry) in enumerate(zip(engine.optimizers, entries, strict=True)):
         check_optimizer_class(index, optimizer.optimizer, entry)
+        if entry["keyed_by"] != SHARDS:
+            check_optimizer_state(entry["state"], str(reader.directory), f"optimizers[{index}].state")
         owner = _owner(engine, optimizer)
         applies.append(engine.strategy.read_optimizer(owner, optimizer.optimizer, reader, index, entry))
     return applies, learning_rate_note([o.optimizer for o in engine.optimizers], entries)

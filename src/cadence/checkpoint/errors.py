@@ -1,12 +1,8 @@
-"""The errors a checkpoint can raise, in a module of their own so every checkpoint module can raise them."""
+"""The checkpoint's errors, under the name the checkpoint modules import them by (defined in ``cadence.errors``,
+which the strategies can import too)."""
 
 from __future__ import annotations
 
+from cadence.errors import CheckpointCorrupted, CheckpointError
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be saved or loaded: incomplete, corrupted, or not matching what is being restored."""
-
-
-class CheckpointCorrupted(CheckpointError):
-    """The checkpoint's files are not what its manifest recorded (incomplete save, truncation, bit rot) or their
-    structure is malformed: an older checkpoint may still be good."""
+__all__ = ["CheckpointCorrupted", "CheckpointError"]

@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from cadence.checkpoint.commit import fsync_path
 from cadence.checkpoint.errors import CheckpointError
 from cadence.checkpoint.format import deduplicate, split_by_size, write_safetensors
-from cadence.checkpoint.matching import mismatch
+from cadence.strategies.matching import mismatch
 from cadence.wrappers import PreparedModule
 
 SAFE_WEIGHTS = "model.safetensors"

@@ -41,8 +41,8 @@ from cadence.checkpoint.format import (
     write_safetensors,
 )
 from cadence.checkpoint.hashed_io import CHECKSUMS, WRITE_CHUNK, FileBuffer, checksums_of, read_checked, write_hashed
-from cadence.checkpoint.schema import check_manifest
 from cadence.checkpoint.snapshot import HostBuffers, below_this_thread
+from cadence.checkpoint.state_document import check_manifest
 
 FORMAT_VERSION = 1
 PART_BYTES = 256 * 1024 * 1024

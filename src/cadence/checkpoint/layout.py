@@ -4,7 +4,6 @@ one; which of them retention must keep (protected, or another run's), and which 
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import secrets
@@ -15,18 +14,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from cadence.checkpoint.commit import MANIFEST, check_replaceable, is_checkpoint, remove_abandoned, temporary_name
-from cadence.checkpoint.engine_state import SHARED_JSON
 from cadence.checkpoint.errors import CheckpointCorrupted, CheckpointError
+from cadence.checkpoint.state_document import recorded_score
 
 if TYPE_CHECKING:
     from cadence.checkpoint.files import CheckpointWriter
 
 _NAME = re.compile(r"^checkpoint_(\d+)$")
-
-SCORE_KEY = "checkpoint_score"
-"""A callback whose state (``state_dict()``) holds ``{SCORE_KEY: {"monitor": name, "value": number}}`` says the
-checkpoint it is saved in scored ``value`` on metric ``name``: ``CheckpointDirectory.best`` reads it from disk."""
-
 
 RUN_KEY = "run"
 """The manifest field naming the run that committed the checkpoint (``CheckpointDirectory.run_id``). Checkpoints
@@ -225,7 +219,7 @@ class CheckpointDirectory:
         scored = [
             (score if mode == "min" else -score, number, directory)
             for number, directory in self.numbered()
-            if (score := _recorded_score(directory, monitor)) is not None
+            if is_checkpoint(directory) and (score := recorded_score(directory, monitor)) is not None
         ]
         if not scored:
             raise CheckpointError(
@@ -270,21 +264,3 @@ def _unwritable(directory: Path) -> str | None:
     if hasattr(os, "statvfs") and os.statvfs(existing).f_flag & os.ST_RDONLY:
         return f"{existing} is on a read-only file system"
     return f"this user may not write in {existing}"
-
-
-def _recorded_score(directory: Path, monitor: str) -> float | None:
-    """The score on ``monitor`` that a callback recorded in ``directory``'s state (see ``SCORE_KEY``), if any."""
-    if not is_checkpoint(directory):
-        return None
-    try:
-        shared = json.loads((directory / SHARED_JSON).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None  # a damaged checkpoint scores nothing; loading it would fail anyway
-    callbacks = shared.get("callbacks") if isinstance(shared, dict) else None
-    for state in callbacks.values() if isinstance(callbacks, dict) else ():
-        record = state.get(SCORE_KEY) if isinstance(state, dict) else None
-        if isinstance(record, dict) and record.get("monitor") == monitor:
-            value = record.get("value")
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value):
-                return float(value)
-    return None

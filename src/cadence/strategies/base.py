@@ -15,7 +15,7 @@ from cadence.strategies.checkpoint_state import Apply
 from cadence.strategies.optimizer_state import indexed_optimizer_state, named_optimizer_state
 
 if TYPE_CHECKING:
-    from cadence.checkpoint.files import CheckpointReader, CheckpointWriter
+    from cadence.strategies.storage import TensorSink, TensorSource
 
 ReduceOp = Literal["mean", "sum", "max", "min"]
 
@@ -106,7 +106,7 @@ class Strategy(ABC):
         return self
 
     # --- checkpoints: every rank calls these, in the same order (they may be collectives).
-    def save_model(self, module: nn.Module, writer: CheckpointWriter, index: int) -> dict[str, Any]:
+    def save_model(self, module: nn.Module, writer: TensorSink, index: int) -> dict[str, Any]:
         """Write the user module's state (model ``index`` of the engine) through ``writer``; returns its entry
         for state.json, which the main rank records (other ranks' entries are not used).
 
@@ -116,7 +116,7 @@ class Strategy(ABC):
             return {}
         return checkpoint_state.write_full_model(writer, index, weights, grads)
 
-    def read_model(self, module: nn.Module, reader: CheckpointReader, index: int, entry: dict[str, Any]) -> Apply:
+    def read_model(self, module: nn.Module, reader: TensorSource, index: int, entry: dict[str, Any]) -> Apply:
         """Read model ``index``'s state as ``entry`` (what ``save_model`` returned, of any strategy) describes and
         check it against ``module``, changing nothing: ``CheckpointCorrupted`` for damage, ``CheckpointError`` for
         a model it does not fit. Returns the step that loads it into ``module``."""
@@ -128,7 +128,7 @@ class Strategy(ABC):
         return [checkpoint_state.model_file(index)]
 
     def save_optimizer(
-        self, module: nn.Module | None, optimizer: torch.optim.Optimizer, writer: CheckpointWriter, index: int
+        self, module: nn.Module | None, optimizer: torch.optim.Optimizer, writer: TensorSink, index: int
     ) -> dict[str, Any]:
         """Write optimizer ``index``'s state; ``module`` is the user model whose parameters it updates (``None``
         when they span several). Returns its entry for state.json: JSON values and tensors (the checkpoint stores
@@ -141,7 +141,7 @@ class Strategy(ABC):
         self,
         module: nn.Module | None,
         optimizer: torch.optim.Optimizer,
-        reader: CheckpointReader,
+        reader: TensorSource,
         index: int,
         entry: dict[str, Any],
     ) -> Apply:

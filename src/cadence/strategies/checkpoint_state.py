@@ -15,25 +15,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from cadence.checkpoint.errors import CheckpointError
-from cadence.checkpoint.matching import mismatch
-from cadence.checkpoint.schema import check_optimizer_state
+from cadence.errors import CheckpointError
+from cadence.strategies.matching import mismatch
 from cadence.strategies.optimizer_state import indexed_optimizer_state, parameters_by_name, positions
+from cadence.strategies.storage import BY_INDEX, BY_NAME, FULL_MODEL, SHARDED_MODEL, SHARDS
 
 if TYPE_CHECKING:
-    from cadence.checkpoint.files import CheckpointReader, CheckpointWriter
     from cadence.strategies.base import Strategy
+    from cadence.strategies.storage import TensorSink, TensorSource
 
 Apply = Callable[[], None]
 """The second half of a two-phase load: everything was read and checked; this changes the live objects."""
-
-FULL_MODEL = "safetensors"
-SHARDED_MODEL = "sharded"
-BY_INDEX = "index"
-"""Optimizer state as ``optimizer.state_dict()`` (its parameters span several models, so have no names)."""
-BY_NAME = "name"
-"""Optimizer state keyed by parameter name, so any sharding of the same model can load it."""
-SHARDS = "shards"
 
 
 def model_file(index: int) -> str:
@@ -54,7 +46,7 @@ def check_model_shapes(index: int, expected: dict[str, tuple[int, ...]], saved: 
 
 
 def write_full_model(
-    writer: CheckpointWriter, index: int, weights: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]
+    writer: TensorSink, index: int, weights: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]
 ) -> dict[str, Any]:
     aliases = writer.write_tensors(model_file(index), weights)
     if grads:
@@ -62,9 +54,7 @@ def write_full_model(
     return {"format": FULL_MODEL, "aliases": aliases, "grads": bool(grads)}
 
 
-def read_model(
-    strategy: Strategy, module: nn.Module, reader: CheckpointReader, index: int, entry: dict[str, Any]
-) -> Apply:
+def read_model(strategy: Strategy, module: nn.Module, reader: TensorSource, index: int, entry: dict[str, Any]) -> Apply:
     if entry["format"] == SHARDED_MODEL:
         from cadence.strategies.fsdp_checkpoint import read_sharded_model
 
@@ -100,7 +90,7 @@ def _reusable(target: object, saved: torch.Tensor) -> bool:
     return isinstance(target, torch.Tensor) and target.shape == saved.shape and target.dtype == saved.dtype
 
 
-def _copy_into(target: torch.Tensor | None, saved: torch.Tensor, reader: CheckpointReader) -> torch.Tensor:
+def _copy_into(target: torch.Tensor | None, saved: torch.Tensor, reader: TensorSource) -> torch.Tensor:
     """``target`` holding ``saved``'s values, if it can (``_reusable``); otherwise ``saved``."""
     if target is None or not _reusable(target, saved):
         return saved
@@ -122,7 +112,7 @@ def read_optimizer(
     strategy: Strategy,
     module: nn.Module | None,
     optimizer: torch.optim.Optimizer,
-    reader: CheckpointReader,
+    reader: TensorSource,
     index: int,
     entry: dict[str, Any],
 ) -> Apply:
@@ -130,7 +120,8 @@ def read_optimizer(
         from cadence.strategies.fsdp_checkpoint import read_sharded_optimizer
 
         return read_sharded_optimizer(_named_owner(index, module), optimizer, reader, index, entry["state"])
-    state = check_optimizer_state(entry["state"], str(reader.directory), f"optimizers[{index}].state")
+    # The checkpoint layer checked the state's structure (state_document.check_optimizer_state) before asking.
+    state = entry["state"]
     if entry["keyed_by"] == BY_INDEX:
         _check_group_sizes(index, optimizer, state)
         return lambda: optimizer.load_state_dict(_into_live_state(optimizer, state, positions(optimizer), reader))
@@ -148,7 +139,7 @@ def read_optimizer(
 
 
 def _into_live_state(
-    optimizer: torch.optim.Optimizer, state_dict: dict[str, Any], parameters: dict[Any, Any], reader: CheckpointReader
+    optimizer: torch.optim.Optimizer, state_dict: dict[str, Any], parameters: dict[Any, Any], reader: TensorSource
 ) -> dict[str, Any]:
     """``state_dict`` with each saved tensor copied into the optimizer's live tensor for the same parameter and
     key, where there is one it fits (``_reusable``), and that live tensor in its place: ``load_state_dict`` keeps

@@ -27,7 +27,7 @@ from cadence.strategies.fsdp_checkpoint import save_sharded_model, save_sharded_
 if TYPE_CHECKING:
     from datetime import timedelta
 
-    from cadence.checkpoint.files import CheckpointWriter
+    from cadence.strategies.storage import TensorSink
 
 
 class FSDPStrategy(DistributedStrategy):
@@ -127,16 +127,16 @@ class FSDPStrategy(DistributedStrategy):
             self._background = _GroupCollectives(self._background_group)
         return self._background
 
-    def _dcp_group(self, writer: CheckpointWriter) -> Any:
+    def _dcp_group(self, writer: TensorSink) -> Any:
         """The group DCP writes on: a snapshot is written on the save's thread, over the background group."""
         return self._background_group if writer.snapshot else None
 
-    def save_model(self, module: nn.Module, writer: CheckpointWriter, index: int) -> dict[str, Any]:
+    def save_model(self, module: nn.Module, writer: TensorSink, index: int) -> dict[str, Any]:
         _refuse_accumulated_gradients(module)
         return save_sharded_model(module, writer, index, main=self.rank == 0, group=self._dcp_group(writer))
 
     def save_optimizer(
-        self, module: nn.Module | None, optimizer: torch.optim.Optimizer, writer: CheckpointWriter, index: int
+        self, module: nn.Module | None, optimizer: torch.optim.Optimizer, writer: TensorSink, index: int
     ) -> dict[str, Any]:
         if module is not None and not optimizer.state:
             # Before the first step there is nothing to shard (and DCP's functions would first take a step to

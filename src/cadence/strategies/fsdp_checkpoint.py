@@ -22,11 +22,12 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.tensor import DTensor
 
-from cadence.checkpoint.errors import CheckpointError
-from cadence.strategies.checkpoint_state import SHARDED_MODEL, SHARDS, check_model_shapes
+from cadence.errors import CheckpointError
+from cadence.strategies.checkpoint_state import check_model_shapes
+from cadence.strategies.storage import SHARDED_MODEL, SHARDS
 
 if TYPE_CHECKING:
-    from cadence.checkpoint.files import CheckpointReader, CheckpointWriter
+    from cadence.strategies.storage import TensorSink, TensorSource
 
 # torch types these state dicts as unions of every value a state dict may hold; here they are plain dicts.
 get_model_state_dict: Any = dcp_state.get_model_state_dict
@@ -57,12 +58,12 @@ def _save(state: dict[str, Any], path: Path, group: Any = None) -> None:
     dcp_save(state, storage_writer=_writer(path), process_group=group)
 
 
-def _held(writer: CheckpointWriter, name: str, state: dict[str, Any]) -> dict[str, Any]:
+def _held(writer: TensorSink, name: str, state: dict[str, Any]) -> dict[str, Any]:
     """``state`` as ``writer.hold`` gives each tensor: a snapshot copies every rank's own shards to host memory."""
     return {key: _hold(writer, name, key, value) for key, value in state.items()}
 
 
-def _hold(writer: CheckpointWriter, name: str, key: str, value: torch.Tensor) -> torch.Tensor:
+def _hold(writer: TensorSink, name: str, key: str, value: torch.Tensor) -> torch.Tensor:
     if not isinstance(value, DTensor):
         return writer.hold(name, key, value)
     local = value.to_local()
@@ -133,7 +134,7 @@ def _shard_directory(kind: str, index: int) -> str:
 
 
 def save_sharded_model(
-    module: nn.Module, writer: CheckpointWriter, index: int, main: bool, group: Any = None
+    module: nn.Module, writer: TensorSink, index: int, main: bool, group: Any = None
 ) -> dict[str, Any]:
     """Every rank writes its shards of model ``index`` (a collective over ``group``, None: the default one); the
     main rank lists them in the manifest (DCP returns only once every rank's files are written) and returns the
@@ -144,7 +145,7 @@ def save_sharded_model(
     return {"format": SHARDED_MODEL, "aliases": {}, "grads": False}
 
 
-def read_sharded_model(module: nn.Module, reader: CheckpointReader, index: int) -> Callable[[], None]:
+def read_sharded_model(module: nn.Module, reader: TensorSource, index: int) -> Callable[[], None]:
     shards = _shard_directory("model", index)
     reader.verify_tree(shards)
     check_model_shapes(index, model_shapes(module), saved_shapes(reader.directory / shards))
@@ -160,7 +161,7 @@ def read_sharded_model(module: nn.Module, reader: CheckpointReader, index: int) 
 def save_sharded_optimizer(
     module: nn.Module | None,
     optimizer: torch.optim.Optimizer,
-    writer: CheckpointWriter,
+    writer: TensorSink,
     index: int,
     main: bool,
     group: Any = None,
@@ -179,7 +180,7 @@ def save_sharded_optimizer(
 
 
 def read_sharded_optimizer(
-    module: nn.Module, optimizer: torch.optim.Optimizer, reader: CheckpointReader, index: int, rest: dict[str, Any]
+    module: nn.Module, optimizer: torch.optim.Optimizer, reader: TensorSource, index: int, rest: dict[str, Any]
 ) -> Callable[[], None]:
     shards = _shard_directory("optimizer", index)
     reader.verify_tree(shards)

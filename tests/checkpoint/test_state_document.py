@@ -13,7 +13,7 @@ import torch
 import cadence
 from cadence.checkpoint.errors import CheckpointCorrupted, CheckpointError
 from cadence.checkpoint.files import checksums_of
-from cadence.checkpoint.schema import check_manifest, check_shared
+from cadence.checkpoint.state_document import check_manifest, check_shared
 from tests.helpers import RegressionStep, assert_bitwise_equal, loader, make_model, parameters
 
 
