@@ -11,6 +11,7 @@ from torch import nn
 
 from cadence import Callback
 from cadence.checkpoint.checks import check_state_fields
+from cadence.compat import version_counter
 
 if TYPE_CHECKING:
     from cadence import Engine
@@ -93,7 +94,7 @@ class GradientAccumulation(Callback):
         models = engine.models
         if self._weights[0] != models:  # listing the parameters costs far more than reading their versions
             self._weights = (models, [p for model in models for p in model.parameters() if p.requires_grad])
-        return sum(param._version for param in self._weights[1])
+        return sum(version_counter(param) for param in self._weights[1])
 
     def on_fit_start(self, engine: Engine) -> None:
         self._versions = None  # a load between two fits rewrites the weights: not an optimizer's step
