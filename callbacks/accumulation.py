@@ -12,6 +12,7 @@ from torch import nn
 from cadence import Callback
 from cadence.checkpoint.checks import check_state_fields
 from cadence.compat import version_counter
+from cadence.validators import integer
 
 if TYPE_CHECKING:
     from cadence import Engine
@@ -41,9 +42,7 @@ class GradientAccumulation(Callback):
     """
 
     def __init__(self, steps: int) -> None:
-        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-            raise ValueError(f"GradientAccumulation(steps) needs an integer >= 1; got {steps!r}.")
-        self.steps = steps
+        self.steps = integer("GradientAccumulation", "steps", steps)
         self._window_length: int | None = None
         self._micro_batches = 0
         self._items: Any = 0

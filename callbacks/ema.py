@@ -11,6 +11,7 @@ import torch
 from cadence import Callback
 from cadence.checkpoint.checks import check_state_fields
 from cadence.compat import foreach_copy_, foreach_lerp_, local_shard
+from cadence.validators import integer, is_number
 
 if TYPE_CHECKING:
     from cadence import Engine
@@ -53,14 +54,11 @@ class EMA(Callback):
     """
 
     def __init__(self, decay: float, every_n_steps: int = 1, start_step: int = 0) -> None:
-        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay < 1:
+        if not is_number(decay) or not 0 < decay < 1:
             raise ValueError(f"EMA(decay=...) must be a number strictly between 0 and 1 (e.g. 0.999); got {decay!r}.")
-        for name, value, least in (("every_n_steps", every_n_steps, 1), ("start_step", start_step, 0)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < least:
-                raise ValueError(f"EMA({name}=...) needs an integer >= {least}; got {value!r}.")
         self.decay = float(decay)
-        self.every_n_steps = every_n_steps
-        self.start_step = start_step
+        self.every_n_steps = integer("EMA", "every_n_steps", every_n_steps)
+        self.start_step = integer("EMA", "start_step", start_step, least=0)
         self._engine: Engine | None = None
         self._names: list[str] = []
         self._params: list[torch.Tensor] = []

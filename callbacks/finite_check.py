@@ -14,6 +14,7 @@ from cadence import Callback
 from cadence.checkpoint.checks import check_state_fields, check_state_items
 from cadence.compat import foreach_max_abs, local_shard
 from cadence.precision import GradScalerPrecision
+from cadence.validators import integer
 
 if TYPE_CHECKING:
     from cadence import Engine
@@ -61,9 +62,8 @@ class FiniteCheck(Callback):
     """
 
     def __init__(self, max_consecutive_skips: int = 3, spike_factor: float | None = None, window: int = 20) -> None:
-        for name, value in (("max_consecutive_skips", max_consecutive_skips), ("window", window)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"FiniteCheck({name}=...) needs an integer >= 1; got {value!r}.")
+        integer("FiniteCheck", "max_consecutive_skips", max_consecutive_skips)
+        integer("FiniteCheck", "window", window)
         if spike_factor is not None and not (spike_factor > 1 and math.isfinite(spike_factor)):
             raise ValueError(
                 f"FiniteCheck(spike_factor=...) must be a finite number above 1 (e.g. 5.0), or None to check "
