@@ -126,7 +126,7 @@ class EMA(Callback):
     # --- swapping ------------------------------------------------------------------------------------------
     @contextmanager
     def average_weights(self) -> Iterator[None]:
-        """Inside, the prepared models hold the averaged weights (as ``save_model(..., ema=True)`` would export);
+        """Inside, the prepared models hold the averaged weights (what ``engine.save_model`` exports in it);
         the trained ones come back on leaving, also through an exception. Call it on every rank under FSDP or
         DDP, like ``save_model``. Before the average starts it changes nothing (the average is the weights)."""
         if self._engine is None:

@@ -43,7 +43,7 @@ from cadence.checkpoint.errors import CheckpointError
 from cadence.event import Event
 from cadence.metrics import ValidationMeans, batch_samples
 from cadence.state import State
-from cadence.step import TrainingStep
+from cadence.step import TrainingStep, missing_validation_step
 from cadence.validators import optional_integer
 
 if TYPE_CHECKING:
@@ -98,10 +98,7 @@ def set_up_fit(
     _check_resume(engine, resume)
     _check_checkpoints_writable(engine)
     if val_dataloader is not None and type(step).validation_step is TrainingStep.validation_step:
-        raise NotImplementedError(
-            f"fit() was given a val_dataloader but {type(step).__name__} defines no `validation_step(self, batch)`; "
-            "define it to return a dict of metrics, or drop val_dataloader."
-        )
+        raise missing_validation_step(step)
     defaults = _default_callbacks(engine)  # resolved before prepare() changes anything
     model, optimizer, scheduler = _prepare_step(engine, step)
     train_loader, val_loader = _prepare_loaders(engine, train_dataloader, val_dataloader)
