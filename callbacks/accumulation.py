@@ -11,6 +11,8 @@ from torch import nn
 
 from cadence import Callback
 from cadence.checkpoint.checks import check_state_fields
+from cadence.compat import version_counter
+from cadence.validators import integer
 
 if TYPE_CHECKING:
     from cadence import Engine
@@ -40,9 +42,7 @@ class GradientAccumulation(Callback):
     """
 
     def __init__(self, steps: int) -> None:
-        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-            raise ValueError(f"GradientAccumulation(steps) needs an integer >= 1; got {steps!r}.")
-        self.steps = steps
+        self.steps = integer("GradientAccumulation", "steps", steps)
         self._window_length: int | None = None
         self._micro_batches = 0
         self._items: Any = 0
@@ -93,7 +93,7 @@ class GradientAccumulation(Callback):
         models = engine.models
         if self._weights[0] != models:  # listing the parameters costs far more than reading their versions
             self._weights = (models, [p for model in models for p in model.parameters() if p.requires_grad])
-        return sum(param._version for param in self._weights[1])
+        return sum(version_counter(param) for param in self._weights[1])
 
     def on_fit_start(self, engine: Engine) -> None:
         self._versions = None  # a load between two fits rewrites the weights: not an optimizer's step

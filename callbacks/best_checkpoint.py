@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from cadence.checkpoint.state_document import SCORE_KEY
+from cadence.validators import is_integer, is_number
 
 if TYPE_CHECKING:
     from cadence import Engine
@@ -40,7 +41,7 @@ def check_ranking_arguments(monitor: Any, mode: Any, save_top_k: Any) -> None:
         raise TypeError(f"monitor must be a metric name such as 'val/loss'; got {monitor!r}.")
     if mode not in _MODES:
         raise ValueError(f"mode must be 'min' (lower is better) or 'max' (higher is better); got {mode!r}.")
-    if not isinstance(save_top_k, int) or isinstance(save_top_k, bool) or save_top_k < -1:
+    if not is_integer(save_top_k) or save_top_k < -1:
         raise ValueError(f"save_top_k must be an int: k >= 1 keeps the k best, 0 none, -1 all; got {save_top_k!r}.")
 
 
@@ -55,7 +56,7 @@ def read_score(metrics: dict[str, Any], monitor: str) -> float:
     value = metrics[monitor]
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return float(value.item())
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
+    if is_number(value):
         return float(value)
     raise TypeError(
         f"Checkpoint(monitor={monitor!r}) ranks by a number; {monitor!r} is {type(value).__name__} {value!r}. "

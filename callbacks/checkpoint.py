@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from cadence import Callback
 from cadence.checkpoint.checks import check_state_fields
+from cadence.validators import boolean, optional_integer
 
 from .best_checkpoint import BestCheckpoints, Mode, check_ranking_arguments
 
@@ -82,9 +83,8 @@ class Checkpoint(Callback):
         mode: Mode = "min",
         save_top_k: int | None = None,
     ) -> None:
-        for name, value in (("every_n_steps", every_n_steps), ("every_n_epochs", every_n_epochs)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"{name} must be a positive integer or None; got {value!r}.")
+        optional_integer("Checkpoint", "every_n_steps", every_n_steps)
+        optional_integer("Checkpoint", "every_n_epochs", every_n_epochs)
         periodic = every_n_steps is not None or every_n_epochs is not None
         self._best: BestCheckpoints | None = None
         if monitor is not None:
@@ -107,8 +107,7 @@ class Checkpoint(Callback):
                 "Checkpoint needs a trigger: every_n_steps=..., every_n_epochs=..., on_exception=True, "
                 "save_last=True and/or monitor=..."
             )
-        if not isinstance(async_save, bool):
-            raise TypeError(f"async_save must be True or False; got {type(async_save).__name__} {async_save!r}.")
+        boolean("Checkpoint", "async_save", async_save)
         self.every_n_steps = every_n_steps
         self.every_n_epochs = every_n_epochs
         self.on_exception_save = on_exception

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import numbers
 import warnings
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -11,6 +10,7 @@ import torch
 
 from cadence import Callback
 from cadence.checkpoint.checks import check_state_fields, refuse_state
+from cadence.validators import integer, is_number
 
 if TYPE_CHECKING:
     from cadence import Engine
@@ -71,9 +71,8 @@ class EarlyStopping(Callback):
             raise ValueError(f"EarlyStopping(monitor=...) needs a metric name such as 'val/loss'; got {monitor!r}.")
         if mode not in ("min", "max"):
             raise ValueError(f"EarlyStopping(mode=...) must be 'min' or 'max'; got {mode!r}.")
-        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0:
-            raise ValueError(f"EarlyStopping(patience=...) needs an integer >= 0; got {patience!r}.")
-        if not _is_real(min_delta) or not math.isfinite(min_delta) or min_delta < 0:
+        integer("EarlyStopping", "patience", patience, least=0)
+        if not is_number(min_delta) or not math.isfinite(min_delta) or min_delta < 0:
             raise ValueError(
                 f"EarlyStopping(min_delta=...) needs a finite number >= 0; got {min_delta!r}. It is a magnitude: "
                 "the direction comes from mode='min' or 'max'."
@@ -82,7 +81,7 @@ class EarlyStopping(Callback):
             ("stopping_threshold", stopping_threshold),
             ("divergence_threshold", divergence_threshold),
         ):
-            if threshold is not None and (not _is_real(threshold) or not math.isfinite(threshold)):
+            if threshold is not None and (not is_number(threshold) or not math.isfinite(threshold)):
                 raise ValueError(f"EarlyStopping({name}=...) needs a finite number or None; got {threshold!r}.")
         self.monitor = monitor
         self.mode: Mode = mode
@@ -268,7 +267,7 @@ def _as_scalar(monitor: str, value: Any) -> torch.Tensor:
     tensor = None
     if isinstance(value, torch.Tensor):
         tensor = value.detach()
-    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+    elif is_number(value):
         tensor = torch.tensor(value, dtype=torch.float64)  # not as_tensor's float32: 0.7 must stay 0.7
     if tensor is None or tensor.numel() != 1 or tensor.is_complex() or tensor.dtype == torch.bool:
         raise ValueError(
@@ -276,7 +275,3 @@ def _as_scalar(monitor: str, value: Any) -> torch.Tensor:
             f"{value!r}. Log a scalar (for example `loss.mean()`)."
         )
     return tensor.reshape(()).to(torch.float64)
-
-
-def _is_real(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)

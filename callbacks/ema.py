@@ -10,15 +10,11 @@ import torch
 
 from cadence import Callback
 from cadence.checkpoint.checks import check_state_fields
+from cadence.compat import foreach_copy_, foreach_lerp_, local_shard
+from cadence.validators import integer, is_number
 
 if TYPE_CHECKING:
     from cadence import Engine
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a sharded (FSDP, DTensor) tensor, as a view; a plain tensor is itself."""
-    to_local = getattr(tensor, "to_local", None)
-    return tensor if to_local is None else cast(torch.Tensor, to_local())
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -34,11 +30,11 @@ def _shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import distribute_tensor  # only sharded runs pay for the import
 
     mesh, placements = like.device_mesh, like.placements  # type: ignore[attr-defined]
-    return distribute_tensor(full.to(_local(like).device), mesh, placements, src_data_rank=None).to_local()
+    return distribute_tensor(full.to(local_shard(like).device), mesh, placements, src_data_rank=None).to_local()
 
 
 class EMA(Callback):
-    """Keeps ``ema = decay * ema + (1 - decay) * weights`` (``torch._foreach_lerp_``, as timm's ModelEmaV3) of
+    """Keeps ``ema = decay * ema + (1 - decay) * weights`` (a fused lerp, as timm's ModelEmaV3) of
     every floating-point parameter of the prepared models that a prepared optimizer updates, in fp32.
 
     The average starts from the weights at ``state.step == start_step`` (the initial weights by default) and is
@@ -58,14 +54,11 @@ class EMA(Callback):
     """
 
     def __init__(self, decay: float, every_n_steps: int = 1, start_step: int = 0) -> None:
-        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay < 1:
+        if not is_number(decay) or not 0 < decay < 1:
             raise ValueError(f"EMA(decay=...) must be a number strictly between 0 and 1 (e.g. 0.999); got {decay!r}.")
-        for name, value, least in (("every_n_steps", every_n_steps, 1), ("start_step", start_step, 0)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < least:
-                raise ValueError(f"EMA({name}=...) needs an integer >= {least}; got {value!r}.")
         self.decay = float(decay)
-        self.every_n_steps = every_n_steps
-        self.start_step = start_step
+        self.every_n_steps = integer("EMA", "every_n_steps", every_n_steps)
+        self.start_step = integer("EMA", "start_step", start_step, least=0)
         self._engine: Engine | None = None
         self._names: list[str] = []
         self._params: list[torch.Tensor] = []
@@ -120,8 +113,8 @@ class EMA(Callback):
             return
         shadow, params = self._owned_by(state.optimizer)
         if shadow:
-            weights = [_local(p).float() for p in params]  # .float() of an fp32 tensor is the tensor itself
-            torch._foreach_lerp_([_local(s) for s in shadow], weights, 1.0 - self.decay)
+            weights = [local_shard(p).float() for p in params]  # .float() of an fp32 tensor is the tensor itself
+            foreach_lerp_([local_shard(s) for s in shadow], weights, 1.0 - self.decay)
 
     def _owned_by(self, optimizer: torch.optim.Optimizer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         if id(optimizer) not in self._by_optimizer:
@@ -133,7 +126,7 @@ class EMA(Callback):
     # --- swapping ------------------------------------------------------------------------------------------
     @contextmanager
     def average_weights(self) -> Iterator[None]:
-        """Inside, the prepared models hold the averaged weights (as ``save_model(..., ema=True)`` would export);
+        """Inside, the prepared models hold the averaged weights (what ``engine.save_model`` exports in it);
         the trained ones come back on leaving, also through an exception. Call it on every rank under FSDP or
         DDP, like ``save_model``. Before the average starts it changes nothing (the average is the weights)."""
         if self._engine is None:
@@ -152,9 +145,9 @@ class EMA(Callback):
     def _swap_in(self, engine: Engine) -> bool:
         if self._shadow is None or self._trained is not None:
             return False
-        live = [_local(p) for p in self._params]
+        live = [local_shard(p) for p in self._params]
         self._trained = [weight.clone() for weight in live]
-        torch._foreach_copy_(live, [_local(s) for s in self._shadow])
+        foreach_copy_(live, [local_shard(s) for s in self._shadow])
         _reshard(engine, self._params)
         return True
 
@@ -162,7 +155,7 @@ class EMA(Callback):
     def _swap_out(self, engine: Engine) -> None:
         if self._trained is None:
             return
-        torch._foreach_copy_([_local(p) for p in self._params], self._trained)
+        foreach_copy_([local_shard(p) for p in self._params], self._trained)
         self._trained = None
         _reshard(engine, self._params)
 
@@ -202,7 +195,7 @@ class EMA(Callback):
         self._shadow = None
         if saved is not None and engine is not None:
             for shadow, name in zip(self._start(engine), self._names, strict=True):
-                _local(shadow).copy_(_shard_like(saved[name], shadow))
+                local_shard(shadow).copy_(_shard_like(saved[name], shadow))
 
 
 def _check_saved(saved: dict[str, torch.Tensor], params: dict[str, torch.Tensor]) -> None:

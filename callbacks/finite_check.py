@@ -12,7 +12,9 @@ import torch
 
 from cadence import Callback
 from cadence.checkpoint.checks import check_state_fields, check_state_items
+from cadence.compat import foreach_max_abs, local_shard
 from cadence.precision import GradScalerPrecision
+from cadence.validators import integer
 
 if TYPE_CHECKING:
     from cadence import Engine
@@ -23,7 +25,7 @@ def nonfinite_gradients(grads: Sequence[torch.Tensor], device: torch.device) -> 
     finite exactly when all its elements are (a 2-norm of large finite values can overflow), for one read."""
     if not grads:
         return torch.zeros((), dtype=torch.bool, device=device)
-    norms = torch._foreach_norm(list(grads), math.inf)
+    norms = foreach_max_abs(grads)
     return ~torch.isfinite(torch.stack(norms)).all().to(device)
 
 
@@ -60,9 +62,8 @@ class FiniteCheck(Callback):
     """
 
     def __init__(self, max_consecutive_skips: int = 3, spike_factor: float | None = None, window: int = 20) -> None:
-        for name, value in (("max_consecutive_skips", max_consecutive_skips), ("window", window)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"FiniteCheck({name}=...) needs an integer >= 1; got {value!r}.")
+        integer("FiniteCheck", "max_consecutive_skips", max_consecutive_skips)
+        integer("FiniteCheck", "window", window)
         if spike_factor is not None and not (spike_factor > 1 and math.isfinite(spike_factor)):
             raise ValueError(
                 f"FiniteCheck(spike_factor=...) must be a finite number above 1 (e.g. 5.0), or None to check "
@@ -119,7 +120,7 @@ class FiniteCheck(Callback):
         if not isinstance(engine.precision, GradScalerPrecision):
             grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
             # A sharded (DTensor) gradient is checked shard by shard: the rank reduction makes the verdict global.
-            local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+            local = [local_shard(g) for g in grads]
             bad = bad | nonfinite_gradients(local, device)
         loss = torch.as_tensor(self._loss_sum, device=device) / max(self._loss_count, 1)
         return torch.stack([bad.float(), torch.where(torch.isfinite(loss), loss, 0.0)])

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from cadence import Callback
+from cadence.validators import boolean
 
 if TYPE_CHECKING:
     from cadence import Engine
@@ -51,9 +52,8 @@ class LearningRateMonitor(Callback):
             raise ValueError(
                 f"LearningRateMonitor(logging_interval=...) must be 'step' or 'epoch'; got {logging_interval!r}."
             )
-        for name, flag in (("log_momentum", log_momentum), ("log_weight_decay", log_weight_decay)):
-            if not isinstance(flag, bool):
-                raise ValueError(f"LearningRateMonitor({name}=...) must be True or False; got {flag!r}.")
+        boolean("LearningRateMonitor", "log_momentum", log_momentum)
+        boolean("LearningRateMonitor", "log_weight_decay", log_weight_decay)
         self.logging_interval: Interval = logging_interval
         self.log_momentum = log_momentum
         self.log_weight_decay = log_weight_decay

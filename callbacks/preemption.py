@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from cadence import Callback
+from cadence.validators import boolean, integer, is_integer
 
 from .checkpoint import save_once
 from .timer import warn_outside_fit
@@ -77,15 +78,13 @@ class Preemption(Callback):
         check_every_n_steps: int = 1,
     ) -> None:
         self.signals = _checked_signals(signals)
-        if type(exit_code) is not int or not 1 <= exit_code <= 255:
+        if not is_integer(exit_code) or not 1 <= exit_code <= 255:
             raise ValueError(
                 f"Preemption(exit_code=...) must be an integer from 1 to 255 (0 would say the run finished); got "
                 f"{exit_code!r}. To return from fit() instead of exiting, pass exit_on_preemption=False."
             )
-        if not isinstance(exit_on_preemption, bool):
-            raise TypeError(f"Preemption(exit_on_preemption=...) must be True or False; got {exit_on_preemption!r}.")
-        if type(check_every_n_steps) is not int or check_every_n_steps < 1:
-            raise ValueError(f"Preemption(check_every_n_steps=...) needs an integer >= 1; got {check_every_n_steps!r}.")
+        boolean("Preemption", "exit_on_preemption", exit_on_preemption)
+        integer("Preemption", "check_every_n_steps", check_every_n_steps)
         self.exit_code = exit_code
         self.exit_on_preemption = exit_on_preemption
         self.check_every_n_steps = check_every_n_steps

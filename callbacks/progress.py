@@ -10,9 +10,10 @@ from __future__ import annotations
 import math
 import sys
 from time import monotonic
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from cadence import Callback
+from cadence.validators import is_integer, is_number
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -189,20 +190,16 @@ def _check_refresh(every_n_batches: int | None, every_s: float | None) -> None:
             f"refresh_every_s={every_s}): refresh_every_n_batches for deterministic lines, refresh_every_s for a "
             "time budget."
         )
-    if every_n_batches is not None and not (_is_number(every_n_batches, int) and every_n_batches >= 1):
+    if every_n_batches is not None and not (is_integer(every_n_batches) and every_n_batches >= 1):
         raise ValueError(
             f"refresh_every_n_batches must be an integer of at least 1; got {every_n_batches!r}. "
             "Pass e.g. RichProgressBar(refresh_every_n_batches=20)."
         )
-    if every_s is not None and not (_is_number(every_s, int | float) and math.isfinite(every_s) and every_s >= 0):
+    if every_s is not None and not (is_number(every_s) and math.isfinite(every_s) and every_s >= 0):
         raise ValueError(
             f"refresh_every_s must be a finite number of seconds, at least 0; got {every_s!r}. "
             "Pass e.g. RichProgressBar(refresh_every_s=0.5), or refresh_every_n_batches=N for a line every N batches."
         )
-
-
-def _is_number(value: object, kind: Any) -> bool:
-    return isinstance(value, kind) and not isinstance(value, bool)
 
 
 def _live_display(console: Console) -> Live:

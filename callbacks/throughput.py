@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from cadence import Callback
+from cadence.validators import integer, is_integer, is_number
 
 from .flops import device_peak_flops
 
@@ -44,10 +45,9 @@ def _synchronize(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
-def _positive(name: str, value: Any, integer: bool) -> None:
-    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)) or not 0 < value < math.inf:
-        kind = "an integer >= 1" if integer else "a positive finite number"
-        raise ValueError(f"ThroughputMonitor({name}=...) needs {kind}; got {value!r}.")
+def _positive(name: str, value: Any) -> None:
+    if not is_number(value) or not 0 < value < math.inf:
+        raise ValueError(f"ThroughputMonitor({name}=...) needs a positive finite number; got {value!r}.")
 
 
 class ThroughputMonitor(Callback):
@@ -82,11 +82,11 @@ class ThroughputMonitor(Callback):
         peak_flops: float | None = None,
         time_fn: Callable[[], float] = time.perf_counter,
     ) -> None:
-        _positive("window_size", window_size, integer=True)
-        _positive("log_every_n_steps", log_every_n_steps, integer=True)
+        integer("ThroughputMonitor", "window_size", window_size)
+        integer("ThroughputMonitor", "log_every_n_steps", log_every_n_steps)
         for name, value in (("flops_per_batch", flops_per_batch), ("peak_flops", peak_flops)):
             if value is not None:
-                _positive(name, value, integer=False)
+                _positive(name, value)
         if batch_size_fn is not None and not callable(batch_size_fn):
             raise TypeError(
                 f"ThroughputMonitor(batch_size_fn=...) must be a function of the batch; got {batch_size_fn!r}."
@@ -134,7 +134,7 @@ class ThroughputMonitor(Callback):
         now = self.time_fn()
         if self._mark is not None and not self._interrupted:
             samples = self.batch_size_fn(engine.state.batch)
-            if isinstance(samples, bool) or not isinstance(samples, int):
+            if not is_integer(samples):
                 raise TypeError(f"ThroughputMonitor(batch_size_fn=...) must return an int; it returned {samples!r}.")
             self._window.append((now - self._mark, samples, self._items))
         self._mark, self._interrupted = now, False

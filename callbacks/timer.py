@@ -14,6 +14,7 @@ import torch
 
 from cadence import Callback
 from cadence.checkpoint.checks import check_state_fields
+from cadence.validators import integer, is_number
 
 if TYPE_CHECKING:
     from cadence import Engine
@@ -71,8 +72,8 @@ def _seconds(duration: Any) -> float:
         return days * 86400 + hours * 3600 + minutes * 60 + secs
     if isinstance(duration, Mapping):
         return _dict_seconds(duration)
-    if isinstance(duration, int | float) and not isinstance(duration, bool):
-        return duration
+    if is_number(duration):
+        return float(duration)
     raise TypeError(f"Timer(max_duration=...) got {type(duration).__name__} {duration!r}; pass {_ACCEPTED}.")
 
 
@@ -84,7 +85,7 @@ def _dict_seconds(duration: Mapping[Any, Any]) -> float:
                 f"Timer(max_duration=...) got the key {key!r}; a dict takes timedelta's argument names "
                 f"({', '.join(_UNIT_SECONDS)}). Pass {_ACCEPTED}."
             )
-        if not isinstance(value, int | float) or isinstance(value, bool):
+        if not is_number(value):
             raise TypeError(f"Timer(max_duration=...): {key!r} must be a number; got {value!r}. Pass {_ACCEPTED}.")
         total += value * _UNIT_SECONDS[key]
     return total
@@ -122,8 +123,7 @@ class Timer(Callback):
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.max_duration = parse_duration(max_duration)
-        if type(check_every_n_steps) is not int or check_every_n_steps < 1:
-            raise ValueError(f"Timer(check_every_n_steps=...) needs an integer >= 1; got {check_every_n_steps!r}.")
+        integer("Timer", "check_every_n_steps", check_every_n_steps)
         if not callable(clock):
             raise TypeError(f"Timer(clock=...) must be a function returning seconds (time.monotonic); got {clock!r}.")
         self.check_every_n_steps = check_every_n_steps

@@ -294,9 +294,9 @@ def test_training_step_extras_are_logged_and_validation_is_averaged() -> None:
     ("limits", "message"),
     [
         ({}, "fit\\(\\) needs a limit"),
-        ({"max_steps": 0}, "max_steps must be a positive integer"),
-        ({"max_epochs": -1}, "max_epochs must be a positive integer"),
-        ({"max_steps": 2.5}, "max_steps must be a positive integer"),
+        ({"max_steps": 0}, r"fit\(max_steps=...\) needs an integer >= 1 or None; got 0"),
+        ({"max_epochs": -1}, r"max_epochs=...\) needs an integer >= 1 or None; got -1"),
+        ({"max_steps": 2.5}, r"max_steps=...\) needs an integer >= 1 or None; got 2.5"),
     ],
 )
 def test_fit_limits_are_checked(limits: dict[str, Any], message: str) -> None:

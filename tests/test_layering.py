@@ -1,4 +1,4 @@
-"""The layers DESIGN.md draws, checked on the real files: core (src/cadence) <- callbacks/ <- frontends/.
+"""The layers docs/architecture.md draws, checked on the real files: core (src/cadence) <- callbacks/ <- frontends/.
 
 The core never imports a callback or a front end (one named exception: ``fit()``'s default summary and bar), callbacks
 use only the core's public names and never a front end, and the only links in src/cadence lead to those two

@@ -119,8 +119,11 @@ def test_a_stop_below_the_minimum_waits_for_it(
     [
         ({"max_steps": 5, "min_steps": 6}, "min_steps=6 is above max_steps=5"),
         ({"max_epochs": 1, "min_epochs": 2}, "min_epochs=2 is above max_epochs=1"),
-        ({"max_epochs": 1, "val_every_n_steps": 0}, "val_every_n_steps must be a positive integer"),
-        ({"max_epochs": 1, "val_batches": True}, "val_batches must be a positive integer"),
+        (
+            {"max_epochs": 1, "val_every_n_steps": 0},
+            r"fit\(val_every_n_steps=...\) needs an integer >= 1 or None; got 0",
+        ),
+        ({"max_epochs": 1, "val_batches": True}, r"val_batches=...\) needs an integer >= 1 or None; got True"),
         ({"max_epochs": 1, "val_every_n_epochs": None}, "it would never validate"),
     ],
 )

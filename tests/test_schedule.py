@@ -147,8 +147,8 @@ def test_a_bare_plateau_scheduler_works_in_a_hand_written_loop() -> None:
     ("arguments", "error", "message"),
     [
         ({"interval": "batch"}, ValueError, "must be 'step' or 'epoch'; got 'batch'"),
-        ({"frequency": 0}, ValueError, "frequency=...\\) must be a positive integer; got 0"),
-        ({"frequency": True}, ValueError, "positive integer; got True"),
+        ({"frequency": 0}, ValueError, r"Schedule\(frequency=...\) needs an integer >= 1; got 0"),
+        ({"frequency": True}, ValueError, "needs an integer >= 1; got True"),
         ({"monitor": ""}, ValueError, "must be a metric name"),
     ],
 )

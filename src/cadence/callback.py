@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import difflib
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from cadence.event import Event
@@ -29,7 +29,9 @@ class Callback:
     callbacks last for the same reason."""
 
     def setup(self, engine: Engine) -> None:
-        """Called once when the engine is built, before anything is prepared (install a precision here)."""
+        """Called once when the callback is attached: when the engine is built, for ``Engine(callbacks=...)``
+        (nothing is prepared yet: install a precision here), or at ``engine.add_callback``, whenever that is
+        (``fit()`` adds its default progress bar and model summary after preparing the step)."""
 
     @property
     def state_key(self) -> str:
@@ -136,11 +138,9 @@ class Dispatcher:
     after all the others, in their own given order. Which callbacks override which hook is computed once, at attach
     time, so an event nobody listens to costs one dictionary lookup."""
 
-    def __init__(self, callbacks: Iterable[Callback] = ()) -> None:
+    def __init__(self) -> None:
         self._callbacks: list[Callback] = []
         self._hooks: dict[Event, tuple[Any, ...]] = {event: () for event in Event}
-        for callback in callbacks:
-            self.attach(callback)
 
     @property
     def callbacks(self) -> Sequence[Callback]:

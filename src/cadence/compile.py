@@ -21,6 +21,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from cadence.compat import check_dynamo_supported, compiled_module_type, dynamo_error_type, uncompile
+
 CompileSetting = bool | Mapping[str, Any]
 """What ``Engine(compile=...)`` takes: False, True (torch's defaults), or ``torch.compile`` keyword arguments."""
 
@@ -68,10 +70,8 @@ def _nothing() -> None:
 
 
 def _check_supported() -> None:
-    from torch._dynamo.eval_frame import check_if_dynamo_supported
-
     try:
-        check_if_dynamo_supported()
+        check_dynamo_supported()
     except RuntimeError as error:
         raise RuntimeError(
             f"Engine(compile=...) needs torch.compile, which torch {torch.__version__} does not support on "
@@ -89,23 +89,15 @@ def _check_names(options: Mapping[Any, Any]) -> None:
         )
 
 
-def _compiled_type() -> type[nn.Module] | None:
-    """torch's compiled-module class, or None when nothing was compiled yet: it exists only once torch._dynamo was
-    imported, and importing it just to check costs about two seconds."""
-    dynamo = sys.modules.get("torch._dynamo.eval_frame")
-    return cast("type[nn.Module] | None", getattr(dynamo, "OptimizedModule", None))
-
-
 def split_compiled(module: nn.Module) -> tuple[nn.Module, Callable[[nn.Module], nn.Module] | None]:
     """The module inside a ``torch.compile`` wrapper, and what compiles another module with the same settings
     (None when ``module`` was not compiled)."""
-    compiled = _compiled_type()
+    compiled = compiled_module_type()
     recompile = None
     while compiled is not None and isinstance(module, compiled):
-        # The wrapper's dynamo context is what torch.compile(module, **settings) built: applying it to another
-        # module compiles that one the same way, without knowing the arguments the user passed.
-        recompile = recompile or cast("Callable[[nn.Module], nn.Module]", module.dynamo_ctx)
-        module = cast(nn.Module, module._orig_mod)
+        # The outermost wrapper's settings win: they are the ones the user's calls went through.
+        module, settings = uncompile(module)
+        recompile = recompile or settings
     return module, recompile
 
 
@@ -138,13 +130,13 @@ def compile_prepared(
 
 
 def _with_advice(forward: Callable[..., Any], advice: str) -> Callable[..., Any]:
-    from torch._dynamo.exc import TorchDynamoException
+    dynamo_error = dynamo_error_type()
 
     @functools.wraps(forward)
     def call(*args: Any, **kwargs: Any) -> Any:
         try:
             return forward(*args, **kwargs)
-        except TorchDynamoException as error:
+        except dynamo_error as error:
             if hasattr(error, "add_note"):  # Python 3.11+; before, torch's error alone
                 error.add_note(advice)
             raise

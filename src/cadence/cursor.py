@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from cadence.checkpoint.errors import CheckpointCorrupted, CheckpointError
+from cadence.compat import drop_pending_position, is_iterable_dataset, live_iterator, pending_position, stop_workers
 from cadence.data import ResumableBatchSampler
 
 _STATE_KEYS = ("epoch", "batches_done", "loader", "generator", "generator_at_epoch_start")
@@ -100,10 +101,10 @@ class DataCursor:
                 "close() was called while a pass over this dataloader is running; its workers are still feeding it. "
                 "Leave the loop first (break), then call close()."
             )
-        iterator = getattr(self.loader, "_iterator", None)  # the StatefulDataLoader keeps it between passes
+        iterator = live_iterator(self.loader)
         self.loader.load_state_dict({})  # drops the loader's iterator; a pending position stays in next_iter_state
         if iterator is not None:
-            _stop_workers(iterator)
+            stop_workers(iterator)
 
     def end_epoch_early(self) -> None:
         """Count the epoch a pass left early (``break``) as done, without reading the rest: the next pass starts the
@@ -117,7 +118,7 @@ class DataCursor:
             return  # the last pass finished the epoch, or none started
         self._pending_batches = self._pending_samples = 0
         self._pending_generator_state = None
-        self.loader.next_iter_state = None  # the user's sampler's paused position, if any
+        drop_pending_position(self.loader)  # the user's sampler's paused position, if any
         self.epoch += 1
 
     def num_batches(self) -> int | None:
@@ -171,7 +172,7 @@ class DataCursor:
                 try:
                     self._pause(generator)
                 finally:
-                    _stop_workers(iterator)
+                    stop_workers(iterator)
             self._in_epoch = False
             self._state_before_read_ahead = None
         self.empty_epoch = start == 0 and self._batches_done == 0
@@ -183,7 +184,7 @@ class DataCursor:
         self._pending_batches = self._batches_done
         self._pending_samples = self._samples_done()
         # Either call also drops the loader's iterator, so the next pass opens a fresh one (with persistent workers
-        # it would otherwise reset the one _stop_workers shut).
+        # it would otherwise reset the one stop_workers shut).
         if self.sampler is None:
             self.loader.load_state_dict(self._loader_state())
         else:
@@ -234,7 +235,7 @@ class DataCursor:
             generator_state = None if generator is None else generator.get_state()
         elif self._pending_batches or self._pending_samples:
             batches_done, samples_done = self._pending_batches, self._pending_samples
-            loader_state = None if elastic else self.loader.next_iter_state
+            loader_state = None if elastic else pending_position(self.loader)
             generator_state = self._pending_generator_state
         else:
             batches_done, samples_done, loader_state = 0, 0, None
@@ -400,19 +401,9 @@ class DataCursor:
 
     def _map_style_length(self) -> int | None:
         """Batches an epoch for map-style data; ``None`` for an iterable dataset, whose length is only a hint."""
-        if self.loader._dataset_kind == 1:
+        if is_iterable_dataset(self.loader):
             return None
         try:
             return len(self.loader)
         except TypeError:
             return None
-
-
-def _stop_workers(iterator: Any) -> None:
-    """Stop a loader iterator's worker processes now. Left to the garbage collector (the engine and its loaders form
-    reference cycles), the iterator is finalized after its queues' own finalizers have stopped their feeder threads:
-    the shutdown message never reaches the workers, and each join waits out torch's 5 s timeout, stalling whatever
-    code happens to trigger that collection."""
-    shutdown = getattr(iterator, "_shutdown_workers", None)  # torch has no public close for an iterator
-    if shutdown is not None:
-        shutdown()

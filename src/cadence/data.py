@@ -11,6 +11,8 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sampler, SequentialSampler
 
+from cadence.compat import is_iterable_dataset, pending_position, requested_num_samples
+
 with warnings.catch_warnings():
     # torchdata calls the deprecated torch.set_vital when imported and on each construction; it is not ours to fix.
     warnings.filterwarnings("ignore", message=".*set_vital.*")
@@ -148,7 +150,7 @@ def batches_per_epoch(loader: DataLoader[Any], world_size: int) -> int | None:
     if isinstance(sampler, ResumableBatchSampler):
         return sampler.count_batches(sampler.num_samples)
     if (
-        loader._dataset_kind != 1
+        not is_iterable_dataset(loader)
         and loader.batch_size is not None
         and _torch_sampler_shuffle(loader.sampler) is not None
     ):
@@ -173,7 +175,7 @@ def draw_seed(loader: DataLoader[Any]) -> int:
 
 def check_shardable(loader: DataLoader[Any]) -> None:
     """Refuse a loader whose samples cadence cannot split across ranks (each rank would see all of them)."""
-    if loader._dataset_kind == 1:
+    if is_iterable_dataset(loader):
         warnings.warn(
             "An IterableDataset is not split across ranks by cadence: every rank iterates all of it unless the "
             "dataset shards itself (by torch.distributed.get_rank()).",
@@ -200,7 +202,7 @@ def _torch_sampler_shuffle(sampler: Any) -> bool | None:
     if type(sampler) is SequentialSampler:
         return False
     default_random = type(sampler) in (RandomSampler, StatefulRandomSampler)
-    if default_random and not sampler.replacement and sampler._num_samples is None:
+    if default_random and not sampler.replacement and requested_num_samples(sampler) is None:
         return True
     return None
 
@@ -234,7 +236,7 @@ def _loader_arguments(loader: DataLoader[Any], seed: int | None, rank: int, worl
         arguments["in_order"] = False
     if isinstance(loader, StatefulDataLoader):
         arguments["snapshot_every_n_steps"] = loader.snapshot_every_n_steps
-    if loader._dataset_kind == 1:  # an IterableDataset: no sampler to carry over
+    if is_iterable_dataset(loader):  # an IterableDataset: no sampler to carry over
         arguments["batch_size"] = loader.batch_size
         arguments["drop_last"] = loader.drop_last
         return arguments
@@ -282,14 +284,14 @@ def to_stateful(
 
 def _uses_default_sampler(loader: DataLoader[Any]) -> bool:
     """Whether ``loader`` batches map-style data with the sampler ``shuffle=True/False`` built for it."""
-    if loader._dataset_kind == 1 or loader.batch_size is None:
+    if is_iterable_dataset(loader) or loader.batch_size is None:
         return False
     return _torch_sampler_shuffle(loader.sampler) is not None
 
 
 def _check_no_restored_position(loader: StatefulDataLoader[Any]) -> None:
     """Refuse to rebuild a ``StatefulDataLoader`` that holds a restored position: the rebuilt one would drop it."""
-    if loader.next_iter_state is not None:
+    if pending_position(loader) is not None:
         raise ValueError(
             "This StatefulDataLoader holds a position restored by its load_state_dict(); engine.prepare() rebuilds "
             "it (so cadence can shard and resume it) and that position would be lost. Prepare the loader before "

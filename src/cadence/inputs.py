@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 
 from cadence.callback import Callback
 from cadence.schedule import Schedule
+from cadence.validators import boolean, is_integer
 from cadence.wrappers import PreparedDataLoader, PreparedScheduler
 
 PREPARABLE = (
@@ -46,15 +47,14 @@ def check_engine_arguments(
     def refuse(name: str, expected: str, value: Any) -> None:
         raise TypeError(f"Engine({name}=...) must be {expected}; got {type(value).__name__} {value!r}.")
 
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+    if seed is not None and not is_integer(seed):
         refuse("seed", "an int or None (e.g. seed=42)", seed)
     if not isinstance(project_dir, (str, os.PathLike)):
         refuse("project_dir", "a path (str or pathlib.Path)", project_dir)
-    for name, flag in (("progress_bar", progress_bar), ("model_summary", model_summary)):
-        if not isinstance(flag, bool):
-            refuse(name, "True or False", flag)
+    boolean("Engine", "progress_bar", progress_bar)
+    boolean("Engine", "model_summary", model_summary)
     if checkpoint_total_limit is not None:
-        if not isinstance(checkpoint_total_limit, int) or isinstance(checkpoint_total_limit, bool):
+        if not is_integer(checkpoint_total_limit):
             refuse("checkpoint_total_limit", "an int or None (e.g. checkpoint_total_limit=3)", checkpoint_total_limit)
         if checkpoint_total_limit < 1:
             raise ValueError(f"checkpoint_total_limit must be at least 1 or None; got {checkpoint_total_limit}.")

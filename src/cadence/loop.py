@@ -43,7 +43,8 @@ from cadence.checkpoint.errors import CheckpointError
 from cadence.event import Event
 from cadence.metrics import ValidationMeans, batch_samples
 from cadence.state import State
-from cadence.step import TrainingStep
+from cadence.step import TrainingStep, missing_validation_step
+from cadence.validators import optional_integer
 
 if TYPE_CHECKING:
     from cadence.callback import Callback
@@ -68,9 +69,7 @@ class Plan:
             raise ValueError("fit() needs a limit: pass max_epochs=..., max_steps=..., or both.")
         for name in ("max_epochs", "max_steps", "min_epochs", "min_steps", "val_every_n_steps", "val_every_n_epochs",
                      "val_batches"):  # fmt: skip
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-                raise ValueError(f"{name} must be a positive integer or None; got {value!r}.")
+            optional_integer("fit", name, getattr(self, name))
         for low, high in (("min_steps", "max_steps"), ("min_epochs", "max_epochs")):
             floor, ceiling = getattr(self, low), getattr(self, high)
             if floor is not None and ceiling is not None and floor > ceiling:
@@ -99,10 +98,7 @@ def set_up_fit(
     _check_resume(engine, resume)
     _check_checkpoints_writable(engine)
     if val_dataloader is not None and type(step).validation_step is TrainingStep.validation_step:
-        raise NotImplementedError(
-            f"fit() was given a val_dataloader but {type(step).__name__} defines no `validation_step(self, batch)`; "
-            "define it to return a dict of metrics, or drop val_dataloader."
-        )
+        raise missing_validation_step(step)
     defaults = _default_callbacks(engine)  # resolved before prepare() changes anything
     model, optimizer, scheduler = _prepare_step(engine, step)
     train_loader, val_loader = _prepare_loaders(engine, train_dataloader, val_dataloader)

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from cadence.validators import is_number
+
 if TYPE_CHECKING:
     from cadence.engine import Engine
 
@@ -154,7 +156,7 @@ def _number(name: str, value: Any) -> Value:
 
 
 def _count(num_items: Any) -> Value:
-    if isinstance(num_items, numbers.Real) and not isinstance(num_items, bool):
+    if is_number(num_items):
         count = float(num_items)
         if math.isfinite(count) and count >= 0:
             return count

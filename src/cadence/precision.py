@@ -25,6 +25,9 @@ SCALER_FIELDS: dict[str, Kind] = {
 }
 """What ``torch.amp.GradScaler.state_dict()`` holds, and ``load_state_dict`` reads (an empty table makes it raise)."""
 
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+"""The names ``MixedPrecision`` takes, by the dtype each autocasts to."""
+
 
 class Precision:
     """Full precision: every method is the plain PyTorch call."""
@@ -83,7 +86,7 @@ class AutocastPrecision(Precision):
         check_autocast(device_type, dtype)
         self.device_type = device_type
         self.dtype = dtype
-        self.name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
+        self.name = _DTYPE_NAMES.get(dtype, str(dtype))
 
     def forward_context(self) -> AbstractContextManager[Any]:
         return torch.autocast(self.device_type, dtype=self.dtype)
@@ -144,7 +147,7 @@ def check_scaler_state(state_dict: Any, owner: str) -> None:
 
 def check_autocast(device_type: str, dtype: torch.dtype) -> None:
     """Raise when ``device_type`` cannot autocast to ``dtype``, naming what to use instead."""
-    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
+    name = _DTYPE_NAMES.get(dtype, str(dtype))
     available = getattr(torch.amp, "is_autocast_available", None)
     if available is not None and not available(device_type):
         raise RuntimeError(

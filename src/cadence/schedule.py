@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
+from cadence.validators import integer, optional_integer
+
 if TYPE_CHECKING:
     from cadence.state import State
 
@@ -49,8 +51,7 @@ class Schedule:
             )
         if interval not in ("step", "epoch"):
             raise ValueError(f"Schedule(interval=...) must be 'step' or 'epoch'; got {interval!r}.")
-        if type(frequency) is not int or frequency < 1:
-            raise ValueError(f"Schedule(frequency=...) must be a positive integer; got {frequency!r}.")
+        integer("Schedule", "frequency", frequency)
         if monitor is not None and not (isinstance(monitor, str) and monitor):
             raise ValueError(
                 f"Schedule(monitor=...) must be a metric name such as 'val/loss' or None; got {monitor!r}."
@@ -94,8 +95,7 @@ def steps_in_run(steps_per_epoch: int | None, max_epochs: int | None, max_steps:
     if max_epochs is None and max_steps is None:
         raise ValueError("estimated_steps() needs a limit, as fit() does: pass max_epochs=..., max_steps=..., or both.")
     for name, value in (("max_epochs", max_epochs), ("max_steps", max_steps)):
-        if value is not None and (type(value) is not int or value <= 0):
-            raise ValueError(f"estimated_steps({name}=...) must be a positive integer or None; got {value!r}.")
+        optional_integer("estimated_steps", name, value)
     if max_epochs is None:
         return max_steps  # type: ignore[return-value]
     if steps_per_epoch is None:

@@ -37,7 +37,13 @@ class TrainingStep:
         )
 
     def validation_step(self, batch: Any) -> torch.Tensor | Mapping[str, Any]:
-        raise NotImplementedError(
-            f"fit() was given a val_dataloader but {type(self).__name__} defines no `validation_step(self, batch)`; "
-            "define it to return a dict of metrics, or drop val_dataloader."
-        )
+        raise missing_validation_step(self)
+
+
+def missing_validation_step(step: TrainingStep) -> NotImplementedError:
+    """The error for a val_dataloader given with a step that defines no ``validation_step``: ``fit()`` raises it
+    before preparing anything, the default method if it is reached another way."""
+    return NotImplementedError(
+        f"fit() was given a val_dataloader but {type(step).__name__} defines no `validation_step(self, batch)`; "
+        "define it to return a dict of metrics, or drop val_dataloader."
+    )

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from cadence.compat import foreach_div_
 from cadence.cursor import DataCursor
 from cadence.event import Event
 from cadence.schedule import Interval, monitored_value
@@ -92,7 +92,7 @@ class PreparedOptimizer(Optimizer):
         if divisor is not None:
             grads = [p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
             if grads:
-                torch._foreach_div_(grads, divisor)
+                foreach_div_(grads, divisor)
         self.gradients_ready = True
 
     def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]

@@ -23,8 +23,8 @@ def saved(tmp_path: Path) -> list[str]:
     ("kwargs", "message"),
     [
         ({"save_last": False}, "needs a trigger"),
-        ({"every_n_steps": 0}, "every_n_steps must be a positive integer"),
-        ({"every_n_epochs": 1.5}, "every_n_epochs must be a positive integer"),
+        ({"every_n_steps": 0}, r"Checkpoint\(every_n_steps=...\) needs an integer >= 1 or None; got 0"),
+        ({"every_n_epochs": 1.5}, r"every_n_epochs=...\) needs an integer >= 1 or None; got 1.5"),
     ],
 )
 def test_bad_arguments(kwargs: dict[str, Any], message: str) -> None:

@@ -41,15 +41,15 @@ def train_once(fake: FakeEngine, model: nn.Module, *optimizers: Any) -> None:
 
 # --- arguments and names ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    ("kwargs", "message"),
+    ("kwargs", "error", "message"),
     [
-        ({"logging_interval": "batch"}, "must be 'step' or 'epoch'; got 'batch'"),
-        ({"log_momentum": "yes"}, "must be True or False"),
-        ({"log_weight_decay": 1}, r"log_weight_decay=...\) must be True or False; got 1"),
+        ({"logging_interval": "batch"}, ValueError, "must be 'step' or 'epoch'; got 'batch'"),
+        ({"log_momentum": "yes"}, TypeError, "must be True or False"),
+        ({"log_weight_decay": 1}, TypeError, r"log_weight_decay=...\) must be True or False; got int 1"),
     ],
 )
-def test_bad_arguments_are_refused(kwargs: dict[str, Any], message: str) -> None:
-    with pytest.raises(ValueError, match=message):
+def test_bad_arguments_are_refused(kwargs: dict[str, Any], error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
         LearningRateMonitor(**kwargs)
 
 
