@@ -146,6 +146,21 @@ def test_local_shard_of_a_dtensor_is_its_local_view(tmp_path: Path) -> None:
         dist.destroy_process_group()
 
 
+def test_sharded_like_keeps_the_template_place_with_a_host_copy(tmp_path: Path) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        sharded = distribute_tensor(torch.arange(4.0), init_device_mesh("cpu", (1,)), [Shard(0)])
+        copy = sharded.to_local().clone() * 2
+        rebuilt = compat.sharded_like(copy, sharded)
+        assert isinstance(rebuilt, DTensor) and rebuilt.placements == sharded.placements
+        assert rebuilt.to_local().data_ptr() == copy.data_ptr() and rebuilt.shape == sharded.shape  # no copy made
+    finally:
+        dist.destroy_process_group()
+
+
 def test_foreach_ops_match_their_one_tensor_forms() -> None:
     a, b = torch.randn(3), torch.randn(2, 2)
     expected = [a / 4, b / 4]

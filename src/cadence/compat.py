@@ -3,7 +3,8 @@
 Each function here reads or calls something torch does not document as public: a private attribute, a private
 module, or an undocumented field. A torch upgrade that changes one of them should mean editing this file only;
 ``tests/test_compat.py`` checks, shim by shim, that the installed torch still behaves as each one assumes. The
-checkpoint and strategy packages keep their own few internals (DCP, DTensor construction) for now.
+names torch.compile and FSDP add inside state-dict keys (``_orig_mod`` ...) are data, listed where keys are read
+(``strategies/optimizer_state.py``).
 
 Public (no underscore) because callbacks may use only the core's public names.
 """
@@ -92,6 +93,15 @@ def local_shard(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a sharded (FSDP, DTensor) tensor, as a view; a plain tensor is itself."""
     to_local = getattr(tensor, "to_local", None)
     return tensor if to_local is None else cast(torch.Tensor, to_local())
+
+
+def sharded_like(local: torch.Tensor, template: Any) -> torch.Tensor:
+    """A DTensor holding ``local`` (e.g. a host copy of ``template``'s shard) with ``template``'s place: mesh,
+    placements and global shape. ``DTensor.from_local`` would move ``local`` back to the mesh's device; DCP's own
+    staging rewraps its host copies this way (``torch.distributed._state_dict_utils``)."""
+    from torch.distributed.tensor import DTensor
+
+    return cast(torch.Tensor, DTensor(local, template._spec, requires_grad=False))  # type: ignore[no-untyped-call]
 
 
 def foreach_div_(tensors: Sequence[torch.Tensor], divisor: float | torch.Tensor) -> None:

@@ -11,7 +11,6 @@ import json
 import os
 import re
 import shutil
-import sys
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from cadence.checkpoint.commit import fsync_path
 from cadence.checkpoint.errors import CheckpointError
 from cadence.checkpoint.format import deduplicate, split_by_size, write_safetensors
+from cadence.compat import compiled_module_type, uncompile
 from cadence.strategies.matching import mismatch
 from cadence.wrappers import PreparedModule
 
@@ -448,14 +448,12 @@ def _device_for(name: str, device_map: Mapping[str, torch.device], default: torc
 def _unwrap(model: nn.Module) -> nn.Module:
     """The user's module inside what ``engine.prepare`` (``PreparedModule``, DDP) or ``torch.compile`` wrapped it
     in: their state dicts prefix every key (``module.``, ``_orig_mod.``), which the checkpoint does not."""
-    # Compiled modules exist only once torch._dynamo was imported; importing it here would cost about a second.
-    dynamo = sys.modules.get("torch._dynamo.eval_frame")
-    compiled = getattr(dynamo, "OptimizedModule", ())
+    compiled = compiled_module_type()
     while True:
         if isinstance(model, PreparedModule | DistributedDataParallel):
             model = model.module
-        elif isinstance(model, compiled):
-            model = model._orig_mod
+        elif compiled is not None and isinstance(model, compiled):
+            model = uncompile(model)[0]
         else:
             return model
 

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.tensor import DTensor
 
+from cadence.compat import sharded_like
 from cadence.errors import CheckpointError
 from cadence.strategies.checkpoint_state import check_model_shapes
 from cadence.strategies.storage import SHARDED_MODEL, SHARDS
@@ -71,9 +72,7 @@ def _hold(writer: TensorSink, name: str, key: str, value: torch.Tensor) -> torch
     if held is local:
         return value
     # The host copy keeps the shard's place (mesh, placements, global shape), which is all DCP writes from.
-    # DTensor.from_local would move it back to the mesh's device; DCP's own staging rewraps its host copies the
-    # same way (torch.distributed._state_dict_utils).
-    return DTensor(held, value._spec, requires_grad=False)  # type: ignore[no-untyped-call]
+    return sharded_like(held, value)
 
 
 def saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:
