@@ -55,10 +55,6 @@ def temporary_name(final: Path) -> Path:
     return final.parent / f".{final.name}{_PARTIAL}{_host_tag()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
-def is_partial(path: Path) -> bool:
-    return _PARTIAL in path.name
-
-
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

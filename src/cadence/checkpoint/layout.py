@@ -229,10 +229,6 @@ class CheckpointDirectory:
             )
         return min(scored)[2]
 
-    def remove_abandoned(self) -> list[Path]:
-        """Remove what saves killed mid-way left here (see ``cadence.checkpoint.commit.remove_abandoned``)."""
-        return remove_abandoned(self.root)
-
 
 def _recorded_run(directory: Path) -> str | None:
     """The run a committed checkpoint's manifest names (``RUN_KEY``); None when it names none or is no

@@ -40,6 +40,7 @@ class DistributedStrategy(Strategy):
             self._device = torch.device(device_type)
         self._timeout = timeout
         self._background: _GroupCollectives | None = None
+        self._background_group: Any = None
         self._owns_group = not dist.is_initialized()
         if self._owns_group:
             dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo", timeout=timeout)
@@ -89,7 +90,8 @@ class DistributedStrategy(Strategy):
         # because it carries CPU objects whatever the training backend. Created at the first background save,
         # which every rank reaches in the same order (new_group is itself a collective).
         if self._background is None:
-            self._background = _GroupCollectives(dist.new_group(backend="gloo", timeout=self._timeout))
+            self._background_group = dist.new_group(backend="gloo", timeout=self._timeout)
+            self._background = _GroupCollectives(self._background_group)
         return self._background
 
     def teardown(self) -> None:

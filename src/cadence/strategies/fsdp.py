@@ -7,7 +7,6 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -20,8 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from cadence.strategies.base import ObjectCollectives
-from cadence.strategies.distributed import DEFAULT_TIMEOUT, DistributedStrategy, _GroupCollectives
+from cadence.strategies.distributed import DEFAULT_TIMEOUT, DistributedStrategy
 from cadence.strategies.fsdp_checkpoint import save_sharded_model, save_sharded_optimizer
 
 if TYPE_CHECKING:
@@ -51,7 +49,6 @@ class FSDPStrategy(DistributedStrategy):
         super().__init__(device_type, timeout)
         self._replaced: dict[int, nn.Parameter] = {}
         """``id(parameter before fully_shard) -> its sharded replacement``, for optimizers built before."""
-        self._background_group: Any = None
         """The gloo group of background saves (``background_collectives``), created at the first."""
 
     def configure_precision(self, precision: Any) -> None:
@@ -117,18 +114,11 @@ class FSDPStrategy(DistributedStrategy):
         _refuse_accumulated_gradients(module)
         return {}
 
-    def background_collectives(self) -> ObjectCollectives:
-        # The save's thread writes the shards with DCP, whose plans and results are gathered by collectives: on the
-        # training group they would interleave with FSDP's all-gathers and reduce-scatters in a different order on
-        # each rank, and hang. DCP runs on the same gloo group of its own as the commit (one thread uses both, one
-        # after the other). Created at the first background save, which every rank reaches in the same order.
-        if self._background is None:
-            self._background_group = dist.new_group(backend="gloo", timeout=self._timeout)
-            self._background = _GroupCollectives(self._background_group)
-        return self._background
-
     def _dcp_group(self, writer: TensorSink) -> Any:
-        """The group DCP writes on: a snapshot is written on the save's thread, over the background group."""
+        """The group DCP writes on: a snapshot is written on the save's thread, over the background group. DCP's plans
+        and results are gathered by collectives: on the training group they would interleave with FSDP's all-gathers
+        and reduce-scatters in a different order on each rank, and hang; the commit's gloo group of its own (one
+        thread uses both, one after the other) keeps them apart."""
         return self._background_group if writer.snapshot else None
 
     def save_model(self, module: nn.Module, writer: TensorSink, index: int) -> dict[str, Any]:
