@@ -230,7 +230,7 @@ def _agreed_problem(summaries: list[_Summary]) -> Problem | None:
             return kind, f"{message} (on rank {rank})"
     empty = [rank for rank, summary in enumerate(summaries) if not summary.rows]
     if empty:
-        return _empty(empty)
+        return _empty(empty if len(empty) < len(summaries) else None)
     first = summaries[0]
     for rank, summary in enumerate(summaries[1:], start=1):
         if summary.structure != first.structure:
