@@ -7,7 +7,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import cadence
 from cadence.testing import TinyStep, tiny_dataloader
@@ -35,9 +35,12 @@ class Evaluated(TinyStep):
         return {"id": ids, "name": [f"#{int(i)}" for i in ids], "out": self.model(features)}
 
 
-def data(samples: int = SAMPLES) -> DataLoader[Any]:
+def data(samples: int = SAMPLES, own_sampler: bool = False) -> DataLoader[Any]:
+    """Batches of 2 ``(features, id)``; ``own_sampler``: every sample on this rank, by a sampler of the user's own."""
     ids = torch.arange(samples, dtype=torch.float64)
-    return DataLoader(TensorDataset(ids[:, None].repeat(1, 4).float(), ids), batch_size=2)
+    dataset = TensorDataset(ids[:, None].repeat(1, 4).float(), ids)
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=False) if own_sampler else None
+    return DataLoader(dataset, batch_size=2, sampler=sampler)
 
 
 def evaluate(kind: str, samples: int = SAMPLES) -> dict[str, Any]:
@@ -50,6 +53,8 @@ def evaluate(kind: str, samples: int = SAMPLES) -> dict[str, Any]:
     try:
         if kind == "test":
             results: dict[str, Any] = engine.test(step, data(samples))
+        elif kind == "rows per rank":  # rank 0 predicts 5 samples, rank 1 4: their batches cannot be paired
+            results = {"predicted": engine.predict(step, data(5 - engine.rank, own_sampler=True))}
         else:
             results = {"predicted": engine.predict(step, data(samples), gather=kind != "own")}
     except (RuntimeError, TypeError, ValueError) as error:

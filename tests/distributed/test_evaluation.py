@@ -27,6 +27,7 @@ def jobs() -> dict[str, list[Any]]:
             ("own", workers.evaluate, ("own",)),
             ("bad on rank 1", workers.evaluate, ("bad on rank 1",)),
             ("shapes per rank", workers.evaluate, ("shapes per rank",)),
+            ("rows per rank", workers.evaluate, ("rows per rank",)),
             ("empty test", workers.evaluate, ("test", 0)),
             ("empty predict", workers.evaluate, ("predict", 0)),
             ("after the errors", workers.evaluate, ("predict",)),
@@ -67,6 +68,7 @@ def test_outputs_that_cannot_be_gathered_fail_on_every_rank_together(jobs: dict[
     for job, message in [
         ("bad on rank 1", "TypeError: predict_step returned its output as None; predict() joins tensors"),
         ("shapes per rank", "ValueError: predict_step returned outputs of other shapes or dtypes on rank 1"),
+        ("rows per rank", "ValueError: Rank 1 predicted batches of [2, 2] samples, rank 0 of [2, 2, 1]: predict()"),
         ("empty test", "RuntimeError: test()'s dataloader yielded no batch"),
         ("empty predict", "RuntimeError: predict()'s dataloader yielded no batch: check that its dataset"),
     ]:
