@@ -59,7 +59,9 @@ def evaluate(kind: str, samples: int = SAMPLES) -> dict[str, Any]:
             results = {"predicted": engine.predict(step, data(samples), gather=kind != "own")}
     except (RuntimeError, TypeError, ValueError) as error:
         return {"error": f"{type(error).__name__}: {error}"}
-    with torch.no_grad():  # this rank's model on every sample, to compare with what the ranks predicted together
-        results["every output"] = engine.unwrap_model(step.model)(data(samples).dataset.tensors[0])
+    with torch.no_grad():  # this rank's model on every sample, in the batches of 2 the ranks evaluated them in
+        features = data(samples).dataset.tensors[0]
+        model = engine.unwrap_model(step.model)
+        results["every output"] = torch.cat([model(batch) for batch in features.split(2)]) if samples else None
     results["counters unchanged"] = engine.state.counters() == counters
     return results
