@@ -21,8 +21,8 @@ if TYPE_CHECKING:
 
 class CSVLogger(Logger):
     """Writes ``step, epoch, loss, lr`` and every logged training metric after each optimizer step that updated
-    the weights (each ``lr``, ``lr_1`` ... is a param group's; a skipped step writes no row), and the ``val/``
-    metrics after each validation.
+    the weights (each ``lr``, ``lr_1`` ... is a param group's; a skipped step writes no row), the ``val/``
+    metrics after each validation, and the ``test/`` metrics after each ``engine.test()``.
 
     Rows are buffered and written every ``flush_every_n_rows`` rows, whenever a checkpoint takes its state (before
     a background save can commit), and at the end of ``fit()``; when a new metric appears the file is rewritten

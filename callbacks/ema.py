@@ -1,4 +1,5 @@
-"""``EMA``: an exponential moving average of the weights, kept in fp32, swapped in for validation and export."""
+"""``EMA``: an exponential moving average of the weights, kept in fp32, swapped in for validation, ``test()``,
+``predict()`` and export."""
 
 from __future__ import annotations
 
@@ -44,7 +45,9 @@ class EMA(Callback):
     which copies them. Under FSDP each rank keeps the average of its own shards, and updates it locally.
 
     Validation in ``fit()`` runs on the averaged weights; the trained ones are put back at ``VALIDATION_END``, or
-    at ``EXCEPTION`` / ``FIT_END`` when validation fails. ``with ema.average_weights(): ...`` does the same by hand:
+    at ``EXCEPTION`` / ``FIT_END`` when validation fails. ``engine.test()`` and ``engine.predict()`` run on them too
+    (swapped in at ``TEST_START`` / ``PREDICT_START``, out at ``TEST_END`` / ``PREDICT_END``, which follow a failure
+    as well). ``with ema.average_weights(): ...`` does the same by hand:
     ``engine.save_model(model, directory)`` inside it exports the averaged weights. Swapping keeps one copy of the
     trained weights (this rank's shards) aside meanwhile.
 
@@ -166,6 +169,9 @@ class EMA(Callback):
         self._swap_out(engine)
 
     on_exception = on_fit_end = on_validation_end  # a failed validation must not leave the average in the model
+
+    on_test_start = on_predict_start = on_validation_start
+    on_test_end = on_predict_end = on_validation_end
 
     # --- checkpoints ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -17,12 +17,14 @@ if TYPE_CHECKING:
     from cadence import Engine
 
 VALIDATION_PREFIX = "val/"
+TEST_PREFIX = "test/"
 
 
 class Logger(Callback):
     """The base of the metrics loggers. It writes one training row per real optimizer step, one that updated the
     weights (``epoch``, ``loss``, ``lr``, ``lr_1`` ... one per param group, then every logged training metric),
-    and one row after each validation (``epoch`` and the ``val/`` metrics), on the main process only. A skipped
+    one row after each validation (``epoch`` and the ``val/`` metrics), and one after each ``engine.test()`` (``epoch``
+    and the ``test/`` metrics, written at once: no later flush may come), on the main process only. A skipped
     step (accumulating, fp16 overflow, a veto) writes no row: it leaves ``state.step`` where it was, so its row
     would carry the step number of the next real one; ``state.skipped_steps`` counts them by reason.
 
@@ -186,6 +188,18 @@ class Logger(Callback):
             row = {"epoch": state.epoch}
             row.update((name, value) for name, value in state.metrics.items() if name.startswith(VALIDATION_PREFIX))
         self._add(engine, state.step, row)
+
+    def on_test_end(self, engine: Engine) -> None:
+        state = engine.state
+        if state.exception is not None:
+            return  # a failed test() has no metrics; its error may come from one rank alone: no collective
+        row: dict[str, Any] | None = None
+        if self.project_dir is not None:
+            row = {"epoch": state.epoch}
+            row.update((name, value) for name, value in state.metrics.items() if name.startswith(TEST_PREFIX))
+        self._add(engine, state.step, row)
+        # test() usually runs after fit(), whose last flush has passed: every rank is here, so flush together now.
+        self._flush_together(engine)
 
     def on_save_state(self, engine: Engine) -> None:
         # The rows up to the checkpoint were stored when its state was taken; no collective here, as a background

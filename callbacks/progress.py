@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import sys
+from dataclasses import dataclass
 from time import monotonic
 from typing import TYPE_CHECKING
 
@@ -42,6 +43,8 @@ class RichProgressBar(Callback):
     Each display shows the epoch, the batch within the epoch (``i/N``, counted from the epoch's start, also in a
     resumed epoch), the optimizer step, the loss, the epoch's rate in batches per second and its ETA. The fit's
     last position is shown when it ends (unless it raised), and validation metrics on a line of their own.
+    ``engine.test()`` and ``engine.predict()`` passes show ``test`` / ``predict``, the batch, the rate and the ETA,
+    by the same refresh rule, and their last position; a test's metrics follow on a line of their own.
 
     Args:
         refresh_every_n_batches: draw at every n-th batch of an epoch (counted from the epoch's start) and at its
@@ -76,6 +79,8 @@ class RichProgressBar(Callback):
         self._epoch_started = 0.0
         self._epoch_start_position = 0
         self._drawn_at: tuple[int, int] | None = None
+        self._pass: _EvaluationPass | None = None
+        """The ``test()`` or ``predict()`` pass being shown."""
 
     def setup(self, engine: Engine) -> None:
         self._active = engine.is_main_process
@@ -126,6 +131,28 @@ class RichProgressBar(Callback):
         )
         self._console().print(f"epoch {engine.state.epoch} validation: {shown}", highlight=False, soft_wrap=True)
 
+    def on_test_start(self, engine: Engine) -> None:
+        self._start_pass("test")
+
+    def on_predict_start(self, engine: Engine) -> None:
+        self._start_pass("predict")
+
+    def on_test_batch_end(self, engine: Engine) -> None:
+        self._pass_batch(engine)
+
+    on_predict_batch_end = on_test_batch_end
+
+    def on_test_end(self, engine: Engine) -> None:
+        shown = self._end_pass(engine)
+        if shown:
+            metrics = ", ".join(
+                f"{name} {value:.4f}" for name, value in engine.state.metrics.items() if name.startswith("test/")
+            )
+            self._console().print(f"test: {metrics}", highlight=False, soft_wrap=True)
+
+    def on_predict_end(self, engine: Engine) -> None:
+        self._end_pass(engine)
+
     def on_fit_end(self, engine: Engine) -> None:
         # After an exception the loss may not be readable (a failed device): the last display stays as it was.
         if self._active and engine.state.exception is None and not self._drawn(engine):
@@ -171,9 +198,64 @@ class RichProgressBar(Callback):
         total = "?" if state.num_batches is None else str(state.num_batches)
         counts = f"{position}/{total} | step {state.step} | loss {loss} | {rate:.1f} it/s | ETA {eta}"
         if self._live is not None:
-            self._live.update(_bar_line(state.epoch, position, state.num_batches, counts), refresh=True)
+            self._live.update(_bar_line(f"epoch {state.epoch}", position, state.num_batches, counts), refresh=True)
         else:
             self._console().print(f"epoch {state.epoch} | batch {counts}", highlight=False, soft_wrap=True)
+
+    # --- test() and predict() -----------------------------------------------------------------------------------
+    # A pass is a forward per batch, no optimizer: reading the clock at every batch costs nothing beside it.
+    def _start_pass(self, name: str) -> None:
+        if not self._active:
+            return
+        console = self._console()
+        # Outside fit() no live display runs: the pass starts (and stops) its own on a terminal.
+        owns_live = self._live is None and console.is_terminal
+        if owns_live:
+            self._live = _live_display(console)
+            self._live.start()
+        interval = self.refresh_every_s
+        if interval is None:
+            interval = LIVE_REFRESH_S if self._live is not None else PLAIN_REFRESH_S
+        now = monotonic()
+        self._pass = _EvaluationPass(name, now, interval, owns_live, next_draw_at=now)
+
+    def _pass_batch(self, engine: Engine) -> None:
+        shown = self._pass
+        if shown is None:
+            return
+        position, now = engine.state.eval_batch_idx + 1, monotonic()
+        if self.refresh_every_n_batches is not None:
+            if position % self.refresh_every_n_batches == 0 or position == engine.state.eval_num_batches:
+                self._draw_pass(engine, shown, now)
+        elif now >= shown.next_draw_at:
+            self._draw_pass(engine, shown, now)
+            shown.next_draw_at = now + shown.interval
+
+    def _end_pass(self, engine: Engine) -> bool:
+        """Show the pass's last position (unless it raised) and stop its live display; True when it was shown and
+        succeeded."""
+        shown, self._pass = self._pass, None
+        if shown is None:
+            return False
+        succeeded = engine.state.exception is None
+        if succeeded and shown.drawn != engine.state.eval_batch_idx + 1:
+            self._draw_pass(engine, shown, monotonic())
+        if shown.owns_live and self._live is not None:
+            self._live.stop()
+            self._live = None
+        return succeeded
+
+    def _draw_pass(self, engine: Engine, shown: _EvaluationPass, now: float) -> None:
+        state = engine.state
+        position, total = state.eval_batch_idx + 1, state.eval_num_batches
+        shown.drawn = position
+        rate = position / max(now - shown.started, 1e-9)
+        eta = _clock_time((total - position) / rate) if total is not None and rate > 0 else "?"
+        counts = f"{position}/{'?' if total is None else total} | {rate:.1f} it/s | ETA {eta}"
+        if self._live is not None:
+            self._live.update(_bar_line(shown.name, position, total, counts), refresh=True)
+        else:
+            self._console().print(f"{shown.name} | batch {counts}", highlight=False, soft_wrap=True)
 
     def _console(self) -> Console:
         if self.console is None:
@@ -181,6 +263,20 @@ class RichProgressBar(Callback):
 
             self.console = Console(file=sys.stdout)
         return self.console
+
+
+@dataclass(slots=True)
+class _EvaluationPass:
+    """How a ``test()`` or ``predict()`` pass is being shown."""
+
+    name: str
+    started: float
+    interval: float
+    owns_live: bool
+    """Whether the pass started the live display (outside ``fit()``), so it stops it."""
+    next_draw_at: float
+    drawn: int = 0
+    """The position last drawn."""
 
 
 def _check_refresh(every_n_batches: int | None, every_s: float | None) -> None:
@@ -209,15 +305,16 @@ def _live_display(console: Console) -> Live:
     return Live(console=console, auto_refresh=False)
 
 
-def _bar_line(epoch: int, position: int, total: int | None, counts: str) -> Text:
-    """One styled line: rendering it costs a fraction of a rich ``Progress`` table's layout."""
+def _bar_line(label: str, position: int, total: int | None, counts: str) -> Text:
+    """One styled line (``label``: ``epoch 3``, ``test``): rendering it costs a fraction of a rich ``Progress``
+    table's layout."""
     from rich.text import Text
 
     if total is None:  # a dataloader without a length: counts only, no bar to fill
-        return Text.assemble((f"epoch {epoch} ", "bold"), counts)
+        return Text.assemble((f"{label} ", "bold"), counts)
     done = BAR_CELLS if total == 0 else min(BAR_CELLS, BAR_CELLS * position // total)
     return Text.assemble(
-        (f"epoch {epoch} ", "bold"), ("━" * done, "bar.complete"), ("━" * (BAR_CELLS - done), "bar.back"), f" {counts}"
+        (f"{label} ", "bold"), ("━" * done, "bar.complete"), ("━" * (BAR_CELLS - done), "bar.back"), f" {counts}"
     )
 
 

@@ -102,6 +102,24 @@ class Callback:
     def on_exception(self, engine: Engine) -> None:
         """See ``Event.EXCEPTION``."""
 
+    def on_test_start(self, engine: Engine) -> None:
+        """See ``Event.TEST_START``."""
+
+    def on_test_batch_end(self, engine: Engine) -> None:
+        """See ``Event.TEST_BATCH_END``."""
+
+    def on_test_end(self, engine: Engine) -> None:
+        """See ``Event.TEST_END``."""
+
+    def on_predict_start(self, engine: Engine) -> None:
+        """See ``Event.PREDICT_START``."""
+
+    def on_predict_batch_end(self, engine: Engine) -> None:
+        """See ``Event.PREDICT_BATCH_END``."""
+
+    def on_predict_end(self, engine: Engine) -> None:
+        """See ``Event.PREDICT_END``."""
+
     def on_save_state(self, engine: Engine) -> None:
         """See ``Event.SAVE_STATE``."""
 

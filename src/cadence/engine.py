@@ -22,6 +22,7 @@ from cadence.checkpoint.export import save_weights
 from cadence.checkpoint.layout import CheckpointDirectory
 from cadence.compile import CompileSetting, check_compile_sources, compile_options, compile_prepared, split_compiled
 from cadence.data import batches_per_epoch, check_shardable, draw_seed, make_batch_mover, to_stateful
+from cadence.evaluation import run_predict, run_test
 from cadence.event import Event
 from cadence.inputs import (
     PREPARABLE,
@@ -581,3 +582,27 @@ class Engine:
             return set_up_fit(self, step, train_dataloader, val_dataloader, resume, plan).run()
         finally:
             self._fitting = False
+
+    def test(self, step: TrainingStep, dataloader: DataLoader[Any] | PreparedDataLoader) -> dict[str, float]:
+        """Run ``step.test_step`` (``validation_step`` without one) over ``dataloader`` and return each metric's mean
+        over the samples of every rank, as ``{"test/<name>": float}`` (the rule of ``fit()``'s validation).
+
+        Every prepared model is in eval mode and gradients are off during the pass (the modes come back after); an
+        attached ``EMA`` swaps its average in. ``step.model`` is prepared if it is not yet, its optimizer not at all.
+        The dataloader is prepared for this pass only: nothing a checkpoint saves changes (see ``cadence.evaluation``).
+        Fires ``TEST_START``, ``TEST_BATCH_END`` per batch and ``TEST_END`` (``cadence.Event``); call it on every rank.
+        """
+        return run_test(self, step, dataloader)
+
+    def predict(
+        self, step: TrainingStep, dataloader: DataLoader[Any] | PreparedDataLoader, *, gather: bool = True
+    ) -> Any:
+        """Run ``step.predict_step`` over ``dataloader`` and return its outputs joined along the first dimension (a
+        tensor, or the tuple, list or dict of them the step returns; lists of plain values are joined as lists).
+
+        They come in the order the dataloader yields (the dataset's order when it does not shuffle), without the
+        samples a distributed sampler repeated as padding. ``gather=True``: every rank's outputs, on every rank;
+        ``gather=False``: this rank's own, each sample on exactly one rank. Runs like ``test()`` (eval mode, no grad,
+        EMA weights, nothing saved changes), firing ``PREDICT_START``, ``PREDICT_BATCH_END`` and ``PREDICT_END``.
+        """
+        return run_predict(self, step, dataloader, gather)

@@ -27,6 +27,15 @@ the same places in both::
     FIT_END                                            # fit() only, once FIT_PREPARED fired, also after an exception
     save_state() -> SAVE_STATE, load_state() -> LOAD_STATE  # after the checkpoint is committed / restored
 
+    test(step, dataloader)                             # prepares step.model (if not yet) and its own loader copy
+        TEST_START                                     # every prepared model in eval mode, no grad from here
+        for batch in dataloader:                       # no epoch or batch event: the State's counters stay
+            metrics = step.test_step(batch)            # validation_step when the step has no test_step
+            TEST_BATCH_END
+        TEST_END                                       # test/<name> in state.metrics; also when test() raises
+    predict(step, dataloader)                          # the same pass with predict_step: PREDICT_START,
+                                                       # PREDICT_BATCH_END, PREDICT_END; outputs gathered at the end
+
 A prepared dataloader fires the epoch and batch events while a prepared model is in training mode: an
 evaluation loop runs after ``model.eval()`` and so never counts as training batches.
 """
@@ -132,6 +141,45 @@ class Event(str, Enum):
     EXCEPTION = (
         "exception",
         "``fit()`` caught an exception (``state.exception``); it is re-raised after the callbacks ran.",
+    )
+
+    TEST_START = (
+        "test_start",
+        "``engine.test()`` prepared what it needs and put every prepared model in eval mode (gradients off): its "
+        "first batch comes next. ``state.eval_num_batches`` is the pass's length. ``TEST_END`` follows whatever "
+        "happens. The training counters (``step``, ``epoch``, ``batch_idx`` ...) are not touched by the pass.",
+    )
+
+    TEST_BATCH_END = (
+        "test_batch_end",
+        "``test_step`` (or ``validation_step``) ran on the batch at index ``state.eval_batch_idx`` of the test pass.",
+    )
+
+    TEST_END = (
+        "test_end",
+        "``engine.test()``'s pass is over. When it succeeded, ``state.metrics`` holds its metrics as ``test/<name>``, "
+        "Python floats, each the mean over the test samples of every rank (the rule of ``VALIDATION_END``), the same "
+        "on every rank; they are taken out again after this event (``test()`` returns them), so a checkpoint never "
+        "holds them. When the pass raised, ``state.exception`` is set here and the error is re-raised after. The "
+        "models return to the modes they had after it.",
+    )
+
+    PREDICT_START = (
+        "predict_start",
+        "``engine.predict()`` prepared what it needs and put every prepared model in eval mode (gradients off): its "
+        "first batch comes next. ``state.eval_num_batches`` is the pass's length. ``PREDICT_END`` follows "
+        "whatever happens; the training counters are not touched.",
+    )
+
+    PREDICT_BATCH_END = (
+        "predict_batch_end",
+        "``predict_step`` ran on the batch at index ``state.eval_batch_idx`` of the predict pass.",
+    )
+
+    PREDICT_END = (
+        "predict_end",
+        "``engine.predict()``'s pass is over (the outputs are gathered after it). When it raised, ``state.exception`` "
+        "is set here and the error is re-raised after. The models return to the modes they had after it.",
     )
 
     SAVE_STATE = (

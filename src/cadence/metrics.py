@@ -1,4 +1,4 @@
-"""Validation metrics: each one a mean over the validation *samples* of every rank.
+"""Validation (and test) metrics: each one a mean over the *samples* of every rank.
 
 Per batch nothing waits for the device: a tensor value is weighted and summed where it lives, in float64; a Python
 number stays a Python float (float64, so 0.9 stays 0.9). At the end the ranks agree on the metric names (one object
@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,6 +22,27 @@ if TYPE_CHECKING:
 
 Value = float | torch.Tensor
 """A Python float, or a 0-dim float64 tensor on the device that produced it."""
+
+
+@dataclass(frozen=True)
+class MetricSource:
+    """Who returns the metrics and who averages them, as the error messages name them."""
+
+    method: str = "validation_step"
+    """The step's method that returned them."""
+    caller: str = "fit()"
+    """The engine call that averages them."""
+    prefix: str = "val"
+    """Their names' prefix: a metric ``loss`` is logged as ``<prefix>/loss``."""
+    loader: str = "the validation dataloader"
+    empty: str = (
+        "fit()'s val_dataloader yielded no batch: check that its dataset is not empty and that drop_last does not drop "
+        "every sample, or leave val_dataloader out."
+    )
+    """The error when no rank got a batch."""
+
+
+VALIDATION = MetricSource()
 
 
 def batch_samples(batch: Any) -> int | None:
@@ -53,8 +75,9 @@ class ValidationMeans:
     them weighs only its real samples (its mean is taken as theirs, the closest a per-batch mean allows).
     """
 
-    def __init__(self, rank: int, world_size: int) -> None:
+    def __init__(self, rank: int, world_size: int, source: MetricSource = VALIDATION) -> None:
         self.rank, self.world_size = rank, world_size
+        self.source = source
         self.batches = 0
         self._sums: dict[str, Value] = {}
         self._weights: dict[str, Value] = {}
@@ -62,39 +85,40 @@ class ValidationMeans:
     def add(self, output: Any, samples: int | None, padding: int) -> None:
         """One batch: ``output`` is what ``validation_step`` returned, ``samples`` the batch's ``batch_samples``, and
         ``padding`` the samples repeated in it across all ranks (0 except in a padded last batch)."""
-        metrics, num_items = _split(output)
+        metrics, num_items = _split(output, self.source)
         weight = self._weight(samples, num_items, padding)
         for name, value in metrics.items():
-            weighted = _number(name, value) * weight
+            weighted = _number(name, value, self.source) * weight
             self._sums[name] = self._sums[name] + weighted if name in self._sums else weighted
             self._weights[name] = self._weights[name] + weight if name in self._weights else weight
         self.batches += 1
 
     def _weight(self, samples: int | None, num_items: Any, padding: int) -> Value:
+        source = self.source
         if num_items is not None:
-            weight = _count(num_items)
+            weight = _count(num_items, source)
         elif samples is not None:
             weight = float(samples)
         else:
             raise TypeError(
-                "fit() weights each validation batch by its number of samples, the first dimension of the batch, "
-                "but this batch holds no tensor with a dimension. Return {'num_items': <samples in the batch>, ...} "
-                "from validation_step."
+                f"{source.caller} weights each batch of {source.loader} by its number of samples, the first "
+                "dimension of the batch, but this batch holds no tensor with a dimension. Return "
+                f"{{'num_items': <samples in the batch>, ...}} from {source.method}."
             )
         if not padding:
             return weight
         if not samples:
             raise TypeError(
-                "This validation batch holds samples the distributed sampler repeated to even out the last batch, "
-                "and no tensor with a dimension to tell how many samples it has, so they cannot be left out. Make "
-                "the batch hold its inputs as tensors, or use drop_last=True on the validation dataloader."
+                f"This batch of {source.loader} holds samples the distributed sampler repeated to even out the last "
+                "batch, and no tensor with a dimension to tell how many samples it has, so they cannot be left out. "
+                f"Make the batch hold its inputs as tensors, or use drop_last=True on {source.loader}."
             )
         real = real_samples(samples, padding, self.rank, self.world_size)
         return float(real) if num_items is None else weight * real / samples
 
     def reduce(self, engine: Engine) -> dict[str, float]:
         """Every metric's mean over all ranks' samples (NaN where they weigh nothing), the same on every rank.
-        Collective: every rank calls it once per validation."""
+        Collective: every rank calls it once per validation (test)."""
         names = self._agreed_names(engine)
         if not names:
             return {}
@@ -115,47 +139,44 @@ class ValidationMeans:
         # A rank that validated nothing (a sampler of the user's own) adds nothing and need not know the names.
         validated = [(rank, names) for rank, (names, batches) in enumerate(ranks) if batches]
         if not validated:
-            raise RuntimeError(
-                "fit()'s val_dataloader yielded no batch: check that its dataset is not empty and that drop_last "
-                "does not drop every sample, or leave val_dataloader out."
-            )
+            raise RuntimeError(self.source.empty)
         first = validated[0][1]
         if any(other != first for _, other in validated[1:]):
-            raise ValueError(_mismatch(validated))
+            raise ValueError(_mismatch(validated, self.source))
         return first
 
 
-def _split(output: Any) -> tuple[Mapping[str, Any], Any]:
+def _split(output: Any, source: MetricSource) -> tuple[Mapping[str, Any], Any]:
     if isinstance(output, Mapping):
         for name in output:
             if not isinstance(name, str):
-                raise TypeError(f"validation_step returned a dict with the key {name!r}; metric names are strings.")
+                raise TypeError(f"{source.method} returned a dict with the key {name!r}; metric names are strings.")
         return {name: value for name, value in output.items() if name != "num_items"}, output.get("num_items")
     if output is None:
         raise TypeError(
-            "validation_step returned None; return a dict of metrics (or one tensor, logged as val/loss). "
-            "Did you forget `return`?"
+            f"{source.method} returned None; return a dict of metrics (or one tensor, logged as {source.prefix}/loss)"
+            ". Did you forget `return`?"
         )
     return {"loss": output}, None
 
 
-def _number(name: str, value: Any) -> Value:
+def _number(name: str, value: Any, source: MetricSource) -> Value:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(
-                f"validation_step returned metric {name!r} as a tensor of shape {tuple(value.shape)}; fit() averages "
-                "one number per metric and batch: return a one-element tensor (e.g. its .mean()) or a number."
+                f"{source.method} returned metric {name!r} as a tensor of shape {tuple(value.shape)}; {source.caller} "
+                "averages one number per metric and batch: return a one-element tensor (e.g. its .mean()) or a number."
             )
         return value.detach().reshape(()).to(torch.float64)
     if isinstance(value, numbers.Real):
         return float(value)
     raise TypeError(
-        f"validation_step returned metric {name!r} as a {type(value).__name__}; return a number or a one-element "
+        f"{source.method} returned metric {name!r} as a {type(value).__name__}; return a number or a one-element "
         "tensor for each metric."
     )
 
 
-def _count(num_items: Any) -> Value:
+def _count(num_items: Any, source: MetricSource) -> Value:
     if is_number(num_items):
         count = float(num_items)
         if math.isfinite(count) and count >= 0:
@@ -163,12 +184,12 @@ def _count(num_items: Any) -> Value:
     elif isinstance(num_items, torch.Tensor) and num_items.numel() == 1:
         return num_items.detach().reshape(()).to(torch.float64)
     raise ValueError(
-        f"validation_step returned num_items={num_items!r}; it must be the number of samples (or items) the batch's "
+        f"{source.method} returned num_items={num_items!r}; it must be the number of samples (or items) the batch's "
         "metrics cover: an int >= 0 or a one-element tensor."
     )
 
 
-def _mismatch(validated: list[tuple[int, list[str]]]) -> str:
+def _mismatch(validated: list[tuple[int, list[str]]], source: MetricSource) -> str:
     every = sorted({name for _, names in validated for name in names})
     differences = []
     for name in every:
@@ -177,9 +198,9 @@ def _mismatch(validated: list[tuple[int, list[str]]]) -> str:
             lacking = [rank for rank, names in validated if name not in names]
             differences.append(f"{name!r} on {_ranks(having)} but not on {_ranks(lacking)}")
     return (
-        f"validation_step returned different metrics on different ranks: {'; '.join(differences)}. fit() averages "
-        "each metric over the samples of every rank, so every rank must return the same names: return each metric "
-        "on every rank, under one name."
+        f"{source.method} returned different metrics on different ranks: {'; '.join(differences)}. {source.caller} "
+        "averages each metric over the samples of every rank, so every rank must return the same names: return each "
+        "metric on every rank, under one name."
     )
 
 

@@ -267,6 +267,22 @@ class State:
         metadata=_doc("The exception ``fit()`` is handling at ``EXCEPTION``. Written by ``fit()``."),
     )
 
+    eval_batch_idx: int = field(
+        default=-1,
+        metadata=_doc(
+            "Index of the current batch of a ``test()`` or ``predict()`` pass (-1 before its first). Written by that "
+            "pass before each batch runs."
+        ),
+    )
+
+    eval_num_batches: int | None = field(
+        default=None,
+        metadata=_doc(
+            "Batches in the running ``test()`` or ``predict()`` pass (this rank's), ``None`` for a dataloader without "
+            "a length. Written by that pass before ``TEST_START`` / ``PREDICT_START``."
+        ),
+    )
+
     _veto: str | None = None
     _window_non_finite: Any = False
     _non_finite_steps: Any = 0

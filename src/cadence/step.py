@@ -25,6 +25,12 @@ class TrainingStep:
     samples, its mean taken as theirs (a ``DistributedSampler`` of your own pads without saying so: its repeats
     count). Python numbers keep float64 precision; tensors are summed in float64 on their device, with no device
     sync until the end of validation. Every rank must return the same metric names.
+
+    ``engine.test(step, dataloader)`` runs ``test_step(batch)``, or ``validation_step`` when the step defines no
+    ``test_step``: it returns what ``validation_step`` does, averaged by the same rule, as ``test/<name>``.
+    ``engine.predict(step, dataloader)`` runs ``predict_step(batch)``, which returns the batch's outputs: a tensor
+    with one row per sample (its first dimension is the batch's samples), or a tuple, list or dict of them; a list
+    of plain values (strings, numbers) is one value per sample. Neither needs an optimizer.
     """
 
     model: nn.Module
@@ -38,6 +44,27 @@ class TrainingStep:
 
     def validation_step(self, batch: Any) -> torch.Tensor | Mapping[str, Any]:
         raise missing_validation_step(self)
+
+    def test_step(self, batch: Any) -> torch.Tensor | Mapping[str, Any]:
+        raise NotImplementedError(missing_step(self, "test_step"))
+
+    def predict_step(self, batch: Any) -> Any:
+        raise NotImplementedError(missing_step(self, "predict_step"))
+
+
+def missing_step(step: TrainingStep, method: str) -> str:
+    """Why ``engine.test()`` (``method="test_step"``) or ``engine.predict()`` cannot run ``step``, with the fix."""
+    name = type(step).__name__
+    if method == "test_step":
+        return (
+            f"engine.test() runs {name}.test_step(batch), or its validation_step when it has no test_step, but it "
+            "defines neither: define `test_step(self, batch)` returning a dict of metrics (as validation_step does)."
+        )
+    return (
+        f"engine.predict() runs {name}.predict_step(batch), which it does not define: define "
+        "`predict_step(self, batch)` returning the batch's outputs (a tensor with one row per sample, or a tuple or "
+        "dict of them)."
+    )
 
 
 def missing_validation_step(step: TrainingStep) -> NotImplementedError:

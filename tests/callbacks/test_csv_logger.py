@@ -1,4 +1,4 @@
-"""CSVLogger: a row per optimizer step and per validation, header widened when new metrics appear."""
+"""CSVLogger: a row per optimizer step, per validation and per test(), header widened when new metrics appear."""
 
 from __future__ import annotations
 
@@ -61,6 +61,25 @@ def test_validation_rows_in_fit(tmp_path: Path) -> None:
     rows = read(tmp_path / "metrics.csv")
     validation = [row for row in rows if row["val/mse"]]
     assert [row["step"] for row in validation] == ["5", "10"] and len(rows) == 12
+
+
+def test_a_test_after_fit_writes_its_metrics_row_at_once(tmp_path: Path) -> None:
+    engine = Engine(accelerator="cpu", project_dir=tmp_path, callbacks=[CSVLogger()], progress_bar=False)
+    step = RegressionStep()
+    engine.fit(step, loader(), max_epochs=1, val_dataloader=loader())
+    results = engine.test(step, loader())
+    rows = read(tmp_path / "metrics.csv")
+    assert rows[-1] == {
+        "step": "5",
+        "epoch": "0",
+        "loss": "",
+        "lr": "",
+        "val/mse": "",
+        "test/mse": str(results["test/mse"]),
+    }
+    assert all(row["test/mse"] == "" for row in rows[:-1])
+    engine.fit(step, loader(), max_epochs=2)  # the training rows after it do not carry the test metrics
+    assert all(row["test/mse"] == "" for row in read(tmp_path / "metrics.csv")[len(rows) :])
 
 
 def test_other_ranks_write_nothing(tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """EMA: parity with a plain PyTorch loop keeping its own average (every_n_steps, start_step, skipped steps,
-accumulation, bf16 weights), validation and export on the average, the trained weights always put back, exact
-resume, and bad input."""
+accumulation, bf16 weights), validation, test(), predict() and export on the average, the trained weights always
+put back, exact resume, and bad input."""
 
 from __future__ import annotations
 
@@ -165,6 +165,47 @@ def test_a_failing_validation_puts_the_trained_weights_back() -> None:
         FakeEngine(callbacks=[before, ema]).fit(step, data(), max_epochs=1, val_dataloader=loader())
     assert_bitwise_equal(parameters(step.model), before.seen[0])
     assert ema.started
+
+
+class Evaluated(RegressionStep):
+    """test_step reports the sum of the weights; predict_step the model's outputs; ``failing``: test_step raises."""
+
+    failing = False
+
+    def test_step(self, batch: Any) -> dict[str, Any]:
+        if self.failing:
+            raise RuntimeError("test broke")
+        return {"weights": sum(p.double().sum() for p in self.model.parameters())}
+
+    def predict_step(self, batch: Any) -> torch.Tensor:
+        return self.model(batch[0])
+
+
+def test_test_and_predict_run_on_the_average_then_the_trained_weights_come_back() -> None:
+    ema, step = EMA(0.9), Evaluated()
+    engine = FakeEngine(callbacks=[ema])
+    engine.fit(step, data(), max_epochs=1)
+    trained = parameters(step.model)
+    with torch.no_grad():
+        on_trained = torch.cat([step.model(inputs) for inputs, _ in loader()])
+        with ema.average_weights():
+            weights = sum(p.double().sum() for p in step.model.parameters()).item()
+            on_average = torch.cat([step.model(inputs) for inputs, _ in loader()])
+    assert engine.test(step, loader()) == {"test/weights": weights}
+    predicted = engine.predict(step, loader())
+    assert torch.equal(predicted, on_average) and not torch.equal(predicted, on_trained)
+    assert_bitwise_equal(parameters(step.model), trained)
+
+
+def test_a_failing_test_puts_the_trained_weights_back() -> None:
+    ema, step = EMA(0.9), Evaluated()
+    engine = FakeEngine(callbacks=[ema])
+    engine.fit(step, data(), max_epochs=1)
+    trained = parameters(step.model)
+    step.failing = True
+    with pytest.raises(RuntimeError, match="test broke"):
+        engine.test(step, loader())
+    assert_bitwise_equal(parameters(step.model), trained)
 
 
 def test_average_weights_exports_the_average_with_save_model(tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
 """RichProgressBar: plain periodic lines off a terminal, a live bar on one, silence on other ranks; between draws a
-batch costs it a countdown, not a clock read, a loss read or any formatting."""
+batch costs it a countdown, not a clock read, a loss read or any formatting; test() and predict() passes shown."""
 
 from __future__ import annotations
 
@@ -305,3 +305,44 @@ def test_a_resumed_epoch_on_a_terminal_shows_the_position_within_the_epoch(tmp_p
     engine = FakeEngine(callbacks=[Checkpoint(every_n_steps=3), bar], project_dir=str(tmp_path))
     engine.fit(TinyStep(), tiny_dataloader(batches=8), max_epochs=1, resume="latest")
     assert "8/8" in output.getvalue() and "2/8" not in output.getvalue()
+
+
+class Predicting(TinyStep):
+    def predict_step(self, batch: Any) -> torch.Tensor:
+        return self.model(batch[0])
+
+
+def test_test_and_predict_passes_show_their_batches_and_the_test_metrics() -> None:
+    output = io.StringIO()
+    bar = RichProgressBar(refresh_every_n_batches=2, console=Console(file=output, force_terminal=False))
+    engine = FakeEngine(callbacks=[bar])
+    results = engine.test(Predicting(), tiny_dataloader(batches=5))
+    engine.predict(Predicting(), tiny_dataloader(batches=3))
+    lines = output.getvalue().splitlines()
+    assert [line.split(" | ")[:2] for line in lines[:3]] == [["test", f"batch {n}/5"] for n in (2, 4, 5)]
+    assert lines[3] == f"test: test/loss {results['test/loss']:.4f}"
+    assert [line.split(" | ")[:2] for line in lines[4:]] == [["predict", f"batch {n}/3"] for n in (2, 3)]
+    assert all(" it/s | ETA " in line for line in lines if " | " in line)
+
+
+def test_a_pass_on_a_terminal_outside_fit_runs_its_own_live_bar_and_stops_it(clock: FakeClock) -> None:
+    output = io.StringIO()
+    bar = RichProgressBar(console=Console(file=output, force_terminal=True, width=120))
+    FakeEngine(callbacks=[bar]).predict(Predicting(), tiny_dataloader(batches=3))
+    assert "predict " in output.getvalue() and "3/3" in output.getvalue()
+    assert bar._live is None  # stopped with the pass
+
+
+def test_a_failing_test_shows_no_metrics_and_other_ranks_show_nothing() -> None:
+    class Failing(TinyStep):
+        def validation_step(self, batch: Any) -> dict[str, torch.Tensor]:
+            raise RuntimeError("test broke")
+
+    output = io.StringIO()
+    bar = RichProgressBar(refresh_every_n_batches=1, console=Console(file=output, force_terminal=False))
+    with pytest.raises(RuntimeError, match="test broke"):
+        FakeEngine(callbacks=[bar]).test(Failing(), tiny_dataloader(batches=2))
+    assert output.getvalue() == ""
+    other = RichProgressBar(refresh_every_n_batches=1, console=Console(file=output, force_terminal=False))
+    FakeEngine(callbacks=[other], rank=1, world_size=2).test(TinyStep(), tiny_dataloader(batches=2))
+    assert output.getvalue() == ""
