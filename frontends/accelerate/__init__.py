@@ -11,3 +11,8 @@ from cadence.accelerate.accelerator import (
 )
 
 __all__ = ["Accelerator", "DataLoaderConfiguration", "ProjectConfiguration", "load_checkpoint_in_model"]
+
+from cadence.accelerate.data import skip_first_batches
+from cadence.accelerate.plugins import GradientAccumulationPlugin
+
+__all__ += ["GradientAccumulationPlugin", "skip_first_batches"]

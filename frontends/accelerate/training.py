@@ -1,15 +1,156 @@
-"""The ``Accelerator`` members of a training loop beyond the tutorial's: syncing, triggers, skipping batches,
-state hooks."""
+"""The ``Accelerator`` members of a training loop beyond the tutorial's: syncing, the scheduler's pace, dataloaders
+in Accelerate's order, skipping batches.
+
+Two rules here differ from the Engine's own, to give Accelerate's numbers:
+
+- ``accelerator.backward`` divides every loss by ``gradient_accumulation_steps``, a short final window included
+  (the Engine divides by the window's real length).
+- A prepared scheduler steps ``num_processes`` times per optimizer step (once with ``split_batches``), as
+  Accelerate's ``AcceleratedScheduler`` does, so a schedule sized ``num_training_steps * num_processes`` ends where
+  it does under Accelerate. The Engine steps a scheduler once per optimizer step.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
+
+from cadence.accelerate.data import accelerate_loader, skip_first_batches
+from cadence.callback import Callback
+from cadence.compile import split_compiled
+from cadence.inputs import is_preparable
+from cadence.wrappers import PreparedModule, PreparedScheduler
 
 if TYPE_CHECKING:
+    from cadence.accelerate.plugins import DataLoaderConfiguration
     from cadence.engine import Engine
 
 
+class AcceleratedScheduler:
+    """A prepared LR scheduler that steps as Accelerate's does: nothing on an accumulation micro-step or a skipped
+    (fp16 overflow) step; otherwise ``steps`` times (``num_processes``, or 1 with ``split_batches``). A scheduler
+    with ``total_steps`` (``OneCycleLR``) never steps past it. Saved and restored with the Engine's state."""
+
+    def __init__(self, prepared: PreparedScheduler, steps: int) -> None:
+        self.prepared = prepared
+        self.scheduler = prepared.scheduler
+        self.steps = steps
+        self._seen_updates = prepared.optimizer.step_count
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        updates = self.prepared.optimizer.step_count
+        if updates == self._seen_updates:
+            return  # the optimizer did not update since the last call
+        self._seen_updates = updates
+        self.prepared.step(*args, **kwargs)
+        total = getattr(self.scheduler, "total_steps", None)
+        for _ in range(self.steps - 1):
+            if total is not None and self.scheduler._step_count > total:
+                return
+            self.scheduler.step(*args, **kwargs)
+
+    def get_last_lr(self) -> list[float]:
+        return self.prepared.get_last_lr()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.prepared.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.prepared.load_state_dict(state_dict)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.scheduler, name)
+
+    def __repr__(self) -> str:
+        return f"AcceleratedScheduler({self.scheduler!r})"
+
+
+class AccelerateLossDivision(Callback):
+    """Divide each loss by ``steps`` (Accelerate's rule) rather than by its window's real length. It runs after
+    ``GradientAccumulation``, whose divisor it replaces; losses given with an item count are left to it."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+
+    def on_before_backward(self, engine: Engine) -> None:
+        if engine.state.num_items is None:
+            engine.state.loss_divisor = self.steps
+
+
 class TrainingMembers:
-    """Mixed into ``Accelerator``, which sets ``self.engine`` before any member is used."""
+    """Mixed into ``Accelerator``, which sets ``self.engine`` and the settings below before any member is used."""
 
     engine: Engine
+    dataloader_config: DataLoaderConfiguration
+    split_batches: bool
+
+    def _prepare_in_accelerate_order(self, objects: tuple[Any, ...]) -> Any:
+        """``engine.prepare(*objects)``, with dataloaders in Accelerate's order and schedulers at its pace."""
+        if all(is_preparable(obj) for obj in objects):  # else engine.prepare names the problem, before any change
+            objects = tuple(self._in_accelerate_order(obj) for obj in objects)
+        prepared = self.engine.prepare(*objects)
+        if len(objects) == 1:
+            return self._at_accelerate_pace(prepared)
+        return tuple(self._at_accelerate_pace(obj) for obj in prepared)
+
+    def _in_accelerate_order(self, obj: Any) -> Any:
+        if not isinstance(obj, DataLoader):
+            return obj
+        engine, config = self.engine, self.dataloader_config
+        return accelerate_loader(
+            obj,
+            use_seedable_sampler=config.use_seedable_sampler,
+            data_seed=config.data_seed,
+            split_batches=self.split_batches,
+            rank=engine.rank,
+            world_size=engine.world_size,
+            broadcast=engine.strategy.broadcast_object,
+        )
+
+    def _at_accelerate_pace(self, obj: Any) -> Any:
+        if not isinstance(obj, PreparedScheduler):
+            return obj
+        return AcceleratedScheduler(obj, 1 if self.split_batches else self.engine.world_size)
+
+    def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
+        """See ``cadence.accelerate.skip_first_batches``: after ``load_state`` the loader already stands there."""
+        return skip_first_batches(dataloader, num_batches)
+
+    @contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        """Skip the gradient all-reduce of ``model``'s backward passes inside the context (gradients accumulate
+        locally); nothing to skip on one process."""
+        with self.engine.strategy.no_backward_sync(_strategy_module(model)):
+            yield
+
+    @contextmanager
+    def trigger_sync_in_backward(self, model: nn.Module) -> Iterator[None]:
+        """Make the next backward of a DDP ``model`` all-reduce the gradients, even inside ``no_sync`` (after
+        several forwards under ``no_sync``, the last backward synchronises them all)."""
+        module = _strategy_module(model)
+        if not isinstance(module, DistributedDataParallel):
+            with nullcontext():
+                yield
+            return
+        backward_sync, forward_sync = module.require_backward_grad_sync, module.require_forward_param_sync
+        module.require_backward_grad_sync = True
+        module.require_forward_param_sync = True
+        # DDP arms its reducer in forward; the forward already ran under no_sync, so arm it here.
+        module.reducer.prepare_for_backward([])
+        try:
+            yield
+        finally:
+            module.require_backward_grad_sync = backward_sync
+            module.require_forward_param_sync = forward_sync
+
+
+def _strategy_module(model: nn.Module) -> nn.Module:
+    """The strategy's wrapper (DDP, FSDP) inside the prepared model's precision and compile wrappers."""
+    if isinstance(model, PreparedModule):
+        model = model.module
+    return split_compiled(model)[0]
