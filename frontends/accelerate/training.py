@@ -47,9 +47,8 @@ class AcceleratedScheduler:
         if updates == self._seen_updates:
             return  # the optimizer did not update since the last call
         self._seen_updates = updates
-        self.prepared.step(*args, **kwargs)
         total = getattr(self.scheduler, "total_steps", None)
-        for _ in range(self.steps - 1):
+        for _ in range(self.steps):
             if total is not None and self.scheduler._step_count > total:
                 return
             self.scheduler.step(*args, **kwargs)
