@@ -14,10 +14,11 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorDataset
 
-from cadence.accelerate import Accelerator, GradientAccumulationPlugin, skip_first_batches
+from cadence.accelerate import Accelerator, GradientAccumulationPlugin, ProjectConfiguration, skip_first_batches
 from cadence.accelerate.data import AccelerateBatchSampler
 from cadence.accelerate.training import AcceleratedScheduler
 from cadence.accelerate.utils import (
@@ -27,7 +28,8 @@ from cadence.accelerate.utils import (
     GradScalerKwargs,
     InitProcessGroupKwargs,
 )
-from cadence.testing.spawn import free_port
+from cadence.callback import Callback
+from cadence.testing.spawn import free_port, spawn
 
 accelerate_data = pytest.importorskip("accelerate.data_loader", reason="the comparisons need accelerate")
 SCRIPT = Path(__file__).with_name("accelerate_training_script.py")
@@ -281,3 +283,87 @@ def test_a_migrated_script_gives_accelerates_numbers_and_resumes_them(
     assert ours == theirs  # losses, every rank's sample order and the last learning rate, bitwise
     assert resumed == theirs
     assert theirs[0]["lr"] == 0.0  # the schedule sized steps * num_processes ends at 0
+
+
+def test_a_trigger_set_on_one_process_is_seen_once() -> None:
+    accelerator = Accelerator(cpu=True)
+    assert not accelerator.check_trigger()
+    accelerator.set_trigger()
+    assert accelerator.check_trigger()
+    assert not accelerator.check_trigger()  # lowered by the check
+
+
+class Veto(Callback):
+    def on_before_optimizer_step(self, engine: Any) -> None:
+        engine.state.veto_step("vetoed")
+
+
+def test_optimizer_step_was_skipped_says_a_real_step_was_skipped_not_a_micro_step() -> None:
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2, callbacks=[Veto()])
+    _, _, _, (prepared, optimizer, loader) = build(accelerator, batches=2)
+    skipped = []
+    for inputs, targets in loader:
+        with accelerator.accumulate(prepared):
+            accelerator.backward(nn.functional.mse_loss(prepared(inputs), targets))
+            accelerator.unscale_gradients()
+            optimizer.step()
+        skipped.append(accelerator.optimizer_step_was_skipped)
+    assert skipped == [False, True]  # accumulating, then the veto
+    with pytest.raises(TypeError, match=r"takes an optimizer accelerator.prepare\(\) returned"):
+        accelerator.unscale_gradients(torch.optim.SGD(prepared.parameters(), lr=1.0))
+
+
+def test_get_state_dict_save_and_save_iteration(tmp_path: Path) -> None:
+    accelerator = Accelerator(
+        cpu=True, project_config=ProjectConfiguration(str(tmp_path), automatic_checkpoint_naming=True)
+    )
+    model, _, _, (prepared, _, _) = build(accelerator)
+    weights = accelerator.get_state_dict(prepared)
+    assert weights.keys() == model.state_dict().keys()
+    accelerator.save(weights, tmp_path / "w.safetensors", safe_serialization=True)
+    accelerator.save({"step": 3}, tmp_path / "extra.pt")
+    assert torch.equal(load_file(tmp_path / "w.safetensors")["weight"], model.weight.detach())
+    assert torch.load(tmp_path / "extra.pt", weights_only=True) == {"step": 3}
+    assert accelerator.save_iteration == 0
+    accelerator.save_state()
+    assert accelerator.save_iteration == 1
+
+
+def test_join_uneven_inputs_is_a_plain_context_on_one_process_and_refuses_uneven_batches() -> None:
+    accelerator = Accelerator(cpu=True)
+    _, _, _, (prepared, _, _) = build(accelerator)
+    with accelerator.join_uneven_inputs([prepared]):
+        pass
+    refused = pytest.raises(NotImplementedError, match=r"even_batches=False.*same number of batches")
+    with refused, accelerator.join_uneven_inputs([prepared], even_batches=False):
+        pass
+
+
+def sync_and_trigger_on_two_ranks() -> dict[str, Any]:
+    """On each of 2 ranks: no_sync keeps the gradients local, trigger_sync_in_backward averages them, and a
+    trigger raised on rank 1 only is seen by both."""
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    prepared = accelerator.prepare(nn.Linear(2, 1))
+    inputs = torch.full((1, 2), float(accelerator.process_index + 1))
+    with accelerator.no_sync(prepared):
+        accelerator.backward(prepared(inputs).sum())
+    local = prepared.module.weight.grad.clone()
+    prepared.module.weight.grad = None
+    with accelerator.no_sync(prepared):
+        loss = prepared(inputs).sum()
+    with accelerator.trigger_sync_in_backward(prepared):
+        accelerator.backward(loss)
+    if accelerator.process_index == 1:
+        accelerator.set_trigger()
+    seen = accelerator.check_trigger()
+    accelerator.end_training()
+    return {"local": local.tolist(), "synced": prepared.module.weight.grad.tolist(), "seen": seen}
+
+
+@pytest.mark.slow
+def test_no_sync_trigger_sync_and_check_trigger_on_two_ranks() -> None:
+    ranks = spawn(2, sync_and_trigger_on_two_ranks)
+    assert ranks[0]["local"] == [[1.0, 1.0]] and ranks[1]["local"] == [[2.0, 2.0]]
+    assert ranks[0]["synced"] == ranks[1]["synced"] == [[1.5, 1.5]]
+    assert ranks[0]["seen"] and ranks[1]["seen"]

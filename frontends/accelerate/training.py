@@ -12,11 +12,15 @@ Two rules here differ from the Engine's own, to give Accelerate's numbers:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
+import torch
+from safetensors.torch import save_file
 from torch import nn
+from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
@@ -24,7 +28,7 @@ from cadence.accelerate.data import accelerate_loader, skip_first_batches
 from cadence.callback import Callback
 from cadence.compile import split_compiled
 from cadence.inputs import is_preparable
-from cadence.wrappers import PreparedModule, PreparedScheduler
+from cadence.wrappers import PreparedModule, PreparedOptimizer, PreparedScheduler
 
 if TYPE_CHECKING:
     from cadence.accelerate.plugins import DataLoaderConfiguration
@@ -87,6 +91,81 @@ class TrainingMembers:
     engine: Engine
     dataloader_config: DataLoaderConfiguration
     split_batches: bool
+    _trigger: bool = False
+
+    # --- triggers: one process asks, every process learns it at check_trigger -------------------------------------
+    def set_trigger(self) -> None:
+        """Raise this process's flag; the next ``check_trigger()`` on every process returns True."""
+        self._trigger = True
+
+    def check_trigger(self) -> bool:
+        """Whether any process called ``set_trigger()`` since the last check (a collective: call it on every
+        process); the flag is lowered again."""
+        flag = torch.tensor(1.0 if self._trigger else 0.0, device=self.engine.device)
+        raised = bool(self.engine.reduce(flag, op="sum").item() >= 1)
+        if raised:
+            self._trigger = False
+        return raised
+
+    # --- gradients and steps ----------------------------------------------------------------------------------------
+    def unscale_gradients(self, optimizer: Any = None) -> None:
+        """Unscale fp16 gradients now (once per step: the step then leaves them as they are), for code that reads
+        them before ``optimizer.step()``; ``clip_grad_norm_`` does it itself. Nothing on accumulation micro-steps.
+        ``optimizer``: a prepared optimizer, a list of them, or None for all."""
+        if not self.engine.state.sync_gradients:
+            return
+        chosen = self.engine.optimizers if optimizer is None else optimizer
+        for each in chosen if isinstance(chosen, list | tuple) else [chosen]:
+            if not isinstance(each, PreparedOptimizer):
+                raise TypeError(
+                    f"unscale_gradients(optimizer={each!r}) takes an optimizer accelerator.prepare() returned "
+                    "(or a list of them, or None for all)."
+                )
+            each.ready_gradients()
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        """True when the last optimizer step was skipped for a reason other than accumulating: an fp16 overflow
+        (as in Accelerate) or a callback's veto (``accelerator.engine.state.skip_reason`` says which)."""
+        return self.engine.state.skip_reason not in (None, "accumulating")
+
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
+        """The full state dict of ``model`` (gathered from every shard under FSDP; call it on every process).
+        ``unwrap=False``: the prepared wrapper's own (DDP's keys start with ``module.``)."""
+        if not unwrap:
+            return _strategy_module(model).state_dict()
+        return self.engine.strategy.model_state_dict(self.engine.unwrap_model(model))
+
+    def save(self, obj: Any, f: str | os.PathLike[str], safe_serialization: bool = False) -> None:
+        """Save ``obj`` to ``f`` on the main process only: ``torch.save``, or safetensors (a dict of tensors) with
+        ``safe_serialization=True``."""
+        if not self.engine.is_main_process:
+            return
+        if safe_serialization:
+            save_file(obj, os.fspath(f), metadata={"format": "pt"})
+        else:
+            torch.save(obj, f)
+
+    @property
+    def save_iteration(self) -> int:
+        """The number the next ``save_state()`` with automatic checkpoint naming uses."""
+        return self.engine.checkpoints.next_number()
+
+    @contextmanager
+    def join_uneven_inputs(self, joinables: list[Any], even_batches: bool | None = None) -> Iterator[None]:
+        """torch's ``Join`` over ``joinables`` on several processes. cadence's prepared loaders give every process
+        the same number of batches, so it matters only for loaders of your own; ``even_batches`` may only be None
+        or True."""
+        if even_batches is False:
+            raise NotImplementedError(
+                "cadence.accelerate.Accelerator does not support join_uneven_inputs(even_batches=False): prepared "
+                "dataloaders always give every process the same number of batches; leave even_batches unset."
+            )
+        if self.engine.world_size == 1:
+            yield
+            return
+        with Join(joinables):
+            yield
 
     def _prepare_in_accelerate_order(self, objects: tuple[Any, ...]) -> Any:
         """``engine.prepare(*objects)``, with dataloaders in Accelerate's order and schedulers at its pace."""
