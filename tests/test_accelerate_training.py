@@ -367,3 +367,13 @@ def test_no_sync_trigger_sync_and_check_trigger_on_two_ranks() -> None:
     assert ranks[0]["local"] == [[1.0, 1.0]] and ranks[1]["local"] == [[2.0, 2.0]]
     assert ranks[0]["synced"] == ranks[1]["synced"] == [[1.5, 1.5]]
     assert ranks[0]["seen"] and ranks[1]["seen"]
+
+
+def test_set_epoch_on_a_prepared_loader_follows_its_own_count() -> None:
+    accelerator = Accelerator(cpu=True)
+    loader = accelerator.prepare(DataLoader(TensorDataset(torch.arange(4.0)), batch_size=2, shuffle=True))
+    for epoch in range(2):
+        loader.set_epoch(epoch)  # an Accelerate loop's call, at the count the loader keeps
+        list(loader)
+    with pytest.raises(ValueError, match=r"set_epoch\(5\) .* completed 2 epochs.*Drop the set_epoch call"):
+        loader.set_epoch(5)
