@@ -40,21 +40,9 @@ def _global_draw() -> int:
 class AccelerateBatchSampler(ResumableBatchSampler):
     """A ``ResumableBatchSampler`` whose order and global-generator draws are Accelerate's (see the module)."""
 
-    def __init__(
-        self,
-        num_samples: int,
-        batch_size: int,
-        *,
-        shuffle: bool,
-        drop_last: bool,
-        seed: int,
-        rank: int = 0,
-        world_size: int = 1,
-        mode: ShuffleMode = "seedable",
-    ) -> None:
-        super().__init__(
-            num_samples, batch_size, shuffle=shuffle, drop_last=drop_last, seed=seed, rank=rank, world_size=world_size
-        )
+    def __init__(self, *arguments: Any, mode: ShuffleMode = "seedable", **keywords: Any) -> None:
+        """``ResumableBatchSampler``'s arguments, and the ``mode`` that orders the samples."""
+        super().__init__(*arguments, **keywords)
         self.mode: ShuffleMode = mode
 
     def indices(self) -> list[int]:
@@ -75,24 +63,16 @@ class AccelerateBatchSampler(ResumableBatchSampler):
             _global_draw()  # the base seed of the iteration's workers
             if self.shuffle and self.mode == "draw":
                 self.seed = _global_draw()
-        if self.world_size == 1 or self.drop_last:
-            yield from super().__iter__()
-            return
-        yield from self._even_batches()
+        yield from super().__iter__()
 
-    def _even_batches(self) -> Iterator[list[int]]:
-        order = self.indices()
-        remaining = order[self.start_sample :]
-        size, rank, step = self.batch_size, self.rank, self.global_batch_size
-        full = len(remaining) // step
-        for start in range(0, full * step, step):
-            yield remaining[start + rank * size : start + (rank + 1) * size]
-        tail = remaining[full * step :]
-        if tail:
-            first = order[:step]
-            filler = first * -(-step // len(first))
-            padded = tail + filler[: step - len(tail)]
-            yield padded[rank * size : (rank + 1) * size]
+    def last_batch(self, order: list[int], tail: list[int]) -> list[int]:
+        if self.world_size == 1:  # Accelerate leaves one process's last batch short
+            return tail
+        # Each rank gets a full batch: the tail, then the epoch's first samples (repeated if there are too few).
+        step = self.global_batch_size
+        first = order[:step]
+        padded = tail + (first * -(-step // len(first)))[: step - len(tail)]
+        return padded[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
 
     @property
     def padding(self) -> int:

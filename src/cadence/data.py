@@ -136,9 +136,14 @@ class ResumableBatchSampler(Sampler[list[int]]):
             yield remaining[start + rank * size : start + (rank + 1) * size]
         tail = remaining[full * step :]
         if tail and not self.drop_last:
-            share = -(-len(tail) // self.world_size)
-            padded = tail + (order * share)[: share * self.world_size - len(tail)]
-            yield padded[rank * share : (rank + 1) * share]
+            yield self.last_batch(order, tail)
+
+    def last_batch(self, order: list[int], tail: list[int]) -> list[int]:
+        """This rank's share of the epoch's short last global batch ``tail``: an even split, completed by
+        repeating the epoch's first samples."""
+        share = -(-len(tail) // self.world_size)
+        padded = tail + (order * share)[: share * self.world_size - len(tail)]
+        return padded[self.rank * share : (self.rank + 1) * share]
 
 
 def batches_per_epoch(loader: DataLoader[Any], world_size: int) -> int | None:
