@@ -1,7 +1,7 @@
 """A migrated fp32 training script, run by tests/test_accelerate_training.py with Accelerate itself or with
 cadence.accelerate (the import is the only difference), on 1 or 2 processes.
 
-    python accelerate_training_script.py {accelerate|cadence} {seedable|default} OUT.json [RESUME_DIR]
+    python accelerate_training_script.py {accelerate|cadence} {seedable|default|split} OUT.json [RESUME_DIR]
 
 It trains two epochs of a small model with dropout on a shuffled loader, with gradient accumulation and a
 scheduler sized the Hugging Face way (steps * num_processes), and writes every rank's losses, sample order and
@@ -31,7 +31,8 @@ def main(library: str, mode: str, out: str, resume_dir: str | None) -> None:
         from cadence.accelerate.plugins import DataLoaderConfiguration
 
         set_seed = _set_seed
-    config = DataLoaderConfiguration(use_seedable_sampler=mode == "seedable")
+    # "split": each batch of 3 * num_processes is split over the processes, and the scheduler steps once per update.
+    config = DataLoaderConfiguration(use_seedable_sampler=mode == "seedable", split_batches=mode == "split")
 
     def build() -> tuple[Any, ...]:
         accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2, dataloader_config=config)
@@ -39,9 +40,10 @@ def main(library: str, mode: str, out: str, resume_dir: str | None) -> None:
         data = TensorDataset(torch.randn(38, 4), torch.randn(38, 1), torch.arange(38))
         model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.3), nn.Linear(8, 1))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        total = EPOCHS * 3 * accelerator.num_processes  # optimizer steps per epoch: 3 windows (on 2 processes)
+        # Sized the Hugging Face way: optimizer steps (3 windows per epoch on 2 processes) times the processes.
+        total = EPOCHS * 3 * (1 if mode == "split" else accelerator.num_processes)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: max(0.0, 1 - step / total))
-        loader = DataLoader(data, batch_size=3, shuffle=True)
+        loader = DataLoader(data, batch_size=3 * (accelerator.num_processes if mode == "split" else 1), shuffle=True)
         return accelerator, *accelerator.prepare(model, optimizer, loader, scheduler)
 
     accelerator, model, optimizer, loader, scheduler = build()

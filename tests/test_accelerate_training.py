@@ -272,8 +272,9 @@ def run_script(library: str, mode: str, out: Path, processes: int, resume: Path 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("processes", [1, 2])
-@pytest.mark.parametrize("mode", ["default", "seedable"])
+@pytest.mark.parametrize(
+    ("mode", "processes"), [("default", 1), ("seedable", 1), ("default", 2), ("seedable", 2), ("split", 2)]
+)
 def test_a_migrated_script_gives_accelerates_numbers_and_resumes_them(
     tmp_path: Path, mode: str, processes: int
 ) -> None:
