@@ -378,3 +378,31 @@ def test_set_epoch_on_a_prepared_loader_follows_its_own_count() -> None:
         list(loader)
     with pytest.raises(ValueError, match=r"set_epoch\(5\) .* completed 2 epochs.*Drop the set_epoch call"):
         loader.set_epoch(5)
+
+
+def test_state_hooks_run_around_cadences_save_and_load_which_keep_every_model(tmp_path: Path) -> None:
+    accelerator = Accelerator(cpu=True)
+    model, _, _, (prepared, _, _) = build(accelerator)
+    calls: list[tuple[str, ...]] = []
+
+    def save_hook(models: list[Any], weights: list[Any], output_dir: str) -> None:
+        assert models == [prepared] and torch.equal(weights[0]["weight"], model.weight.detach())
+        Path(output_dir, "notes.txt").write_text("mine")  # the checkpoint directory exists by now
+        weights.pop()  # in Accelerate this skips saving the model; cadence has saved it already
+        calls.append(("save", output_dir))
+
+    def load_hook(models: list[Any], input_dir: str) -> None:
+        calls.append(("load", input_dir))
+
+    handle = accelerator.register_save_state_pre_hook(save_hook)
+    accelerator.register_load_state_pre_hook(load_hook)
+    saved = accelerator.save_state(tmp_path / "ck")
+    with torch.no_grad():
+        model.weight.zero_()
+    accelerator.load_state(saved)
+    assert calls == [("save", saved), ("load", str(tmp_path / "ck"))]
+    assert Path(saved, "notes.txt").read_text() == "mine"
+    assert not torch.equal(model.weight, torch.zeros_like(model.weight))  # restored despite the pop
+    handle.remove()
+    accelerator.save_state(tmp_path / "again")
+    assert len(calls) == 2

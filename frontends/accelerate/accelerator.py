@@ -11,6 +11,7 @@ This adapter composes the engine with built-in callbacks, which the engine core 
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
@@ -301,6 +302,9 @@ class Accelerator(ProcessMembers, TrainingMembers, TrackingMembers):
         self.project_dir = directory
         self.gradient_accumulation_steps: int = steps
         self.dataloader_config = config
+        # OrderedDicts: torch's RemovableHandle keeps a weak reference to the registry.
+        self._save_state_hooks: OrderedDict[int, Any] = OrderedDict()
+        self._load_state_hooks: OrderedDict[int, Any] = OrderedDict()
         self.split_batches = split_batches or config.split_batches
         """Whether a loader's batch_size is the global batch, split over the processes (the scheduler then steps
         once per optimizer step, not once per process)."""
@@ -444,10 +448,14 @@ class Accelerator(ProcessMembers, TrainingMembers, TrackingMembers):
     def save_state(self, output_dir: str | os.PathLike[str] | None = None, safe_serialization: bool = True) -> str:
         if not safe_serialization:
             _refuse("save_state(safe_serialization=False)", "cadence checkpoints are always safetensors + JSON")
-        return str(self.engine.save_state(self._checkpoint_path(output_dir, "save_state")))
+        saved = self.engine.save_state(self._checkpoint_path(output_dir, "save_state"))
+        self._after_save_state(saved)
+        return str(saved)
 
     def load_state(self, input_dir: str | os.PathLike[str] | None = None) -> None:
-        self.engine.load_state(self._checkpoint_path(input_dir, "load_state"))
+        directory = self._checkpoint_path(input_dir, "load_state")
+        self._before_load_state(directory)
+        self.engine.load_state(directory)
 
     def end_training(self) -> None:
         self.engine.close()

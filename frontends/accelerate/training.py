@@ -13,8 +13,10 @@ Two rules here differ from the Engine's own, to give Accelerate's numbers:
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,6 +25,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
+from torch.utils.hooks import RemovableHandle
 
 from cadence.accelerate.data import accelerate_loader, skip_first_batches
 from cadence.callback import Callback
@@ -92,6 +95,45 @@ class TrainingMembers:
     dataloader_config: DataLoaderConfiguration
     split_batches: bool
     _trigger: bool = False
+    _save_state_hooks: OrderedDict[int, Callable[..., Any]]
+    _load_state_hooks: OrderedDict[int, Callable[..., Any]]
+
+    # --- state hooks: provided differently (run around cadence's own save and load, which keep every model) -------
+    def register_save_state_pre_hook(self, hook: Callable[..., Any]) -> RemovableHandle:
+        """``hook(models, weights, output_dir)`` runs on every process at each ``save_state``, with the prepared
+        models, their full state dicts and the checkpoint directory, to write files of its own there.
+
+        Differently from Accelerate it runs once the checkpoint is complete (cadence writes it aside and renames
+        it, so the directory exists only then), and cadence has saved every model itself: removing an entry from
+        ``weights`` saves nothing less, so ``load_state`` restores every model whatever the hook wrote."""
+        handle = RemovableHandle(self._save_state_hooks)
+        self._save_state_hooks[handle.id] = hook
+        return handle
+
+    def register_load_state_pre_hook(self, hook: Callable[..., Any]) -> RemovableHandle:
+        """``hook(models, input_dir)`` runs on every process before each ``load_state``, with the prepared models
+        and the checkpoint directory. cadence then loads every model from the checkpoint itself (removing one from
+        ``models`` does not skip it), so what the hook loads must be what the checkpoint holds."""
+        handle = RemovableHandle(self._load_state_hooks)
+        self._load_state_hooks[handle.id] = hook
+        return handle
+
+    def _after_save_state(self, directory: Path) -> None:
+        if not self._save_state_hooks:
+            return
+        models = list(self.engine.models)
+        weights = [self.get_state_dict(model) for model in models]
+        for hook in list(self._save_state_hooks.values()):
+            hook(models, weights, str(directory))
+
+    def _before_load_state(self, directory: Path | None) -> None:
+        if not self._load_state_hooks:
+            return
+        if directory is None:  # automatic naming: the newest checkpoint, which load_state takes
+            numbered = self.engine.checkpoints.numbered()
+            directory = numbered[0][1] if numbered else self.engine.checkpoints.root
+        for hook in list(self._load_state_hooks.values()):
+            hook(list(self.engine.models), str(directory))
 
     # --- triggers: one process asks, every process learns it at check_trigger -------------------------------------
     def set_trigger(self) -> None:
