@@ -145,11 +145,11 @@ def test_members_delegate_to_the_engine(tmp_path: Path, capsys: pytest.CaptureFi
         ({"deepspeed_plugin": object()}, r"DeepSpeed.*Engine\(strategy='fsdp'\)"),
         ({"log_with": "wandb"}, r"write a cadence\.callbacks\.Logger backend"),
         ({"dynamo_plugin": object()}, r"pass dynamo_backend='inductor'.*Engine\(compile=\{\.\.\.\}\)"),
-        ({"split_batches": True}, "per-rank batch size"),
+        ({"dataloader_config": DataLoaderConfiguration(dispatch_batches=True)}, "its own share"),
+        ({"dataloader_config": DataLoaderConfiguration(even_batches=False)}, "leave even_batches=True"),
         ({"mixed_precision": "fp8"}, "use 'no', 'fp16' or 'bf16'"),
         ({"device_placement": False}, "always moves prepared models"),
         ({"project_config": ProjectConfiguration(save_on_each_node=True)}, "shares"),
-        ({"dataloader_config": DataLoaderConfiguration(use_seedable_sampler=False)}, "seeded, resumable sampler"),
     ],
 )
 def test_unsupported_arguments_name_the_cadence_equivalent(kwargs: dict[str, Any], message: str) -> None:
@@ -265,7 +265,7 @@ def test_non_blocking_must_say_how_cadence_copies_batches(monkeypatch: pytest.Mo
 
 
 def test_the_seedable_sampler_shuffles_in_accelerates_order() -> None:
-    """use_seedable_sampler=True is what cadence always does: the same order as Accelerate's, epoch after epoch."""
+    """use_seedable_sampler=True: the same order as Accelerate's, epoch after epoch."""
     accelerate = pytest.importorskip("accelerate", reason="the comparison needs the accelerate package")
     from accelerate.state import AcceleratorState, GradientState
     from accelerate.utils import DataLoaderConfiguration as TheirConfiguration
@@ -281,7 +281,9 @@ def test_the_seedable_sampler_shuffles_in_accelerates_order() -> None:
     )
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
-    ours = orders(Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(data_seed=7)))
+    ours = orders(
+        Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=7))
+    )
     assert ours == theirs and ours[0] != ours[1]
 
 

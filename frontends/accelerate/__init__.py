@@ -14,6 +14,8 @@ from cadence.accelerate.accelerator import (
     ProjectConfiguration,
     load_checkpoint_in_model,
 )
+from cadence.accelerate.data import skip_first_batches
+from cadence.accelerate.plugins import GradientAccumulationPlugin
 from cadence.accelerate.refusals import refuse_name
 from cadence.accelerate.state import AcceleratorState, DistributedType, GradientState, PartialState
 
@@ -22,10 +24,12 @@ __all__ = [
     "AcceleratorState",
     "DataLoaderConfiguration",
     "DistributedType",
+    "GradientAccumulationPlugin",
     "GradientState",
     "PartialState",
     "ProjectConfiguration",
     "load_checkpoint_in_model",
+    "skip_first_batches",
 ]
 
 

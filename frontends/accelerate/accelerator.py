@@ -11,19 +11,30 @@ This adapter composes the engine with built-in callbacks, which the engine core 
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 from torch import nn
 
+from cadence.accelerate.plugins import (
+    DataLoaderConfiguration,
+    GradientAccumulationPlugin,
+    HandlerSettings,
+    _check_bool,
+    _check_int,
+    _refuse,
+    accumulation_steps,
+    handler_settings,
+)
 from cadence.accelerate.process import ProcessMembers
 from cadence.accelerate.refusals import refuse_member
 from cadence.accelerate.tracking import TrackingMembers, checked_log_with
-from cadence.accelerate.training import TrainingMembers
+from cadence.accelerate.training import AccelerateLossDivision, TrainingMembers
 from cadence.callback import Callback
 from cadence.callbacks import GradientAccumulation, MixedPrecision
 from cadence.callbacks.mixed_precision import PrecisionName
@@ -43,8 +54,6 @@ _UNSUPPORTED = {
     "megatron_lm_plugin": "Megatron-LM is not supported; use Engine(strategy='fsdp')",
     "parallelism_config": "use Engine(strategy='ddp' | 'fsdp')",
     "rng_types": "cadence always saves and restores every RNG (python, numpy, torch, each device) per rank",
-    "gradient_accumulation_plugin": "pass gradient_accumulation_steps=N",
-    "kwargs_handlers": "configure the Engine and its callbacks directly (e.g. MixedPrecision(init_scale=...))",
     "dynamo_plugin": (
         "pass dynamo_backend='inductor' (or another backend), or build cadence.Engine(compile={...}) with "
         "torch.compile's arguments (mode, fullgraph, dynamic, options)"
@@ -52,8 +61,6 @@ _UNSUPPORTED = {
 }
 
 _Configuration = TypeVar("_Configuration")
-
-_PER_RANK_BATCHES = "each rank loads its own batch_size from one global sample order; pass the per-rank batch size"
 
 
 @dataclass
@@ -70,53 +77,6 @@ class ProjectConfiguration:
     total_limit: int | None = None
     iteration: int = 0
     save_on_each_node: bool = False
-
-
-@dataclass
-class DataLoaderConfiguration:
-    """How ``prepare`` treats dataloaders. The defaults say what cadence does; a value it cannot honour is refused.
-
-    - ``use_seedable_sampler``: prepared dataloaders always shuffle with a seeded, resumable sampler whose order
-      depends only on the seed and the epoch (the order of Accelerate's ``SeedableRandomSampler``), so it is True
-      here and False is refused.
-    - ``data_seed``: that sampler's seed. It becomes ``Engine(seed=...)``, which also seeds python, numpy and torch
-      (Accelerate seeds only the sampler). None: a seed drawn from torch's generator, as Accelerate does.
-    - ``non_blocking``: None lets cadence choose: batches are copied to CUDA with ``non_blocking=True`` (pin the
-      DataLoader's memory to overlap the copy), with a plain copy to other devices, and not at all on the CPU.
-      A value that contradicts that choice is refused.
-    - ``use_stateful_dataloader``: prepared dataloaders are always resumable ``StatefulDataLoader``s, so True or
-      False. The batch-splitting options are not supported.
-    """
-
-    split_batches: bool = False
-    dispatch_batches: bool | None = None
-    even_batches: bool = True
-    use_seedable_sampler: bool = True
-    data_seed: int | None = None
-    non_blocking: bool | None = None
-    use_stateful_dataloader: bool = False
-
-
-def _refuse(argument: str, fix: str) -> NoReturn:
-    raise NotImplementedError(f"cadence.accelerate.Accelerator does not support {argument}: {fix}.")
-
-
-# --- argument checks: each names the argument, the value given and what to pass instead ---------------------
-def _check_bool(owner: str, name: str, value: object, *, optional: bool = False) -> None:
-    if (optional and value is None) or isinstance(value, bool):
-        return
-    need = "True, False or None" if optional else "True or False"
-    raise TypeError(f"{owner}({name}={value!r}): {name} must be {need}, not a {type(value).__name__}.")
-
-
-def _check_int(owner: str, name: str, value: object, minimum: int | None, none_means: str | None = None) -> None:
-    if value is None and none_means is not None:
-        return
-    or_none = f", or None {none_means}" if none_means is not None else ""
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{owner}({name}={value!r}): {name} must be an integer{or_none}, not a {type(value).__name__}.")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{owner}({name}={value!r}): {name} must be at least {minimum}{or_none}.")
 
 
 def _check_path(owner: str, name: str, value: object) -> None:
@@ -163,13 +123,16 @@ def _checked_dataloader_config(config: object, accelerator: str) -> DataLoaderCo
     for name in ("dispatch_batches", "non_blocking"):
         _check_bool(owner, name, getattr(config, name), optional=True)
     _check_int(owner, "data_seed", config.data_seed, minimum=None, none_means="to draw one from torch's generator")
-    if config.split_batches or config.dispatch_batches or not config.even_batches:
-        _refuse("split_batches / dispatch_batches / even_batches=False", _PER_RANK_BATCHES)
-    if not config.use_seedable_sampler:
+    if config.dispatch_batches:
         _refuse(
-            "DataLoaderConfiguration(use_seedable_sampler=False)",
-            "prepared dataloaders always shuffle with a seeded, resumable sampler (the order depends only on "
-            "data_seed and the epoch, so a resumed run sees the same batches); leave use_seedable_sampler=True",
+            "DataLoaderConfiguration(dispatch_batches=True)",
+            "every rank loads its own share of one global sample order; leave dispatch_batches unset",
+        )
+    if not config.even_batches:
+        _refuse(
+            "DataLoaderConfiguration(even_batches=False)",
+            "every rank gets the same number of batches (the last completed from the epoch's first samples; "
+            "gather_for_metrics drops the repeats); leave even_batches=True",
         )
     if config.non_blocking is not None:
         _check_non_blocking(config.non_blocking, resolve_device(accelerator).type)
@@ -216,19 +179,21 @@ def _project_directory(argument: str | os.PathLike[str] | None, project: Project
     return Path(chosen if chosen is not None else ".")
 
 
-def _precision_callback(mixed_precision: object) -> Callback:
+def _precision_callback(mixed_precision: object, handlers: HandlerSettings) -> Callback:
     if mixed_precision == "fp8":
         _refuse("mixed_precision='fp8'", "use 'no', 'fp16' or 'bf16'")
     name = "fp32" if mixed_precision is None or mixed_precision == "no" else mixed_precision
     with _naming("Accelerator", "mixed_precision", mixed_precision):
-        precision: Callback = MixedPrecision(cast(PrecisionName, name))  # its own check names a bad value
+        # its own check names a bad value
+        precision: Callback = MixedPrecision(cast(PrecisionName, name), **handlers.scaler)
     return precision
 
 
 def _accumulation_callbacks(steps: object) -> list[Callback]:
     with _naming("Accelerator", "gradient_accumulation_steps", steps):
         accumulation = GradientAccumulation(cast(int, steps))  # its own check names a bad value
-    return [accumulation] if accumulation.steps > 1 else []
+    # Accelerate divides every loss by the steps, a short last window's too (the Engine: by the window's length).
+    return [accumulation, AccelerateLossDivision(accumulation.steps)] if accumulation.steps > 1 else []
 
 
 def _check_user_callbacks(callbacks: list[Callback], mixed_precision: object) -> None:
@@ -303,6 +268,8 @@ class Accelerator(ProcessMembers, TrainingMembers, TrackingMembers):
         callbacks: Iterable[Callback] = (),
         dynamo_backend: str | None = None,
         log_with: Any = None,
+        gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
+        kwargs_handlers: Iterable[Any] | None = None,
         **unsupported: Any,
     ) -> None:
         # Everything is checked before the Engine is built: building it seeds the RNGs and may join processes.
@@ -318,25 +285,32 @@ class Accelerator(ProcessMembers, TrainingMembers, TrackingMembers):
             _refuse("device_placement=False", "cadence always moves prepared models and batches to engine.device")
         if not step_scheduler_with_optimizer:
             _refuse("step_scheduler_with_optimizer=False", "call the raw scheduler yourself (scheduler.scheduler)")
-        if split_batches:
-            _refuse("split_batches=True", _PER_RANK_BATCHES)
         accelerator = "cpu" if cpu else "auto"
         config = _checked_dataloader_config(dataloader_config, accelerator)
+        steps = accumulation_steps(gradient_accumulation_steps, gradient_accumulation_plugin)
+        handlers = handler_settings(kwargs_handlers)
         project = _checked_project_config(project_config)
         directory = _project_directory(project_dir, project)
         user_callbacks = list(callbacks)
         _check_user_callbacks(user_callbacks, mixed_precision)
-        features = [*_accumulation_callbacks(gradient_accumulation_steps), _precision_callback(mixed_precision)]
+        features = [*_accumulation_callbacks(steps), _precision_callback(mixed_precision, handlers)]
         compile_setting = _compile_setting(dynamo_backend)
         self.log_with = checked_log_with(log_with)
         self.trackers = []
         self.project_configuration = project
         self.project_dir = directory
-        self.gradient_accumulation_steps: int = gradient_accumulation_steps
+        self.gradient_accumulation_steps: int = steps
+        self.dataloader_config = config
+        # OrderedDicts: torch's RemovableHandle keeps a weak reference to the registry.
+        self._save_state_hooks: OrderedDict[int, Any] = OrderedDict()
+        self._load_state_hooks: OrderedDict[int, Any] = OrderedDict()
+        self.split_batches = split_batches or config.split_batches
+        """Whether a loader's batch_size is the global batch, split over the processes (the scheduler then steps
+        once per optimizer step, not once per process)."""
         self.engine = Engine(
             accelerator=accelerator,
             callbacks=[*features, *user_callbacks],
-            seed=config.data_seed,
+            timeout=handlers.timeout,
             project_dir=self.project_dir,
             progress_bar=False,
             checkpoint_total_limit=project.total_limit,
@@ -375,7 +349,7 @@ class Accelerator(ProcessMembers, TrainingMembers, TrackingMembers):
         only say True (or None) for each object."""
         if device_placement is not None:
             _check_device_placement(device_placement, len(objects))
-        return self.engine.prepare(*objects)
+        return self._prepare_in_accelerate_order(objects)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         if kwargs:
@@ -439,7 +413,11 @@ class Accelerator(ProcessMembers, TrainingMembers, TrackingMembers):
     def save_state(self, output_dir: str | os.PathLike[str] | None = None, safe_serialization: bool = True) -> str:
         if not safe_serialization:
             _refuse("save_state(safe_serialization=False)", "cadence checkpoints are always safetensors + JSON")
-        return str(self.engine.save_state(self._checkpoint_path(output_dir, "save_state")))
+        saved = self.engine.save_state(self._checkpoint_path(output_dir, "save_state"))
+        self._after_save_state(saved)
+        return str(saved)
 
     def load_state(self, input_dir: str | os.PathLike[str] | None = None) -> None:
-        self.engine.load_state(self._checkpoint_path(input_dir, "load_state"))
+        directory = self._checkpoint_path(input_dir, "load_state")
+        self._before_load_state(directory)
+        self.engine.load_state(directory)

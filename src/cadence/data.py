@@ -138,9 +138,14 @@ class ResumableBatchSampler(Sampler[list[int]]):
             yield remaining[start + rank * size : start + (rank + 1) * size]
         tail = remaining[full * step :]
         if tail and not self.drop_last:
-            share = -(-len(tail) // self.world_size)
-            padded = tail + (order * share)[: share * self.world_size - len(tail)]
-            yield padded[rank * share : (rank + 1) * share]
+            yield self.last_batch(order, tail)
+
+    def last_batch(self, order: list[int], tail: list[int]) -> list[int]:
+        """This rank's share of the epoch's short last global batch ``tail``: an even split, completed by
+        repeating the epoch's first samples."""
+        share = -(-len(tail) // self.world_size)
+        padded = tail + (order * share)[: share * self.world_size - len(tail)]
+        return padded[self.rank * share : (self.rank + 1) * share]
 
 
 def batches_per_epoch(loader: DataLoader[Any], world_size: int) -> int | None:
@@ -185,6 +190,8 @@ def check_shardable(loader: DataLoader[Any]) -> None:
         return
     custom_batches = loader.batch_size is None
     sampler = loader.batch_sampler if custom_batches else loader.sampler
+    if isinstance(sampler, ResumableBatchSampler):
+        return  # cadence's own, already split by rank (a loader to_stateful built)
     if _torch_sampler_shuffle(sampler) is None and not isinstance(sampler, DistributedSampler):
         # Only a sampler the user built can land here: the defaults shuffle=True/False builds are always sharded.
         argument = "batch_sampler" if custom_batches else "sampler"
@@ -207,7 +214,13 @@ def _torch_sampler_shuffle(sampler: Any) -> bool | None:
     return None
 
 
-def _loader_arguments(loader: DataLoader[Any], seed: int | None, rank: int, world_size: int) -> dict[str, Any]:
+def _loader_arguments(
+    loader: DataLoader[Any],
+    seed: int | None,
+    rank: int,
+    world_size: int,
+    sampler_type: Callable[..., ResumableBatchSampler] = ResumableBatchSampler,
+) -> dict[str, Any]:
     """The constructor arguments that rebuild ``loader``; torch's own samplers become a ResumableBatchSampler.
 
     The loader always gets a generator of its own (the user's, or one seeded from ``seed``): each new iterator
@@ -247,7 +260,7 @@ def _loader_arguments(loader: DataLoader[Any], seed: int | None, rank: int, worl
     sampler = loader.sampler
     shuffle = _torch_sampler_shuffle(sampler)
     if shuffle is not None:
-        arguments["batch_sampler"] = ResumableBatchSampler(
+        arguments["batch_sampler"] = sampler_type(
             len(cast(Sized, sampler)),
             loader.batch_size,
             shuffle=shuffle,
@@ -264,19 +277,25 @@ def _loader_arguments(loader: DataLoader[Any], seed: int | None, rank: int, worl
 
 
 def to_stateful(
-    loader: DataLoader[Any], seed: int | None = None, rank: int = 0, world_size: int = 1
+    loader: DataLoader[Any],
+    seed: int | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+    sampler_type: Callable[..., ResumableBatchSampler] = ResumableBatchSampler,
 ) -> StatefulDataLoader[Any]:
     """A ``StatefulDataLoader`` over the same data with the same arguments as ``loader``.
 
     Shuffling (``shuffle=True``) follows a ``ResumableBatchSampler`` seeded with ``seed``, else with a seed drawn
     from the loader's generator or torch's global one, so a resumed epoch replays exactly. A ``StatefulDataLoader``
     is rebuilt the same way when it uses the default samplers; with a sampler of the user's own it is kept as is.
+    ``sampler_type`` builds the batch sampler (a ``ResumableBatchSampler`` subclass may order the samples its own
+    way, as ``cadence.accelerate`` does to follow Accelerate's order), with ``ResumableBatchSampler``'s arguments.
     """
     if isinstance(loader, StatefulDataLoader):
         if not _uses_default_sampler(loader):
             return loader
         _check_no_restored_position(loader)
-    arguments = _loader_arguments(loader, seed, rank, world_size)
+    arguments = _loader_arguments(loader, seed, rank, world_size, sampler_type)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*set_vital.*")
         return StatefulDataLoader(loader.dataset, **arguments)

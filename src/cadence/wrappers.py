@@ -254,6 +254,16 @@ class PreparedDataLoader:
         """Completed passes over the data."""
         return self.cursor.epoch
 
+    def set_epoch(self, epoch: int) -> None:
+        """Accelerate's and torch's ``set_epoch``: the loader counts its epochs itself (a resumed one continues
+        the count), so ``epoch`` must be that count; any other is refused rather than shuffling out of turn."""
+        if epoch != self.cursor.epoch:
+            raise ValueError(
+                f"set_epoch({epoch!r}) on a prepared dataloader that has completed {self.cursor.epoch} epochs: it "
+                f"counts them itself and shuffles epoch {self.cursor.epoch} next (a resumed loader continues from "
+                "the checkpoint's). Drop the set_epoch call, or pass loader.epoch."
+            )
+
     @property
     def empty_epoch(self) -> bool:
         """True when the last whole pass yielded no batch at all (an empty dataset)."""

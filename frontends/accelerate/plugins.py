@@ -1,0 +1,232 @@
+"""The configuration objects ``Accelerator(...)`` takes: ``DataLoaderConfiguration``, ``GradientAccumulationPlugin``
+and the kwargs handlers. Each is a plain dataclass with Accelerate's fields and defaults; ``Accelerator`` checks
+every field and refuses, naming the cadence alternative, a value it cannot honour."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from datetime import timedelta
+from typing import Any, NoReturn
+
+from cadence.strategies.distributed import DEFAULT_TIMEOUT
+
+
+@dataclass
+class DataLoaderConfiguration:
+    """How ``prepare`` treats dataloaders.
+
+    - ``use_seedable_sampler``: False (Accelerate's default) shuffles as Accelerate's ``RandomSampler`` does, from
+      torch's global generator (so ``set_seed(s)`` fixes it); True shuffles epoch ``e`` with the seed
+      ``data_seed + e`` (``data_seed`` defaults to ``torch.initial_seed()``), as Accelerate's
+      ``SeedableRandomSampler``. Either way the order is Accelerate's on any number of processes and it is
+      checkpointed, so a resumed run continues the same epoch.
+    - ``split_batches``: True makes a loader's ``batch_size`` the global batch, split over the processes (it must
+      be a multiple of their number); the scheduler then steps once per optimizer step.
+    - ``even_batches``: only True (the last batch is completed from the epoch's first samples, as Accelerate does).
+    - ``non_blocking``: None lets cadence choose: batches are copied to CUDA with ``non_blocking=True`` (pin the
+      DataLoader's memory to overlap the copy), with a plain copy to other devices, and not at all on the CPU.
+      A value that contradicts that choice is refused.
+    - ``use_stateful_dataloader``: prepared dataloaders are always resumable ``StatefulDataLoader``s, so True or
+      False. ``dispatch_batches`` is not supported.
+    """
+
+    split_batches: bool = False
+    dispatch_batches: bool | None = None
+    even_batches: bool = True
+    use_seedable_sampler: bool = False
+    data_seed: int | None = None
+    non_blocking: bool | None = None
+    use_stateful_dataloader: bool = False
+
+
+@dataclass
+class GradientAccumulationPlugin:
+    """Accelerate's accumulation settings: ``Accelerator(gradient_accumulation_plugin=...)``.
+
+    - ``num_steps``: micro-batches per optimizer step (``gradient_accumulation_steps``).
+    - ``adjust_scheduler``: accepted either way: a prepared scheduler never advances on a micro-step (Accelerate's
+      True only bumps the scheduler's internal call counter, which decides no learning rate).
+    - ``sync_with_dataloader``: only True: the last batch of an epoch always ends its window and steps.
+    - ``sync_each_batch``: only False: gradients are synchronised once per window.
+    """
+
+    num_steps: int | None = None
+    adjust_scheduler: bool = True
+    sync_with_dataloader: bool = True
+    sync_each_batch: bool = False
+
+
+@dataclass
+class DistributedDataParallelKwargs:
+    """``torch.nn.parallel.DistributedDataParallel``'s options. cadence wraps models with DDP's defaults, so only
+    the defaults are accepted; a value that differs is refused by ``Accelerator``."""
+
+    dim: int = 0
+    broadcast_buffers: bool = True
+    bucket_cap_mb: int = 25
+    find_unused_parameters: bool = False
+    check_reduction: bool = False
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+    comm_hook: Any = None
+    comm_wrapper: Any = None
+    comm_state_option: dict[str, Any] | None = None
+
+
+@dataclass
+class InitProcessGroupKwargs:
+    """The process group's options: ``timeout`` becomes ``Engine(timeout=...)``; the backend is cadence's choice
+    (NCCL on CUDA, gloo on the CPU), so ``backend`` may only name that one (or keep its default)."""
+
+    backend: str | None = "nccl"
+    init_method: str | None = None
+    timeout: timedelta | None = None
+
+
+@dataclass
+class GradScalerKwargs:
+    """fp16 loss scaling: ``init_scale`` and ``growth_interval`` go to ``MixedPrecision(init_scale=...,
+    growth_interval=...)``; the growth and backoff factors keep torch's defaults."""
+
+    init_scale: float = 65536.0
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    enabled: bool = True
+
+
+@dataclass
+class AutocastKwargs:
+    """Autocast's options: cadence's mixed precision always autocasts with torch's defaults, so only those."""
+
+    enabled: bool = True
+    cache_enabled: bool | None = None
+
+
+def _refuse(argument: str, fix: str) -> NoReturn:
+    raise NotImplementedError(f"cadence.accelerate.Accelerator does not support {argument}: {fix}.")
+
+
+# --- argument checks: each names the argument, the value given and what to pass instead ---------------------
+def _check_bool(owner: str, name: str, value: object, *, optional: bool = False) -> None:
+    if (optional and value is None) or isinstance(value, bool):
+        return
+    need = "True, False or None" if optional else "True or False"
+    raise TypeError(f"{owner}({name}={value!r}): {name} must be {need}, not a {type(value).__name__}.")
+
+
+def _check_int(owner: str, name: str, value: object, minimum: int | None, none_means: str | None = None) -> None:
+    if value is None and none_means is not None:
+        return
+    or_none = f", or None {none_means}" if none_means is not None else ""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{owner}({name}={value!r}): {name} must be an integer{or_none}, not a {type(value).__name__}.")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{owner}({name}={value!r}): {name} must be at least {minimum}{or_none}.")
+
+
+KwargsHandler = DistributedDataParallelKwargs | InitProcessGroupKwargs | GradScalerKwargs | AutocastKwargs
+KWARGS_HANDLERS = (DistributedDataParallelKwargs, InitProcessGroupKwargs, GradScalerKwargs, AutocastKwargs)
+
+
+def changed_fields(handler: Any, honoured: tuple[str, ...] = ()) -> list[str]:
+    """The fields of a dataclass ``handler`` set away from their default, except those in ``honoured``, as
+    ``name=value`` strings."""
+    defaults = type(handler)()
+    return [
+        f"{field.name}={getattr(handler, field.name)!r}"
+        for field in fields(handler)
+        if field.name not in honoured and getattr(handler, field.name) != getattr(defaults, field.name)
+    ]
+
+
+def accumulation_steps(steps: object, plugin: object) -> int:
+    """The micro-batches per optimizer step that ``Accelerator(gradient_accumulation_steps=...,
+    gradient_accumulation_plugin=...)`` ask for (the Engine's check of ``steps`` runs later)."""
+    if plugin is None:
+        return steps  # type: ignore[return-value]  # GradientAccumulation's own check names a bad value
+    if not isinstance(plugin, GradientAccumulationPlugin):
+        raise TypeError(
+            f"Accelerator(gradient_accumulation_plugin=...) takes a cadence.accelerate.GradientAccumulationPlugin, "
+            f"not a {type(plugin).__module__}.{type(plugin).__qualname__}: "
+            "`from cadence.accelerate.utils import GradientAccumulationPlugin`."
+        )
+    if steps != 1:
+        raise ValueError(
+            f"Accelerator(gradient_accumulation_steps={steps!r}, gradient_accumulation_plugin=...): pass the number "
+            "of steps once, as GradientAccumulationPlugin(num_steps=...)."
+        )
+    owner = "GradientAccumulationPlugin"
+    _check_int(owner, "num_steps", plugin.num_steps, minimum=1)
+    for name in ("adjust_scheduler", "sync_with_dataloader", "sync_each_batch"):
+        _check_bool(owner, name, getattr(plugin, name))
+    if not plugin.sync_with_dataloader:
+        _refuse(
+            "GradientAccumulationPlugin(sync_with_dataloader=False)",
+            "the last batch of an epoch always ends its accumulation window and steps; leave it True",
+        )
+    if plugin.sync_each_batch:
+        _refuse(
+            "GradientAccumulationPlugin(sync_each_batch=True)",
+            "gradients are synchronised once per window; to save memory use Engine(strategy='fsdp')",
+        )
+    return plugin.num_steps  # type: ignore[return-value]  # checked above
+
+
+@dataclass
+class HandlerSettings:
+    """What the kwargs handlers ask of cadence: ``MixedPrecision``'s scaler arguments and ``Engine(timeout=)``."""
+
+    scaler: dict[str, Any]
+    timeout: timedelta = DEFAULT_TIMEOUT
+
+
+# Fields cadence passes on, per handler; any other field must keep its default.
+_HONOURED = {GradScalerKwargs: ("init_scale", "growth_interval"), InitProcessGroupKwargs: ("timeout", "backend")}
+_HANDLER_FIX = {
+    DistributedDataParallelKwargs: "cadence wraps models in DDP with torch's defaults",
+    InitProcessGroupKwargs: "cadence initialises the process group from torchrun's environment",
+    GradScalerKwargs: "only init_scale and growth_interval are passed on (MixedPrecision(init_scale=..., "
+    "growth_interval=...)); to train without loss scaling use mixed_precision='bf16' or 'no'",
+    AutocastKwargs: "cadence autocasts with torch's defaults; to train in full precision use mixed_precision='no'",
+}
+
+
+def handler_settings(handlers: object) -> HandlerSettings:
+    """Check ``Accelerator(kwargs_handlers=[...])`` (one of each kind, every field honoured) and say what they set."""
+    settings = HandlerSettings(scaler={})
+    if handlers is None:
+        return settings
+    if isinstance(handlers, str | bytes) or not hasattr(handlers, "__iter__"):
+        raise TypeError(f"Accelerator(kwargs_handlers={handlers!r}) takes a list of handler objects.")
+    seen: set[type] = set()
+    for handler in handlers:
+        kind = type(handler)
+        if kind not in KWARGS_HANDLERS:
+            names = ", ".join(k.__name__ for k in KWARGS_HANDLERS)
+            raise TypeError(
+                f"Accelerator(kwargs_handlers=[{handler!r}]): each handler must be one of cadence.accelerate.utils' "
+                f"{names}; `from cadence.accelerate.utils import ...` instead of accelerate's."
+            )
+        if kind in seen:
+            raise ValueError(f"Accelerator(kwargs_handlers=...) has two {kind.__name__}: pass one of each kind.")
+        seen.add(kind)
+        changed = changed_fields(handler, _HONOURED.get(kind, ()))
+        if changed:
+            _refuse(f"{kind.__name__}({', '.join(changed)})", _HANDLER_FIX[kind])
+        _apply_handler(handler, settings)
+    return settings
+
+
+def _apply_handler(handler: Any, settings: HandlerSettings) -> None:
+    if isinstance(handler, GradScalerKwargs):
+        settings.scaler = {"init_scale": handler.init_scale, "growth_interval": handler.growth_interval}
+    elif isinstance(handler, InitProcessGroupKwargs):
+        if handler.backend not in (None, "nccl", "gloo"):
+            _refuse(f"InitProcessGroupKwargs(backend={handler.backend!r})", _HANDLER_FIX[InitProcessGroupKwargs])
+        if handler.timeout is not None:
+            if not isinstance(handler.timeout, timedelta):
+                raise TypeError(
+                    f"InitProcessGroupKwargs(timeout={handler.timeout!r}): timeout must be a datetime.timedelta."
+                )
+            settings.timeout = handler.timeout
