@@ -128,10 +128,12 @@ _IMPORT = re.compile(r"^(?P<indent>[ \t]*)(?P<keyword>from|import)[ \t]+accelera
 
 def rewrite(source: str) -> str:
     """``source`` with every ``accelerate`` import reading ``cadence.accelerate``, the module path kept (what a
-    user's search-and-replace does); ``accelerate.test_utils`` imports are left alone."""
+    user's search-and-replace does). Left alone: ``accelerate.test_utils`` (the scripts' fixtures) and
+    ``accelerate.data_loader`` (``SeedableRandomSampler`` builds ``training_check``'s own baseline loader, and
+    ``prepare_data_loader`` is called only by the checks ``EXCLUDED`` as Accelerate internals)."""
 
     def swap(match: re.Match[str]) -> str:
-        if match["rest"].startswith(".test_utils"):
+        if match["rest"].startswith((".test_utils", ".data_loader")):
             return match[0]
         return f"{match['indent']}{match['keyword']} cadence.accelerate{match['rest']}"
 
@@ -149,6 +151,13 @@ def record(name, passed, detail=""):
     out.write(json.dumps({"check": name, "passed": passed, "detail": detail}) + "\\n")
 
 try:
+    if sys.argv[5] == "cadence":
+        # The scripts' fixtures from accelerate.test_utils (are_the_same_tensors) read Accelerate's own process-wide
+        # state, which only an accelerate.Accelerator sets up; set it up for them. The API under test stays
+        # cadence's: every name the script itself imports from accelerate reads cadence.accelerate.
+        from accelerate.state import AcceleratorState as FixtureState
+        from accelerate.utils import TorchDynamoPlugin
+        FixtureState(cpu=True, dynamo_plugin=TorchDynamoPlugin(), _from_accelerator=True)
     spec = importlib.util.spec_from_file_location("checked_script", script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -183,7 +192,7 @@ def run_checks(script: str, target: str, processes: int, checks: list[Check], di
     environment["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), environment.get("PYTHONPATH", "")])
     try:
         finished = subprocess.run(
-            [*command, str(driver), str(checked), names, str(directory), SETUP[script]],
+            [*command, str(driver), str(checked), names, str(directory), SETUP[script], target],
             capture_output=True,
             text=True,
             timeout=300,
@@ -286,6 +295,7 @@ def test_rewrite_switches_the_api_and_keeps_the_fixtures() -> None:
         "    from accelerate.state import AcceleratorState\n"
         "import accelerate.utils as utils\n"
         "from accelerate.test_utils import RegressionModel\n"
+        "from accelerate.data_loader import SeedableRandomSampler\n"
         "from accelerated import thing\n"
     )
     assert rewrite(source) == (
@@ -294,6 +304,7 @@ def test_rewrite_switches_the_api_and_keeps_the_fixtures() -> None:
         "    from cadence.accelerate.state import AcceleratorState\n"
         "import cadence.accelerate.utils as utils\n"
         "from accelerate.test_utils import RegressionModel\n"
+        "from accelerate.data_loader import SeedableRandomSampler\n"
         "from accelerated import thing\n"
     )
 

@@ -370,14 +370,21 @@ def test_no_sync_trigger_sync_and_check_trigger_on_two_ranks() -> None:
     assert ranks[0]["seen"] and ranks[1]["seen"]
 
 
-def test_set_epoch_on_a_prepared_loader_follows_its_own_count() -> None:
-    accelerator = Accelerator(cpu=True)
-    loader = accelerator.prepare(DataLoader(TensorDataset(torch.arange(4.0)), batch_size=2, shuffle=True))
-    for epoch in range(2):
+def test_set_epoch_chooses_the_next_pass_order_as_accelerate_does_and_never_drops_a_position() -> None:
+    accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+    loader = accelerator.prepare(DataLoader(TensorDataset(torch.arange(8.0)), batch_size=2, shuffle=True))
+    orders = []
+    for epoch in range(3):
         loader.set_epoch(epoch)  # an Accelerate loop's call, at the count the loader keeps
-        list(loader)
-    with pytest.raises(ValueError, match=r"set_epoch\(5\) .* completed 2 epochs.*Drop the set_epoch call"):
+        orders.append([batch[0].tolist() for batch in loader])
+    loader.set_epoch(0)  # back to epoch 0's order, as Accelerate's SeedableRandomSampler gives it
+    assert [batch[0].tolist() for batch in loader] == orders[0] != orders[1]
+    for _ in loader:
+        break  # a pass left part-way: its position waits for the next pass
+    with pytest.raises(ValueError, match=r"set_epoch\(5\) .* part-way through epoch 1: the rest of that epoch"):
         loader.set_epoch(5)
+    with pytest.raises(ValueError, match="integer >= 0"):
+        loader.set_epoch(-1)
 
 
 def test_state_hooks_run_around_cadences_save_and_load_which_keep_every_model(tmp_path: Path) -> None:

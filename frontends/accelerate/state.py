@@ -258,6 +258,11 @@ class AcceleratorState(PartialState):
     """``PartialState`` plus the run's precision. ``accelerator.state`` is a view of that Accelerator's engine;
     ``AcceleratorState()`` built alone has the process facts and ``mixed_precision`` as given (default ``"no"``)."""
 
+    @classmethod
+    def _reset_state(cls, reset_partial_state: bool = False) -> None:
+        """Accelerate's reset of its shared state between Accelerators. cadence shares none (each ``Accelerator``
+        has its own engine and each state object its own fields): nothing to reset."""
+
     def __init__(
         self,
         mixed_precision: str | None = None,
@@ -307,6 +312,17 @@ class GradientState:
             )
         self._engine = engine
         self.num_steps = num_steps
+
+    @classmethod
+    def _reset_state(cls) -> None:
+        """Accelerate's reset of its shared state, which its test scripts call between Accelerators. cadence shares
+        no state between objects (each ``Accelerator`` has its own engine), so there is nothing to reset."""
+
+    @property
+    def active_dataloader(self) -> Any:
+        """The prepared dataloader a pass is running over (the innermost, when passes nest), or None."""
+        running = [loader for loader in self._engine.dataloaders if loader.in_pass]
+        return running[-1] if running else None
 
     @property
     def sync_gradients(self) -> bool:

@@ -106,6 +106,11 @@ class DataCursor:
         if iterator is not None:
             stop_workers(iterator)
 
+    @property
+    def mid_epoch(self) -> bool:
+        """True while a position inside an epoch waits for the next pass (a pass left early, or a restored one)."""
+        return bool(self._pending_batches or self._pending_samples)
+
     def end_epoch_early(self) -> None:
         """Count the epoch a pass left early (``break``) as done, without reading the rest: the next pass starts the
         next epoch at its first batch, as after a whole pass (``fit()``'s ``val_batches`` reads only the first

@@ -255,14 +255,19 @@ class PreparedDataLoader:
         return self.cursor.epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """Accelerate's and torch's ``set_epoch``: the loader counts its epochs itself (a resumed one continues
-        the count), so ``epoch`` must be that count; any other is refused rather than shuffling out of turn."""
-        if epoch != self.cursor.epoch:
+        """Accelerate's and torch's ``set_epoch``: the next pass shuffles as epoch ``epoch`` (the loader counts its
+        epochs itself, so calling it with ``loader.epoch`` changes nothing). Refused during a pass or while a
+        position inside an epoch waits to be continued (a resumed or interrupted epoch), which it would drop."""
+        if type(epoch) is not int or epoch < 0:
+            raise ValueError(f"set_epoch(epoch) takes an integer >= 0; got {epoch!r}.")
+        if epoch == self.cursor.epoch:
+            return
+        if self.cursor.in_pass or self.cursor.mid_epoch:
             raise ValueError(
-                f"set_epoch({epoch!r}) on a prepared dataloader that has completed {self.cursor.epoch} epochs: it "
-                f"counts them itself and shuffles epoch {self.cursor.epoch} next (a resumed loader continues from "
-                "the checkpoint's). Drop the set_epoch call, or pass loader.epoch."
+                f"set_epoch({epoch}) on a prepared dataloader that is part-way through epoch {self.cursor.epoch}: "
+                "the rest of that epoch would be lost. Call set_epoch between passes, or pass loader.epoch."
             )
+        self.cursor.epoch = epoch
 
     @property
     def empty_epoch(self) -> bool:
