@@ -63,9 +63,12 @@ class Preemption(Callback):
     step (while the checkpoint loads, or at ``FIT_START``) stops the run at ``FIT_START`` (the ranks agree there
     with one more ``reduce``) with the same exit code but no checkpoint, since nothing new was trained, and
     ``state.stop_reason`` says so. A handler installed before ``fit()`` (a launcher's own) still runs, after ours
-    noted the signal; the default action (termination) is what this callback replaces. A forked dataloader worker
-    that inherits ours reacts as it would have without it. Signals reach only the main thread, so ``fit()`` must
-    run there.
+    noted the signal; the default action (termination) is what this callback replaces. A scheduler that signals
+    the whole job (``scancel``, SLURM's time limit, ``--signal=USR1@90`` without ``B:``) reaches the dataloader
+    workers too: those of a prepared loader ignore SIGTERM, SIGUSR1 and SIGUSR2 (``cadence.data.SCHEDULER_SIGNALS``)
+    and live on through the save, and the main process stops them. A forked child that inherits ours and gets
+    another signal reacts as it would have without it. Signals reach only the main thread, so ``fit()`` must run
+    there.
     """
 
     saves_checkpoints = True  # runs after the other callbacks at each event: its saves hold their work

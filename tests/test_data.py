@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -13,17 +14,19 @@ import torch
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
+    Dataset,
     IterableDataset,
     RandomSampler,
     SequentialSampler,
     TensorDataset,
     WeightedRandomSampler,
+    get_worker_info,
 )
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import cadence
 from cadence.checkpoint.files import checksums_of
-from cadence.data import ResumableBatchSampler, check_shardable, to_stateful
+from cadence.data import SCHEDULER_SIGNALS, ResumableBatchSampler, ShieldedWorkerInit, check_shardable, to_stateful
 
 
 def ids_dataset(samples: int = 40) -> TensorDataset:
@@ -339,3 +342,43 @@ def test_a_checkpoint_saved_before_seeds_were_recorded_still_loads(tmp_path: Pat
         warnings.simplefilter("error")
         run.load_state(path)
     assert seen + [ids(batch) for batch in data] == epochs_under(1)[0]
+
+
+class SignalsItsOwnWorker(Dataset[torch.Tensor]):
+    """Item 3 signals the worker reading it (from itself: not its parent), as a scheduler signalling a whole job
+    reaches every worker. ``offset`` is set by the user's worker_init_fn (``add_offset``)."""
+
+    offset = 0
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if index == 3:
+            for sig in SCHEDULER_SIGNALS:
+                os.kill(os.getpid(), sig)
+        return torch.tensor([index + self.offset])
+
+
+def add_offset(worker_id: int) -> None:
+    info = get_worker_info()
+    assert info is not None
+    info.dataset.offset = 100  # type: ignore[union-attr]
+
+
+@pytest.mark.slow  # iterating starts two worker processes
+@pytest.mark.parametrize("stateful", [False, True], ids=["DataLoader", "StatefulDataLoader-own-sampler"])
+def test_prepared_workers_outlive_the_scheduler_signals_and_run_the_users_init(stateful: bool) -> None:
+    dataset = SignalsItsOwnWorker()
+    if stateful:  # a StatefulDataLoader with a sampler of the user's own is kept, its worker_init_fn wrapped
+        loader: DataLoader[Any] = StatefulDataLoader(
+            dataset, sampler=list(range(8)), batch_size=2, num_workers=2, worker_init_fn=add_offset
+        )
+    else:
+        loader = DataLoader(dataset, batch_size=2, num_workers=2, worker_init_fn=add_offset)
+    engine = cadence.Engine(accelerator="cpu", seed=0, progress_bar=False)
+    prepared = engine.prepare(loader)
+    # Every batch read, the user's init ran in each worker (the offset), and a second pass still works.
+    for _ in range(2):
+        assert [batch.flatten().tolist() for batch in prepared] == [[100, 101], [102, 103], [104, 105], [106, 107]]
+    assert isinstance(prepared.loader.worker_init_fn, ShieldedWorkerInit)

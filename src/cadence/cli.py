@@ -120,6 +120,7 @@ def _launch(arguments: list[str]) -> int:
         options = parser.parse_args(arguments)
     except SystemExit as stop:
         return _exit_status(stop)
+    _end_workers_with_the_launcher(options)
     try:
         record(run.run)(options)
     except ChildFailedError as error:
@@ -134,6 +135,18 @@ def _launch(arguments: list[str]) -> int:
         print(f"cadence launch: {type(error).__name__}: {error}", file=sys.stderr)
         return 1
     return 0
+
+
+def _end_workers_with_the_launcher(options: argparse.Namespace) -> None:
+    """Run each worker's script through ``launch_child.py``, which ends the worker when this process dies, even by
+    SIGKILL (torchrun puts workers in sessions of their own, so nothing else would). ``--no-python`` runs a
+    program of the user's own, before which nothing of ours can run: it is left as it is."""
+    if options.no_python:
+        return
+    mode = "--module" if options.module else "--script"
+    options.training_script_args = [str(os.getpid()), mode, options.training_script, *options.training_script_args]
+    options.training_script = str(Path(__file__).with_name("launch_child.py"))
+    options.module = False
 
 
 def _exit_status(stop: SystemExit) -> int:

@@ -12,7 +12,7 @@ import torch
 
 from cadence.checkpoint.errors import CheckpointCorrupted, CheckpointError
 from cadence.compat import drop_pending_position, is_iterable_dataset, live_iterator, pending_position, stop_workers
-from cadence.data import ResumableBatchSampler
+from cadence.data import ResumableBatchSampler, workers_start_shielded
 
 _STATE_KEYS = ("epoch", "batches_done", "loader", "generator", "generator_at_epoch_start")
 """What ``load_state_dict`` needs; ``samples_done``, ``num_samples`` and ``seed`` are optional (older states lack
@@ -152,7 +152,8 @@ class DataCursor:
         generator = self.loader.generator
         if generator is not None and not start:
             self._generator_at_epoch_start = generator.get_state()
-        iterator = iter(self.loader)
+        with workers_start_shielded(self.loader):
+            iterator = iter(self.loader)
         if self._pending_generator_state is not None and generator is not None:
             generator.set_state(self._pending_generator_state)
         self._pending_generator_state = None

@@ -3,8 +3,12 @@ batches are moved to the device whatever their nesting."""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import warnings
 from collections.abc import Callable, Iterator, Sized
+from contextlib import contextmanager
 from typing import Any, cast
 
 import torch
@@ -20,6 +24,59 @@ with warnings.catch_warnings():
     from torchdata.stateful_dataloader.sampler import RandomSampler as StatefulRandomSampler
 
 BatchMover = Callable[[Any], Any]
+
+SCHEDULER_SIGNALS: tuple[signal.Signals, ...] = tuple(
+    getattr(signal, name) for name in ("SIGTERM", "SIGUSR1", "SIGUSR2") if hasattr(signal, name)
+)
+"""What SLURM, Kubernetes and torchrun send to announce a job's end, often to every process of the job. A prepared
+loader's worker processes ignore them from anyone but their parent: the main process decides (``Preemption``
+saves first) and then stops its workers itself; if it dies instead, torch's watchdog ends them."""
+_CAN_SHIELD = hasattr(signal, "sigwaitinfo")  # Linux; elsewhere the workers keep the signals' usual effect
+
+
+@contextmanager
+def workers_start_shielded(loader: DataLoader[Any]) -> Iterator[None]:
+    """Hold back ``SCHEDULER_SIGNALS`` on this thread while ``loader`` starts its worker processes (``iter``):
+    a forked worker inherits the block, so no signal reaches it before it sets up its own shield. A signal that
+    arrives meanwhile is not lost: it is delivered to this process when the block ends."""
+    if not _CAN_SHIELD or loader.num_workers == 0:
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, SCHEDULER_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+class ShieldedWorkerInit:
+    """A loader's ``worker_init_fn``: shields the worker from ``SCHEDULER_SIGNALS``, then runs the user's own.
+
+    A class, not a closure, so a ``spawn`` context can pickle it (when the user's function can be)."""
+
+    def __init__(self, init: Callable[[int], Any] | None) -> None:
+        self.init = init
+
+    def __call__(self, worker_id: int) -> None:
+        if _CAN_SHIELD:
+            signal.pthread_sigmask(signal.SIG_BLOCK, SCHEDULER_SIGNALS)  # already so when forked by the engine
+            parent = os.getppid()
+            threading.Thread(target=_absorb_signals, args=(parent,), name="cadence-signals", daemon=True).start()
+        if self.init is not None:
+            self.init(worker_id)
+
+
+def _absorb_signals(parent: int) -> None:
+    """Take the blocked signals as they come; only the parent's SIGTERM (``Process.terminate()``, torch's last
+    resort for a stuck worker and multiprocessing's at exit) ends the worker, as torch's own handler would."""
+    while True:
+        info = signal.sigwaitinfo(SCHEDULER_SIGNALS)
+        if info.si_signo == signal.SIGTERM and info.si_pid == parent:
+            os._exit(0)
+
+
+def _shielded(init: Callable[[int], Any] | None) -> ShieldedWorkerInit:
+    return init if isinstance(init, ShieldedWorkerInit) else ShieldedWorkerInit(init)
 
 
 def make_batch_mover(device: torch.device) -> BatchMover:
@@ -237,7 +294,7 @@ def _loader_arguments(
         "collate_fn": loader.collate_fn,
         "pin_memory": loader.pin_memory,
         "timeout": loader.timeout,
-        "worker_init_fn": loader.worker_init_fn,
+        "worker_init_fn": _shielded(loader.worker_init_fn),
         "multiprocessing_context": loader.multiprocessing_context,
         "generator": generator,
         "persistent_workers": loader.persistent_workers,
@@ -287,12 +344,14 @@ def to_stateful(
 
     Shuffling (``shuffle=True``) follows a ``ResumableBatchSampler`` seeded with ``seed``, else with a seed drawn
     from the loader's generator or torch's global one, so a resumed epoch replays exactly. A ``StatefulDataLoader``
-    is rebuilt the same way when it uses the default samplers; with a sampler of the user's own it is kept as is.
+    is rebuilt the same way when it uses the default samplers; with a sampler of the user's own it is kept, its
+    ``worker_init_fn`` wrapped. Either way its workers ignore ``SCHEDULER_SIGNALS`` (see ``ShieldedWorkerInit``).
     ``sampler_type`` builds the batch sampler (a ``ResumableBatchSampler`` subclass may order the samples its own
     way, as ``cadence.accelerate`` does to follow Accelerate's order), with ``ResumableBatchSampler``'s arguments.
     """
     if isinstance(loader, StatefulDataLoader):
         if not _uses_default_sampler(loader):
+            loader.worker_init_fn = _shielded(loader.worker_init_fn)
             return loader
         _check_no_restored_position(loader)
     arguments = _loader_arguments(loader, seed, rank, world_size, sampler_type)

@@ -5,6 +5,8 @@ ranks)."""
 from __future__ import annotations
 
 import os
+import random
+import re
 import signal
 import subprocess
 import sys
@@ -273,7 +275,10 @@ def test_fit_off_the_main_thread_is_refused_with_the_way_out(guard: Guard) -> No
 # --- real signals from outside, in subprocesses -------------------------------------------------------------------
 
 
-def launch(project: Path, *args: str, rank: int = 0, world_size: int = 1, port: int = 0) -> subprocess.Popen[str]:
+def launch(
+    project: Path, *args: str, rank: int = 0, world_size: int = 1, port: int = 0, group: int | None = None
+) -> subprocess.Popen[str]:
+    """One rank; with ``group`` it joins that process group (0: a new one, led by itself), as a job step's would."""
     env = dict(os.environ)
     if world_size > 1:
         env.update(
@@ -284,13 +289,19 @@ def launch(project: Path, *args: str, rank: int = 0, world_size: int = 1, port: 
     return subprocess.Popen(
         [sys.executable, "-m", "tests.callbacks.preemption_worker", str(project), *args],
         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
+        **({} if group is None else {"process_group": group}),
     )  # fmt: skip
 
 
-def run_ranks(project: Path, world_size: int, *args: str) -> list[subprocess.Popen[str]]:
+def run_ranks(project: Path, world_size: int, *args: str, grouped: bool = False) -> list[subprocess.Popen[str]]:
+    """Every rank; ``grouped``: all in one new process group (its id is the first rank's pid), like a SLURM step."""
     port = free_port()
     project.mkdir(parents=True, exist_ok=True)
-    return [launch(project, *args, rank=r, world_size=world_size, port=port) for r in range(world_size)]
+    processes: list[subprocess.Popen[str]] = []
+    for r in range(world_size):
+        group = (processes[0].pid if processes else 0) if grouped else None
+        processes.append(launch(project, *args, rank=r, world_size=world_size, port=port, group=group))
+    return processes
 
 
 def finish(processes: list[subprocess.Popen[str]], project: Path) -> list[int]:
@@ -364,6 +375,57 @@ def test_a_sigterm_while_resuming_exits_75_with_no_new_checkpoint(tmp_path: Path
     assert f"Stopped at step 5 (epoch 0): Preemption: SIGTERM received {NOTHING_SAVED}." in logs(project)
     assert finish(run_ranks(project, 1, "--resume", "--max-epochs", "3"), project) == [0], logs(project)
     assert logs(project).count("checkpoint_1 at step 5 (epoch 0).") == 2  # both resumes started from the same one
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, torch.Tensor]]:
+    """Final weights of uninterrupted runs, by world size, made when a test first asks (workers change nothing)."""
+
+    class Lazy(dict[int, dict[str, torch.Tensor]]):
+        def __missing__(self, world_size: int) -> dict[str, torch.Tensor]:
+            project = tmp_path_factory.mktemp(f"reference{world_size}")
+            codes = finish(run_ranks(project, world_size, "--workers", "0"), project)
+            assert codes == [0] * world_size, logs(project)
+            self[world_size] = load_file(project / "final.safetensors")
+            return self[world_size]
+
+    return Lazy()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("world_size", "workers", "persistent"),
+    [(1, 0, False), (1, 2, False), (1, 2, True), (2, 2, True)],
+    ids=[
+        "1-process-no-workers",
+        "1-process-2-workers",
+        "1-process-2-persistent-workers",
+        "2-ranks-2-persistent-workers",
+    ],
+)
+def test_a_sigterm_to_the_whole_process_group_saves_and_the_resume_is_bitwise_identical(
+    tmp_path: Path, references: dict[int, dict[str, torch.Tensor]], world_size: int, workers: int, persistent: bool
+) -> None:
+    # SLURM's scancel and time limit signal every process of the step, dataloader workers included: those must
+    # outlive the main process's save. 30 batches of 0.1 s from the first one; the signal comes within 1.2 s.
+    options = ["--workers", str(workers), *(["--persistent"] if persistent else [])]
+    reference = references[world_size]
+    project = tmp_path / "run"
+    processes = run_ranks(project, world_size, *options, "--started", "--batch-seconds", "0.1", grouped=True)
+    wait_for(project / "started", processes, project)
+    delay = random.uniform(0.0, 1.2)
+    time.sleep(delay)
+    os.killpg(processes[0].pid, signal.SIGTERM)
+    assert finish(processes, project) == [75] * world_size, f"SIGTERM {delay:.2f} s in:\n{logs(project)}"
+    stops = re.findall(
+        r"Stopped at step \d+ \(epoch \d\): Preemption: SIGTERM received; saved checkpoint", logs(project)
+    )
+    assert len(stops) == 1, logs(project)
+
+    assert finish(run_ranks(project, world_size, *options, "--resume"), project) == [0] * world_size, logs(project)
+    resumed = load_file(project / "final.safetensors")
+    assert resumed.keys() == reference.keys()
+    assert all(torch.equal(resumed[name], reference[name]) for name in resumed), f"SIGTERM {delay:.2f} s in"
 
 
 def test_a_hand_written_loop_is_told_once_and_no_handler_is_installed(guard: Guard) -> None:

@@ -4,16 +4,23 @@ from __future__ import annotations
 
 import gc
 import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public, but not in the stubs
 
 from cadence.strategies.base import ObjectCollectives, ReduceOp, Strategy
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 DEFAULT_TIMEOUT = timedelta(minutes=10)
+"""How long a collective waits for the other ranks (torch's own default for gloo is 30 minutes)."""
+_ROLL_CALL_TIMEOUT = timedelta(seconds=10)
+"""At most this long, after a collective failed, to find which ranks are gone."""
 
 
 def torchrun_world_size() -> int:
@@ -61,28 +68,70 @@ class DistributedStrategy(Strategy):
     def world_size(self) -> int:
         return dist.get_world_size()
 
+    @contextmanager
+    def _naming_failed_ranks(self) -> Iterator[None]:
+        """Turn a collective that failed because a rank died or hangs into an error naming that rank.
+
+        Each rank still alive signs in at the rendezvous store (not the broken group) and waits a little for the
+        others: whoever does not sign in is named, on every rank that can tell."""
+        try:
+            yield
+        except RuntimeError as error:
+            if not _is_communication_failure(error):
+                raise
+            raise RuntimeError(self._roll_call(error)) from error
+
+    def _roll_call(self, error: BaseException) -> str:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        missing = _absent_ranks(self.rank, self.world_size, min(self._timeout, _ROLL_CALL_TIMEOUT))
+        if missing is None:
+            return (
+                f"Rank {self.rank}: a collective failed ({first}), and the rendezvous store (at MASTER_ADDR:"
+                "MASTER_PORT; rank 0 hosts it when torchrun does not) is unreachable: rank 0 died or hangs. Look at "
+                "its log for its own error."
+            )
+        if missing:
+            return (
+                f"Rank {self.rank}: a collective failed ({first}); rank(s) {', '.join(map(str, missing))} did not "
+                "answer a roll call: they died or hang. Look at their logs for their own error; "
+                "Engine(timeout=...) bounds how long the others wait for a hung rank."
+            )
+        return (
+            f"Rank {self.rank}: a collective failed ({first}), yet every rank answered a roll call: the ranks "
+            "called different collectives or shapes (a rank-dependent branch around engine.reduce/gather?)."
+        )
+
+    def backward(self, loss: torch.Tensor) -> None:
+        with self._naming_failed_ranks():  # DDP all-reduces gradients inside backward
+            super().backward(loss)
+
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         gathered = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        dist.all_gather(gathered, tensor.contiguous())
+        with self._naming_failed_ranks():
+            dist.all_gather(gathered, tensor.contiguous())
         return torch.stack(gathered)
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
         reduced = tensor.detach().clone()
-        dist.all_reduce(reduced, op=_OPS.get(op, dist.ReduceOp.SUM))
+        with self._naming_failed_ranks():
+            dist.all_reduce(reduced, op=_OPS.get(op, dist.ReduceOp.SUM))
         return reduced / self.world_size if op == "mean" else reduced
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         holder = [obj]
-        dist.broadcast_object_list(holder, src=src)
+        with self._naming_failed_ranks():
+            dist.broadcast_object_list(holder, src=src)
         return holder[0]
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, obj)
+        with self._naming_failed_ranks():
+            dist.all_gather_object(gathered, obj)
         return gathered
 
     def barrier(self) -> None:
-        dist.barrier()
+        with self._naming_failed_ranks():
+            dist.barrier()
 
     def background_collectives(self) -> ObjectCollectives:
         # On the training group, a background save's collectives would interleave with training's (DDP's
@@ -102,6 +151,30 @@ class DistributedStrategy(Strategy):
             # The rest needs torch: a DDP model the user still holds keeps the group and its threads alive.
             gc.collect()
             dist.destroy_process_group()
+
+
+def _absent_ranks(rank: int, world_size: int, timeout: timedelta) -> list[int] | None:
+    """The ranks that do not sign in at the rendezvous store within ``timeout`` (None: the store is gone)."""
+    prefix = f"cadence/roll_call/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"  # the store outlives restarts
+    try:
+        address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        store = TCPStore(address, port, is_master=False, timeout=timeout)
+        store.set(f"{prefix}{rank}", "here")
+        deadline = time.monotonic() + timeout.total_seconds()
+        while True:
+            absent = [other for other in range(world_size) if not store.check([f"{prefix}{other}"])]
+            if not absent or time.monotonic() > deadline:
+                return absent
+            time.sleep(0.2)
+    except (KeyError, ValueError, RuntimeError):
+        return None
+
+
+def _is_communication_failure(error: RuntimeError) -> bool:
+    """A collective's own failure (a peer gone, a timeout), not an error of the user's code: DDP's reducer raises
+    gloo's and NCCL's errors inside backward as plain ``RuntimeError``s, which only their text tells apart."""
+    text = str(error)
+    return isinstance(error, dist.DistError) or "gloo/" in text or "NCCL" in text
 
 
 class _GroupCollectives:
