@@ -120,7 +120,6 @@ def test_the_example_runs_on_accelerate(tmp_path: Path, precision: str, processe
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="issue 19: needs distributed_type, DistributedType and utils.set_seed")
 @pytest.mark.parametrize(("precision", "processes"), CASES)
 def test_the_example_gives_accelerate_s_losses(tmp_path: Path, precision: str, processes: int) -> None:
     expected = run_example("accelerate", precision, processes, tmp_path)

@@ -118,10 +118,11 @@ EXCLUDED = {
 
 # Checks that need members issue 19's other items are adding: strict, so each flips to a failure when it lands.
 NEEDS = {
-    "test_script.py": "issue 19: needs Accelerator.state, AcceleratorState and the cadence.accelerate.state module",
-    "test_sync.py": "issue 19: needs the cadence.accelerate.state module (GradientState) and accelerator.state",
+    "test_script.training_check": (
+        "issue 19: a DataLoader(generator=g) prepared by cadence keeps cadence's order; Accelerate shuffles with g"
+    ),
 }
-"""Scripts whose checks cadence does not pass yet, with what they wait for; a script not listed must pass."""
+"""Checks cadence does not pass yet, with what they wait for; every other check must pass."""
 
 _IMPORT = re.compile(r"^(?P<indent>[ \t]*)(?P<keyword>from|import)[ \t]+accelerate(?P<rest>(?:\.\w+)*)\b", re.M)
 
@@ -246,8 +247,8 @@ def _cases() -> list[Any]:
         for processes in check.processes:
             for target in ("accelerate", "cadence"):
                 marks = [pytest.mark.slow]
-                if target == "cadence" and check.script in NEEDS:
-                    marks.append(pytest.mark.xfail(strict=True, reason=NEEDS[check.script]))
+                if target == "cadence" and check.id in NEEDS:
+                    marks.append(pytest.mark.xfail(strict=True, reason=NEEDS[check.id]))
                 case_id = f"{check.id}-{target}-{processes}proc"
                 cases.append(pytest.param(check, target, processes, marks=marks, id=case_id))
     return cases
