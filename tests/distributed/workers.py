@@ -60,12 +60,14 @@ def train_step(
     optimizer: torch.optim.Optimizer,
     inputs: torch.Tensor,
     targets: torch.Tensor,
-) -> None:
-    """One batch of the imperative loop every worker here runs."""
+) -> torch.Tensor:
+    """One batch of the imperative loop every worker here runs; returns this rank's loss."""
     with engine.accumulate(net):
-        engine.backward(nn.functional.mse_loss(net(inputs), targets))
+        loss = nn.functional.mse_loss(net(inputs), targets)
+        engine.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
+    return loss
 
 
 class GradientRecorder(cadence.Callback):
@@ -208,11 +210,7 @@ def fsdp_losses(steps: int, per_rank: int) -> dict[str, Any]:
     net, optimizer, data = engine.prepare(net, optimizer, DataLoader(dataset(), per_rank, shuffle=True))
     losses = []
     for inputs, targets, _ in data:
-        with engine.accumulate(net):
-            loss = nn.functional.mse_loss(net(inputs), targets)
-            engine.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
+        loss = train_step(engine, net, optimizer, inputs, targets)
         losses.append(engine.reduce(loss.detach()).item())
         if engine.state.step == steps:
             break
@@ -322,11 +320,7 @@ def accumulation_run(directory: str, save_after: int | None) -> dict[str, Any]:
     batches = 0
     while data.epoch < 2:
         for inputs, targets, _ in data:
-            with engine.accumulate(net):
-                loss = nn.functional.mse_loss(net(inputs), targets)
-                engine.backward(loss)
-                optimizer.step()
-                optimizer.zero_grad()
+            loss = train_step(engine, net, optimizer, inputs, targets)
             batches += 1
             if save_after is None or batches > save_after:
                 losses.append(loss.item())
