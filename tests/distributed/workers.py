@@ -303,10 +303,11 @@ def fsdp_train_after_save(directory: str, save_first: bool) -> dict[str, Any]:
     return {"weights": full_weights(engine, net), "steps": counters}
 
 
-def accumulation_run(directory: str, save_after: int | None) -> dict[str, Any]:
+def accumulation_run(directory: str, save_after: int | None, blocking: bool = True) -> dict[str, Any]:
     """DDP with windows of 2 micro-batches of 2 samples per rank, for 2 epochs; this rank's loss at every batch
     after the ``save_after``th (where it saves, mid-window) and the final weights. ``save_after=None``: a fresh
-    engine loads the checkpoint in ``directory`` and trains the batches after it."""
+    engine loads the checkpoint in ``directory`` and trains the batches after it. ``blocking=False``: the save
+    snapshots the gradients and commits while training goes on."""
     engine = cadence.Engine(
         accelerator="cpu", strategy="ddp", seed=5, callbacks=[GradientAccumulation(2)], progress_bar=False
     )
@@ -327,7 +328,8 @@ def accumulation_run(directory: str, save_after: int | None) -> dict[str, Any]:
             elif batches == save_after:
                 if engine.state.sync_gradients:
                     raise RuntimeError("the save must be mid-window, with gradients accumulated")
-                engine.save_state(directory)
+                engine.save_state(directory, blocking=blocking)
+    engine.wait_for_checkpoint()
     return {"losses": losses, "weights": full_weights(engine, net)}
 
 
