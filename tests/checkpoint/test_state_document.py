@@ -55,6 +55,11 @@ MALFORMED: dict[str, tuple[str, Callable[[Any], None], str]] = {
     "state.json without counters": ("state.json", lambda d: d.pop("counters"), "has no 'counters'"),
     "a counter of the wrong type": ("state.json", lambda d: d["counters"].update(step="3"), r"counters\.step must"),
     "a model entry without aliases": ("state.json", lambda d: d["models"][0].pop("aliases"), "has no 'aliases'"),
+    "a model entry whose grad_ranks is no count": (
+        "state.json",
+        lambda d: d["models"][0].update(grad_ranks=0),
+        r"models\[0\]\.grad_ranks must be at least 1",
+    ),
     "an optimizer entry without state": ("state.json", lambda d: d["optimizers"][0].pop("state"), "has no 'state'"),
     "optimizer state without param_groups": (
         "state.json",

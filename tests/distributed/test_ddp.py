@@ -16,6 +16,7 @@ import cadence
 from cadence.data import ResumableBatchSampler
 from cadence.testing.spawn import spawn
 from tests.distributed import workers
+from tests.helpers import assert_bitwise_equal
 
 STEPS, PER_RANK = 4, 4  # the gradient comparison
 GLOBAL_BATCH = 8  # the checkpoints moved between world sizes
@@ -27,6 +28,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Any]]:
     test pairs with them; each job's results in rank order, by name."""
     root = tmp_path_factory.mktemp("ddp")
     saved_with_1, saved_with_2 = str(root / "saved_with_1"), str(root / "saved_with_2")
+    mid_window, in_background = str(root / "mid_window"), str(root / "mid_window_in_background")
     single = {"saved with 1": [workers.train_and_save(saved_with_1, 3, GLOBAL_BATCH, "single")]}
     ranks = spawn(
         2,
@@ -43,10 +45,15 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Any]]:
             ("2 resumed from 2 without a seed", workers.resume, (saved_with_2, GLOBAL_BATCH // 2, "auto", None)),
             ("uneven", workers.evaluate_uneven, (11, 3)),  # 11 samples: global batches of 6, then 5 (+1 padding)
             ("item count", workers.item_count_accumulation, (2,)),
+            ("accumulating, saved mid-window", workers.accumulation_run, (mid_window, 3)),
+            ("accumulating, resumed mid-window", workers.accumulation_run, (mid_window, None)),
+            ("accumulating, saved mid-window in the background", workers.accumulation_run, (in_background, 3, False)),
+            ("accumulating, resumed mid-window in the background", workers.accumulation_run, (in_background, None)),
         ],
         timeout=600.0,
     )
     single["1 resumed from 2"] = [workers.resume(saved_with_2, GLOBAL_BATCH, "single")]
+    single["1 resumed mid-window from 2"] = [workers.load_on_one_process(mid_window)]
     return {**workers.results_by_job(ranks), **single}
 
 
@@ -176,3 +183,20 @@ def test_item_count_accumulation_sums_items_across_ranks(jobs: dict[str, list[An
     for rank in range(2):
         for ours, expected in zip(results[rank], net.parameters(), strict=True):
             torch.testing.assert_close(ours, expected.detach(), rtol=0, atol=1e-12)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_mid_window_resumes_each_ranks_own_gradients(jobs: dict[str, list[Any]]) -> None:
+    # Mid-window, no_sync left each rank its own gradients: a resume that gave every rank rank 0's diverged.
+    for how in ("", " in the background"):  # a background save snapshots each rank's gradients
+        uninterrupted = jobs[f"accumulating, saved mid-window{how}"]
+        resumed = jobs[f"accumulating, resumed mid-window{how}"]
+        for rank in range(2):
+            assert len(resumed[rank]["losses"]) == 2 * workers.SAMPLES // 4 - 3
+            assert resumed[rank]["losses"] == uninterrupted[rank]["losses"], f"rank {rank} trained otherwise{how}"
+            assert_bitwise_equal(resumed[rank]["weights"], uninterrupted[rank]["weights"])
+    # One process cannot take over two ranks' unaveraged gradients exactly: refused, nothing changed.
+    (one,) = jobs["1 resumed mid-window from 2"]
+    assert one["error"] is not None and "saved mid-accumulation-window by 2 ranks" in one["error"]
+    assert "this run has 1" in one["error"] and "Resume on 2 ranks" in one["error"]
+    assert one["untouched"]

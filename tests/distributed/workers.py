@@ -60,12 +60,14 @@ def train_step(
     optimizer: torch.optim.Optimizer,
     inputs: torch.Tensor,
     targets: torch.Tensor,
-) -> None:
-    """One batch of the imperative loop every worker here runs."""
+) -> torch.Tensor:
+    """One batch of the imperative loop every worker here runs; returns this rank's loss."""
     with engine.accumulate(net):
-        engine.backward(nn.functional.mse_loss(net(inputs), targets))
+        loss = nn.functional.mse_loss(net(inputs), targets)
+        engine.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
+    return loss
 
 
 class GradientRecorder(cadence.Callback):
@@ -208,11 +210,7 @@ def fsdp_losses(steps: int, per_rank: int) -> dict[str, Any]:
     net, optimizer, data = engine.prepare(net, optimizer, DataLoader(dataset(), per_rank, shuffle=True))
     losses = []
     for inputs, targets, _ in data:
-        with engine.accumulate(net):
-            loss = nn.functional.mse_loss(net(inputs), targets)
-            engine.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
+        loss = train_step(engine, net, optimizer, inputs, targets)
         losses.append(engine.reduce(loss.detach()).item())
         if engine.state.step == steps:
             break
@@ -303,3 +301,53 @@ def fsdp_train_after_save(directory: str, save_first: bool) -> dict[str, Any]:
         train_step(engine, net, optimizer, inputs, targets)
     counters = [float(state["step"]) for state in optimizer.optimizer.state.values()]
     return {"weights": full_weights(engine, net), "steps": counters}
+
+
+def accumulation_run(directory: str, save_after: int | None, blocking: bool = True) -> dict[str, Any]:
+    """DDP with windows of 2 micro-batches of 2 samples per rank, for 2 epochs; this rank's loss at every batch
+    after the ``save_after``th (where it saves, mid-window) and the final weights. ``save_after=None``: a fresh
+    engine loads the checkpoint in ``directory`` and trains the batches after it. ``blocking=False``: the save
+    snapshots the gradients and commits while training goes on."""
+    engine = cadence.Engine(
+        accelerator="cpu", strategy="ddp", seed=5, callbacks=[GradientAccumulation(2)], progress_bar=False
+    )
+    net = model()
+    net, optimizer, data = engine.prepare(
+        net, torch.optim.AdamW(net.parameters(), lr=0.01), DataLoader(dataset(), 2, shuffle=True)
+    )
+    if save_after is None:
+        engine.load_state(directory)
+    losses: list[float] = []
+    batches = 0
+    while data.epoch < 2:
+        for inputs, targets, _ in data:
+            loss = train_step(engine, net, optimizer, inputs, targets)
+            batches += 1
+            if save_after is None or batches > save_after:
+                losses.append(loss.item())
+            elif batches == save_after:
+                if engine.state.sync_gradients:
+                    raise RuntimeError("the save must be mid-window, with gradients accumulated")
+                engine.save_state(directory, blocking=blocking)
+    engine.wait_for_checkpoint()
+    return {"losses": losses, "weights": full_weights(engine, net)}
+
+
+def load_on_one_process(directory: str) -> dict[str, Any]:
+    """Load the checkpoint in one process; the error the load raised (None if it loaded) and whether the weights,
+    gradients and step are still the fresh engine's."""
+    engine = cadence.Engine(
+        accelerator="cpu", strategy="single", seed=5, callbacks=[GradientAccumulation(2)], progress_bar=False
+    )
+    net = model()
+    net, _, _ = engine.prepare(net, torch.optim.AdamW(net.parameters(), lr=0.01), DataLoader(dataset(), 4))
+    before = full_weights(engine, net)
+    error = None
+    try:
+        engine.load_state(directory)
+    except cadence.CheckpointError as refusal:
+        error = str(refusal)
+    after = full_weights(engine, net)
+    untouched = all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    untouched = untouched and engine.state.step == 0 and all(p.grad is None for p in net.parameters())
+    return {"error": error, "untouched": untouched}

@@ -159,3 +159,32 @@ def test_importing_cadence_leaves_distributed_checkpointing_unimported() -> None
     probe = "import sys, cadence; print('torch.distributed.checkpoint' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
+
+
+def test_gradients_saved_by_another_number_of_ranks_are_refused_before_anything_changes(tmp_path: Path) -> None:
+    from cadence.callbacks import GradientAccumulation
+    from tests.checkpoint.test_state_document import rewrite
+
+    saver = cadence.Engine(
+        accelerator="cpu", progress_bar=False, project_dir=tmp_path, seed=3, callbacks=[GradientAccumulation(2)]
+    )
+    model = make_model()
+    model, optimizer, data = saver.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), loader())
+    inputs, targets = next(iter(data))
+    with saver.accumulate(model):  # the first micro-batch of a window of two: gradients accumulated, no step
+        saver.backward(nn.functional.mse_loss(model(inputs), targets))
+        optimizer.step()
+        optimizer.zero_grad()
+    directory = saver.save_state()
+    # What 2 DDP ranks write mid-window: each rank's own gradients, counted in the model's entry.
+    rewrite(directory, "state.json", lambda shared: shared["models"][0].update(grad_ranks=2))
+
+    eng = engine(tmp_path)
+    resumed = make_model(seed=11)
+    resumed_optimizer = torch.optim.SGD(resumed.parameters(), lr=0.1)
+    eng.prepare(resumed, resumed_optimizer, loader())
+    before = parameters(resumed)
+    with pytest.raises(CheckpointError, match=r"mid-accumulation-window by 2 ranks.*this run has 1.*Resume on 2"):
+        eng.load_state(directory)
+    assert_bitwise_equal(parameters(resumed), before)
+    assert all(p.grad is None for p in resumed.parameters()) and eng.state.step == 0

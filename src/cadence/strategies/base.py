@@ -110,11 +110,14 @@ class Strategy(ABC):
         """Write the user module's state (model ``index`` of the engine) through ``writer``; returns its entry
         for state.json, which the main rank records (other ranks' entries are not used).
 
-        Here: the main rank writes the full state dict, and any gradients accumulated mid-window."""
+        Here: the main rank writes the full state dict (a replica), and any gradients accumulated mid-window: with
+        several ranks, every rank writes its own, which are not yet averaged (``no_backward_sync``)."""
         weights, grads = self.model_state_dict(module), self.gradients(module)
-        if self.rank != 0:
-            return {}
-        return checkpoint_state.write_full_model(writer, index, weights, grads)
+        if self.world_size == 1:
+            return checkpoint_state.write_full_model(writer, index, weights, grads)
+        # Whether each rank holds gradients (all alike under DDP, but a rank must never load another's).
+        holding = self.all_gather_object(bool(grads))
+        return checkpoint_state.write_replicated_model(writer, index, weights, grads, self.rank, holding)
 
     def read_model(self, module: nn.Module, reader: TensorSource, index: int, entry: dict[str, Any]) -> Apply:
         """Read model ``index``'s state as ``entry`` (what ``save_model`` returned, of any strategy) describes and

@@ -32,8 +32,9 @@ def model_file(index: int) -> str:
     return f"model_{index}.safetensors"
 
 
-def grad_file(index: int) -> str:
-    return f"model_{index}.grad.safetensors"
+def grad_file(index: int, rank: int | None = None) -> str:
+    """The gradients file of model ``index``: the one of a single process, or that of ``rank`` of several."""
+    return f"model_{index}.grad.safetensors" if rank is None else f"model_{index}.grad.rank_{rank}.safetensors"
 
 
 def check_model_shapes(index: int, expected: dict[str, tuple[int, ...]], saved: dict[str, tuple[int, ...]]) -> None:
@@ -54,6 +55,28 @@ def write_full_model(
     return {"format": FULL_MODEL, "aliases": aliases, "grads": bool(grads)}
 
 
+def write_replicated_model(
+    writer: TensorSink,
+    index: int,
+    weights: dict[str, torch.Tensor],
+    grads: dict[str, torch.Tensor],
+    rank: int,
+    holding: list[bool],
+) -> dict[str, Any]:
+    """The full layout from several ranks that each hold a replica, ``holding`` saying, in rank order, which hold
+    gradients: rank 0 writes the weights; when any does (mid-window), every rank writes its own gradients (an empty
+    file where it has none), and the entry's ``grad_ranks`` counts them. Returns the entry on rank 0, ``{}`` on the
+    others."""
+    if any(holding):
+        writer.write_tensors(grad_file(index, rank), grads)
+    if rank != 0:
+        return {}
+    entry = write_full_model(writer, index, weights, {})
+    if any(holding):
+        entry.update(grads=True, grad_ranks=len(holding))
+    return entry
+
+
 def read_model(strategy: Strategy, module: nn.Module, reader: TensorSource, index: int, entry: dict[str, Any]) -> Apply:
     if entry["format"] == SHARDED_MODEL:
         from cadence.strategies.fsdp_checkpoint import read_sharded_model
@@ -62,7 +85,7 @@ def read_model(strategy: Strategy, module: nn.Module, reader: TensorSource, inde
     weights = reader.tensors(model_file(index), entry["aliases"])
     expected = {name: tuple(tensor.shape) for name, tensor in module.state_dict().items()}
     check_model_shapes(index, expected, {name: tuple(tensor.shape) for name, tensor in weights.items()})
-    grads = reader.tensors(grad_file(index)) if entry["grads"] else {}
+    grads = _saved_gradients(strategy, reader, index, entry)
 
     def apply() -> None:
         live = module.state_dict(keep_vars=True)
@@ -80,6 +103,23 @@ def read_model(strategy: Strategy, module: nn.Module, reader: TensorSource, inde
             parameter.grad = grad if grad is parameter.grad else reader.owned(grad).to(parameter.device)
 
     return apply
+
+
+def _saved_gradients(strategy: Strategy, reader: TensorSource, index: int, entry: dict[str, Any]) -> dict[str, Any]:
+    """The gradients model ``index`` had accumulated mid-window on this rank: from the one file of a single process
+    (or of an older checkpoint, which held rank 0's alone), or from this rank's own file of several."""
+    if not entry["grads"]:
+        return {}
+    ranks = entry.get("grad_ranks")
+    if ranks is None:
+        return reader.tensors(grad_file(index))
+    if ranks != strategy.world_size:
+        raise CheckpointError(
+            f"The checkpoint was saved mid-accumulation-window by {ranks} ranks, each with gradients of its own "
+            f"that are not yet averaged, and this run has {strategy.world_size}: they cannot be shared out exactly. "
+            f"Resume on {ranks} ranks, or from a checkpoint saved at an accumulation-window boundary."
+        )
+    return reader.tensors(grad_file(index, strategy.rank))
 
 
 def _reusable(target: object, saved: torch.Tensor) -> bool:
