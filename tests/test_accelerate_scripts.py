@@ -314,3 +314,22 @@ def test_member_table_lists_every_public_member() -> None:
     listed = re.findall(r"^\| `(\w+)` \| (?:provided|refused)", DOCS.read_text(), re.M)
     public = [name for name in dir(accelerate.Accelerator) if not name.startswith("_")]
     assert sorted(listed) == public, f"docs/accelerate.md's table differs: {sorted(set(listed) ^ set(public))}"
+
+
+def test_every_member_the_table_provides_exists_and_every_refused_one_names_an_alternative(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cadence.accelerate import Accelerator
+
+    monkeypatch.chdir(tmp_path)
+    accelerator = Accelerator(cpu=True)
+    rows = re.findall(r"^\| `(\w+)` \| (provided differently|provided|refused) \|", DOCS.read_text(), re.M)
+    assert len(rows) == len([name for name in dir(accelerate.Accelerator) if not name.startswith("_")])
+    for name, status in rows:
+        if status != "refused":
+            assert hasattr(accelerator, name), f"docs/accelerate.md marks {name} {status}, but it is missing"
+            continue
+        with pytest.raises(AttributeError, match=r"does not provide .*: .*(use|Engine\(|accelerator\.)") as raised:
+            getattr(accelerator, name)
+        assert name in str(raised.value)
+    accelerator.end_training()

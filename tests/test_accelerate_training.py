@@ -413,3 +413,29 @@ def test_state_hooks_run_around_cadences_save_and_load_which_keep_every_model(tm
     handle.remove()
     accelerator.save_state(tmp_path / "again")
     assert len(calls) == 2
+
+
+def test_free_memory_forgets_what_was_prepared_so_a_new_run_saves_and_loads_only_its_own(tmp_path: Path) -> None:
+    accelerator = Accelerator(cpu=True)
+    _, _, _, (model, optimizer, loader) = build(accelerator)
+    assert accelerator.free_memory(model, optimizer, loader) == [None, None, None]
+    assert accelerator.engine.models == () and accelerator.engine.dataloaders == ()
+    # find_executable_batch_size's loop: a new model of another shape, a new loader, under the same accelerator
+    bigger = nn.Linear(3, 4)
+    new_optimizer = torch.optim.SGD(bigger.parameters(), lr=0.1)
+    data = TensorDataset(torch.randn(8, 3), torch.randn(8, 4))
+    prepared, new_optimizer, new_loader = accelerator.prepare(bigger, new_optimizer, DataLoader(data, batch_size=4))
+    for inputs, targets in new_loader:
+        accelerator.backward(nn.functional.mse_loss(prepared(inputs), targets))
+        new_optimizer.step()
+        new_optimizer.zero_grad()
+        break
+    saved = accelerator.save_state(tmp_path / "run")
+    assert sorted(path.name for path in Path(saved).glob("model_*")) == ["model_0.safetensors"]
+    expected = {name: value.clone() for name, value in prepared.state_dict().items()}
+    with torch.no_grad():
+        prepared.weight.zero_()
+    accelerator.load_state(saved)
+    assert all(torch.equal(prepared.state_dict()[name], value) for name, value in expected.items())
+    assert accelerator.clear() == []
+    assert accelerator.engine.models == ()

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 import cadence
 from cadence.callbacks import Checkpoint
 from cadence.checkpoint.errors import CheckpointError
+from cadence.compat import live_iterator
 from cadence.testing import FakeEngine, RecordingCallback
 from cadence.wrappers import PreparedDataLoader, PreparedOptimizer, PreparedScheduler
 from tests.helpers import RegressionStep, loader, make_model, make_optimizer
@@ -638,3 +639,49 @@ def test_an_exception_leaving_a_with_engine_block_mid_pass_is_the_one_raised() -
         batches = iter(run.prepare(DataLoader(TensorDataset(torch.arange(8.0)), batch_size=2)))
         next(batches)
         raise ZeroDivisionError  # close() runs while the pass `batches` holds is still suspended
+
+
+def test_release_all_forgets_what_was_prepared_so_checkpoints_hold_only_what_comes_after(tmp_path: Path) -> None:
+    eng = engine(project_dir=tmp_path)
+    first = make_model(0)
+    eng.prepare(first, make_optimizer(first), loader())
+    eng.release_all()
+    assert (eng.models, eng.optimizers, eng.schedulers, eng.dataloaders) == ((), (), (), ())
+    second = nn.Linear(3, 5)
+    optimizer = torch.optim.SGD(second.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)
+    second, optimizer, scheduler = eng.prepare(second, optimizer, scheduler)
+    saved = eng.save_state(tmp_path / "after")
+    assert sorted(path.name for path in saved.glob("model_*")) == ["model_0.safetensors"]
+    expected = {name: value.clone() for name, value in second.state_dict().items()}
+    with torch.no_grad():
+        second.weight.zero_()
+    eng.load_state(saved)
+    assert all(torch.equal(second.state_dict()[name], value) for name, value in expected.items())
+    # The released model is free to be prepared again, without the "prepared elsewhere" warning.
+    eng.prepare(first)
+
+
+def test_release_all_is_refused_during_a_pass_and_changes_nothing() -> None:
+    eng = engine()
+    model = make_model()
+    eng.prepare(model, make_optimizer(model))
+    prepared = eng.prepare(loader())
+    for _ in prepared:
+        with pytest.raises(RuntimeError, match=r"release_all\(\).*after the loop"):
+            eng.release_all()
+        break
+    assert len(eng.models) == len(eng.optimizers) == len(eng.dataloaders) == 1
+
+
+@pytest.mark.slow
+def test_release_all_stops_the_workers_of_the_released_loaders() -> None:
+    eng = engine()
+    prepared = eng.prepare(loader(num_workers=1, persistent_workers=True))
+    prepared.drives_training = False
+    for _ in prepared:  # a whole pass: its persistent worker stays, waiting for the next
+        pass
+    workers = live_iterator(prepared.loader)._workers
+    assert workers and all(worker.is_alive() for worker in workers)
+    eng.release_all()
+    assert not any(worker.is_alive() for worker in workers)  # stopped now, not left to the garbage collector

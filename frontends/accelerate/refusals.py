@@ -28,6 +28,10 @@ MEMBERS = {
     "pipeline_parallel_rank": _PARALLEL,
     "verify_device_map": _BIG_MODEL,
     "profile": "use torch.profiler.profile(...) around the steps you want to see, directly",
+    "prepare_model": "use accelerator.prepare(model)",
+    "prepare_optimizer": "use accelerator.prepare(optimizer)",
+    "prepare_scheduler": "use accelerator.prepare(scheduler)",
+    "prepare_data_loader": "use accelerator.prepare(dataloader)",
 }
 
 # Names users import from ``accelerate`` / ``accelerate.utils`` that cadence does not provide.

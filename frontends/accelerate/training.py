@@ -135,6 +135,49 @@ class TrainingMembers:
         for hook in list(self._load_state_hooks.values()):
             hook(list(self.engine.models), str(directory))
 
+    # --- releasing what was prepared -------------------------------------------------------------------------------
+    def free_memory(self, *objects: Any) -> list[None]:
+        """Forget every model, optimizer, scheduler and dataloader prepared so far (``engine.release_all()``: later
+        checkpoints hold only what is prepared after), then collect garbage and empty the device cache. Returns one
+        None per object given, to assign back: ``model, optimizer = accelerator.free_memory(model, optimizer)``."""
+        # Imported here: cadence.accelerate.utils imports the Accelerator, which imports this module.
+        from cadence.accelerate.utils.memory import release_memory
+
+        self.engine.release_all()
+        return release_memory(*objects)
+
+    def clear(self, *objects: Any) -> list[None]:
+        """``free_memory``, under Accelerate's other name."""
+        return self.free_memory(*objects)
+
+    # --- the dataloader configuration, as Accelerate's properties read it ---------------------------------------
+    @property
+    def even_batches(self) -> bool:
+        return self.dataloader_config.even_batches
+
+    @property
+    def dispatch_batches(self) -> bool | None:
+        return self.dataloader_config.dispatch_batches
+
+    @property
+    def non_blocking(self) -> bool | None:
+        return self.dataloader_config.non_blocking
+
+    @property
+    def use_seedable_sampler(self) -> bool:
+        return self.dataloader_config.use_seedable_sampler
+
+    @property
+    def use_stateful_dataloader(self) -> bool:
+        """As configured; cadence's prepared loaders are resumable (``StatefulDataLoader``) either way."""
+        return self.dataloader_config.use_stateful_dataloader
+
+    @property
+    def should_save_model(self) -> bool:
+        """True on every process: ``save_model`` is called on all of them (FSDP gathers the shards) and writes on
+        the main one."""
+        return True
+
     # --- triggers: one process asks, every process learns it at check_trigger -------------------------------------
     def set_trigger(self) -> None:
         """Raise this process's flag; the next ``check_trigger()`` on every process returns True."""

@@ -278,6 +278,25 @@ class Engine:
         if not loader.in_pass:
             loader.close()
 
+    def release_all(self) -> None:
+        """Forget every prepared model, optimizer, scheduler and dataloader, so that objects prepared after (a new
+        model, a smaller batch) are the only ones later checkpoints save and restore. The released loaders' worker
+        processes stop now; callbacks, registered objects and the State are kept. Refused while ``fit()`` or a
+        pass over a prepared dataloader runs; a checkpoint still saving in the background is waited for first."""
+        running = self._fitting or any(loader.in_pass for loader in self._dataloaders)
+        if running:
+            raise RuntimeError(
+                "engine.release_all() was called while a fit() or a pass over a prepared dataloader is running, "
+                "whose objects it would take away: call it after the loop (leave the `for batch in loader` first)."
+            )
+        self._saves.wait(self)
+        for own in [self.unwrap_model(model) for model in self._models] + [o.optimizer for o in self._optimizers]:
+            unmark_prepared(own, self)  # another engine (or this one again) may prepare them without a warning
+        loaders = self._dataloaders
+        self._models, self._optimizers, self._schedulers, self._dataloaders, self._fit_loaders = [], [], [], [], []
+        for loader in loaders:
+            loader.close()
+
     def _prepare_model(self, model: nn.Module) -> nn.Module:
         if isinstance(model, PreparedModule) or any(model is existing for existing in self._models):
             return model  # already the prepared object (one device, full precision: the model itself)
