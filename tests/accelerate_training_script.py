@@ -1,7 +1,10 @@
 """A migrated fp32 training script, run by tests/test_accelerate_training.py with Accelerate itself or with
 cadence.accelerate (the import is the only difference), on 1 or 2 processes.
 
-    python accelerate_training_script.py {accelerate|cadence} {seedable|default|split} OUT.json [RESUME_DIR]
+    python accelerate_training_script.py {accelerate|cadence} MODE OUT.json [RESUME_DIR]
+
+MODE: default, seedable, split, or generator / generator-seedable (the loader gets a generator of the user's own,
+seeded after prepare as Accelerate's training_check does; without and with use_seedable_sampler).
 
 It trains two epochs of a small model with dropout on a shuffled loader, with gradient accumulation and a
 scheduler sized the Hugging Face way (steps * num_processes), and writes every rank's losses, sample order and
@@ -32,7 +35,8 @@ def main(library: str, mode: str, out: str, resume_dir: str | None) -> None:
 
         set_seed = _set_seed
     # "split": each batch of 3 * num_processes is split over the processes, and the scheduler steps once per update.
-    config = DataLoaderConfiguration(use_seedable_sampler=mode == "seedable", split_batches=mode == "split")
+    seedable = mode in ("seedable", "generator-seedable")
+    config = DataLoaderConfiguration(use_seedable_sampler=seedable, split_batches=mode == "split")
 
     def build() -> tuple[Any, ...]:
         accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2, dataloader_config=config)
@@ -43,8 +47,13 @@ def main(library: str, mode: str, out: str, resume_dir: str | None) -> None:
         # Sized the Hugging Face way: optimizer steps (3 windows per epoch on 2 processes) times the processes.
         total = EPOCHS * 3 * (1 if mode == "split" else accelerator.num_processes)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: max(0.0, 1 - step / total))
-        loader = DataLoader(data, batch_size=3 * (accelerator.num_processes if mode == "split" else 1), shuffle=True)
-        return accelerator, *accelerator.prepare(model, optimizer, loader, scheduler)
+        size = 3 * (accelerator.num_processes if mode == "split" else 1)
+        generator = torch.Generator() if mode.startswith("generator") else None
+        loader = DataLoader(data, batch_size=size, shuffle=True, generator=generator)
+        prepared = accelerator.prepare(model, optimizer, loader, scheduler)
+        if generator is not None:
+            generator.manual_seed(42)  # after prepare, as Accelerate's training_check seeds its loader's generator
+        return accelerator, *prepared
 
     accelerator, model, optimizer, loader, scheduler = build()
     record: dict[str, Any] = {"losses": [], "order": []}

@@ -117,6 +117,109 @@ def test_a_resumed_epoch_keeps_the_drawn_order_and_draws_nothing() -> None:
     assert torch.equal(torch.get_rng_state(), after)
 
 
+def _epochs(loader: Any, epochs: int) -> list[list[list[float]]]:
+    return [[batch[0].tolist() for batch in loader] for _ in range(epochs)]
+
+
+@pytest.mark.parametrize("seedable", [False, True])
+def test_a_loader_with_its_own_generator_keeps_accelerates_order_from_it(seedable: bool) -> None:
+    data = TensorDataset(torch.arange(23.0))
+    config = DataLoaderConfiguration(use_seedable_sampler=seedable, data_seed=7)
+    ours_generator = torch.Generator()
+    accelerator = Accelerator(cpu=True, dataloader_config=config)
+    loader = accelerator.prepare(DataLoader(data, batch_size=4, shuffle=True, generator=ours_generator))
+    theirs_generator = torch.Generator()
+    theirs_loader = DataLoader(data, batch_size=4, shuffle=True, generator=theirs_generator)
+    if seedable:  # what Accelerate's prepare does on one process: its seedable sampler around the user's generator
+        sampler = accelerate_data.SeedableRandomSampler(data, generator=theirs_generator, data_seed=7)
+        theirs_loader = DataLoader(data, sampler=sampler, batch_size=4, generator=theirs_generator)
+    ours_generator.manual_seed(42)  # after prepare, as Accelerate's training_check does
+    theirs_generator.manual_seed(42)
+    global_before = torch.get_rng_state()
+    theirs = []
+    for epoch in range(3):
+        if seedable:
+            sampler.set_epoch(epoch)  # Accelerate's DataLoaderShard sets it at each pass
+        theirs.append([batch[0].tolist() for batch in theirs_loader])
+    torch.set_rng_state(global_before)
+    assert _epochs(loader, 3) == theirs
+    assert torch.equal(ours_generator.get_state(), theirs_generator.get_state())  # the same draws from it
+    assert torch.equal(torch.get_rng_state(), global_before)  # and none from the global generator
+
+
+def test_two_ranks_share_the_generators_order_as_accelerates_shards_do() -> None:
+    n, size, world_size = 23, 3, 2
+    their_generator = torch.Generator().manual_seed(42)
+    shards = [
+        accelerate_data.BatchSamplerShard(
+            BatchSampler(RandomSampler(range(n), generator=their_generator), size, drop_last=False), world_size, rank
+        )
+        for rank in range(world_size)
+    ]
+    generators = [torch.Generator().manual_seed(42) for _ in range(world_size)]
+    samplers = [
+        AccelerateBatchSampler(
+            n,
+            size,
+            shuffle=True,
+            drop_last=False,
+            seed=0,
+            rank=rank,
+            world_size=world_size,
+            mode="generator",
+            generator=generators[rank],
+        )
+        for rank in range(world_size)
+    ]
+    for epoch in range(3):
+        start = their_generator.get_state()
+        theirs = []
+        for shard in shards:  # each rank's loader: synchronized generator, then its workers' base seed drawn
+            their_generator.set_state(start)
+            torch.empty((), dtype=torch.int64).random_(generator=their_generator)
+            theirs.append(list(shard))
+        ours = []
+        for sampler, generator in zip(samplers, generators, strict=True):
+            sampler.set_epoch(epoch)
+            batches = iter(sampler)  # the loader opens its iterator, then draws its workers' base seed
+            torch.empty((), dtype=torch.int64).random_(generator=generator)
+            ours.append(list(batches))
+        assert ours == theirs
+        assert all(torch.equal(generator.get_state(), their_generator.get_state()) for generator in generators)
+    with pytest.raises(ValueError, match="needs the loader's generator"):
+        AccelerateBatchSampler(n, size, shuffle=True, drop_last=False, seed=0, mode="generator")
+
+
+def test_a_generators_order_resumes_mid_epoch_and_continues_its_draws(tmp_path: Path) -> None:
+    data = TensorDataset(torch.arange(22.0))
+
+    def prepared() -> tuple[Accelerator, Any, torch.Generator]:
+        accelerator = Accelerator(cpu=True)
+        generator = torch.Generator()
+        loader = accelerator.prepare(DataLoader(data, batch_size=4, shuffle=True, generator=generator))
+        generator.manual_seed(42)
+        return accelerator, loader, generator
+
+    _, loader, generator = prepared()
+    whole = _epochs(loader, 3)
+    after = generator.get_state()
+    plain = DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(42))
+    assert whole == _epochs(plain, 3)  # Accelerate's order on one process: torch's own loop over the generator
+    accelerator, loader, _ = prepared()
+    seen = [batch[0].tolist() for batch in loader]
+    for index, batch in enumerate(loader):
+        seen.append(batch[0].tolist())
+        if index == 1:
+            accelerator.save_state(tmp_path / "ck")
+            break
+    resumed, again, generator = prepared()
+    generator.manual_seed(5)  # whatever the new run's generator holds, the checkpoint's is restored
+    resumed.load_state(tmp_path / "ck")
+    rest = [batch[0].tolist() for batch in skip_first_batches(again, 2)]
+    assert [seen[:6], seen[6:] + rest, _epochs(again, 1)[0]] == whole
+    assert torch.equal(generator.get_state(), after)
+
+
 def build(accelerator: Accelerator, batches: int = 3, shuffle: bool = False) -> tuple[Any, ...]:
     torch.manual_seed(0)
     model = nn.Linear(2, 1)
@@ -273,7 +376,18 @@ def run_script(library: str, mode: str, out: Path, processes: int, resume: Path 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("mode", "processes"), [("default", 1), ("seedable", 1), ("default", 2), ("seedable", 2), ("split", 2)]
+    ("mode", "processes"),
+    [
+        ("default", 1),
+        ("seedable", 1),
+        ("default", 2),
+        ("seedable", 2),
+        ("split", 2),
+        ("generator", 1),
+        ("generator", 2),
+        ("generator-seedable", 1),
+        ("generator-seedable", 2),
+    ],
 )
 def test_a_migrated_script_gives_accelerates_numbers_and_resumes_them(
     tmp_path: Path, mode: str, processes: int

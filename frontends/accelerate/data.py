@@ -11,9 +11,16 @@ same epoch in the same order:
   as torch's ``RandomSampler`` does; the drawn seed is what a checkpoint records.
 - ``"stream"`` (the default, on several processes): one seed is drawn from the global generator at ``prepare``
   (rank 0's is used) and epoch ``e`` is the ``2e+1``-th permutation that generator yields.
+- ``"generator"`` (the default, for a ``DataLoader(generator=g)``): Accelerate keeps the user's ``g``, so each
+  iteration draws the workers' base seed from ``g``, then torch's ``RandomSampler`` takes two permutations from it
+  (on several processes rank 0's ``g`` is first copied to every rank). The order is planned when the iterator is
+  opened, from a copy of ``g`` (whose state the cursor restores there when it resumes mid-epoch); ``g`` itself
+  takes the permutations' draws when the epoch's first batch is read.
 
-Accelerate's loaders also draw their workers' base seed from the global generator each time an iteration starts;
-so that a model's own random numbers (dropout) follow the same stream, a fresh epoch draws it too. Several ranks
+Accelerate's loaders also draw their workers' base seed from the global generator each time an iteration starts
+(from ``g``, when the loader has one: the rebuilt loader keeps ``g`` and draws it itself); so that a model's own
+random numbers (dropout) follow the same stream, a fresh epoch draws it too. With ``use_seedable_sampler`` and a
+``g``, Accelerate's sampler reseeds ``g`` itself each epoch; a fresh epoch does the same. Several ranks
 take consecutive batches of the global order in turn; the last, short ones are completed with the epoch's first
 samples to a full batch on every rank (Accelerate's ``even_batches``).
 """
@@ -21,7 +28,7 @@ samples to a full batch on every rank (Accelerate's ``even_batches``).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch.utils.data import DataLoader
@@ -29,7 +36,7 @@ from torch.utils.data import DataLoader
 from cadence.data import ResumableBatchSampler, to_stateful
 from cadence.wrappers import PreparedDataLoader
 
-ShuffleMode = Literal["seedable", "draw", "stream"]
+ShuffleMode = Literal["seedable", "draw", "stream", "generator"]
 
 
 def _global_draw() -> int:
@@ -38,16 +45,33 @@ def _global_draw() -> int:
 
 
 class AccelerateBatchSampler(ResumableBatchSampler):
-    """A ``ResumableBatchSampler`` whose order and global-generator draws are Accelerate's (see the module)."""
+    """A ``ResumableBatchSampler`` whose order and generator draws are Accelerate's (see the module).
 
-    def __init__(self, *arguments: Any, mode: ShuffleMode = "seedable", **keywords: Any) -> None:
+    ``generator`` is the user's ``DataLoader(generator=g)``, which the rebuilt loader keeps; ``broadcast(obj)``
+    returns rank 0's ``obj`` on every rank (``"generator"`` mode on several processes)."""
+
+    def __init__(
+        self,
+        *arguments: Any,
+        mode: ShuffleMode = "seedable",
+        generator: torch.Generator | None = None,
+        broadcast: Callable[[Any], Any] | None = None,
+        **keywords: Any,
+    ) -> None:
         """``ResumableBatchSampler``'s arguments, and the ``mode`` that orders the samples."""
         super().__init__(*arguments, **keywords)
+        if mode == "generator" and generator is None:
+            raise ValueError('AccelerateBatchSampler(mode="generator") needs the loader\'s generator: pass generator=.')
         self.mode: ShuffleMode = mode
+        self.generator = generator
+        self.broadcast = broadcast
+        self._planned: list[int] | None = None
 
     def indices(self) -> list[int]:
         if not self.shuffle or self.mode == "seedable":
             return super().indices()
+        if self.mode == "generator":
+            return self._planned if self._planned is not None else self._plan()
         generator = torch.Generator().manual_seed(self.seed_of(self.epoch))
         if self.mode == "stream":
             # torch's RandomSampler takes two permutations per epoch from its generator: the order, and an empty
@@ -58,12 +82,46 @@ class AccelerateBatchSampler(ResumableBatchSampler):
         return order
 
     def __iter__(self) -> Iterator[list[int]]:
+        # Not a generator function: the loader calls this just before drawing its workers' base seed from ``g``,
+        # and a resumed epoch finds ``g`` here as the epoch found it (the cursor sets it back only afterwards).
+        self._planned = None
+        if self.mode == "generator" and self.shuffle:
+            self._synchronize()
+            self._planned = self._plan()
+        return self._batches()
+
+    def _batches(self) -> Iterator[list[int]]:
         if self.start_sample == 0:
             # A fresh epoch: Accelerate's iteration draws here; a resumed one drew before its checkpoint.
+            self._draw_as_accelerate()
+        yield from super().__iter__()
+
+    def _draw_as_accelerate(self) -> None:
+        generator = self.generator
+        if generator is None:
             _global_draw()  # the base seed of the iteration's workers
             if self.shuffle and self.mode == "draw":
                 self.seed = _global_draw()
-        yield from super().__iter__()
+            return
+        if not self.shuffle:
+            return  # the loader drew the base seed from ``g``; a SequentialSampler draws nothing
+        if self.mode == "seedable":  # Accelerate's SeedableRandomSampler reseeds the user's generator
+            generator.manual_seed(self.seed_of(self.epoch) + self.epoch)
+        for _ in range(2):  # torch's RandomSampler: the order, and an empty slice of another permutation
+            torch.randperm(self.num_samples, generator=generator)
+
+    def _synchronize(self) -> None:
+        """Give every rank rank 0's ``g``, as Accelerate's ``synchronize_rng_states`` does at each iteration."""
+        if self.world_size > 1 and self.broadcast is not None and self.generator is not None:
+            self.generator.set_state(self.broadcast(self.generator.get_state()))
+
+    def _plan(self) -> list[int]:
+        """The order ``g`` gives once the loader has drawn its workers' base seed from it, ``g`` left untouched."""
+        copy = torch.Generator()
+        copy.set_state(cast(torch.Generator, self.generator).get_state())  # mode "generator" has one (__init__)
+        _ = torch.empty((), dtype=torch.int64).random_(generator=copy)
+        order: list[int] = torch.randperm(self.num_samples, generator=copy).tolist()
+        return order
 
     def last_batch(self, order: list[int], tail: list[int]) -> list[int]:
         if self.world_size == 1:  # Accelerate leaves one process's last batch short
@@ -92,15 +150,19 @@ def accelerate_loader(
     world_size: int,
     broadcast: Callable[[Any], Any],
 ) -> DataLoader[Any]:
-    """``loader`` rebuilt (as ``to_stateful`` does) with an ``AccelerateBatchSampler``, or as it is when it is not
-    a map-style loader with torch's default sampler (a sampler of the user's own keeps its own order).
+    """``loader`` rebuilt (as ``to_stateful`` does, keeping its generator) with an ``AccelerateBatchSampler``, or
+    as it is when it is not a map-style loader with torch's default sampler (a sampler of the user's own keeps its
+    own order, and so does a ``RandomSampler`` given a generator other than the loader's).
     ``broadcast(obj)`` returns rank 0's ``obj`` on every rank."""
-    if loader._dataset_kind == 1 or loader.batch_size is None or loader.generator is not None:
+    if loader._dataset_kind == 1 or loader.batch_size is None:
         return loader
     shuffle = isinstance(loader.sampler, torch.utils.data.RandomSampler)
     if type(loader.sampler) not in (torch.utils.data.RandomSampler, torch.utils.data.SequentialSampler):
         return loader
-    mode: ShuffleMode = "seedable" if use_seedable_sampler else "draw" if world_size == 1 else "stream"
+    generator = loader.generator
+    if generator is not None and getattr(loader.sampler, "generator", generator) is not generator:
+        return loader  # a sampler given a generator other than the loader's: not a shape Accelerate's order covers
+    mode = _shuffle_mode(use_seedable_sampler, generator is not None, world_size)
     if mode == "seedable":
         seed = data_seed if data_seed is not None else torch.initial_seed()
     elif mode == "stream" and shuffle:
@@ -111,10 +173,20 @@ def accelerate_loader(
 
     def sampler(num_samples: int, batch_size: int, **arguments: Any) -> AccelerateBatchSampler:
         del batch_size  # the loader's; with split_batches each rank takes its share of it
-        return AccelerateBatchSampler(num_samples, per_rank, mode=mode, **arguments)
+        return AccelerateBatchSampler(
+            num_samples, per_rank, mode=mode, generator=generator, broadcast=broadcast, **arguments
+        )
 
     rebuilt: DataLoader[Any] = to_stateful(loader, seed, rank=rank, world_size=world_size, sampler_type=sampler)
     return rebuilt
+
+
+def _shuffle_mode(use_seedable_sampler: bool, has_generator: bool, world_size: int) -> ShuffleMode:
+    if use_seedable_sampler:
+        return "seedable"
+    if has_generator:
+        return "generator"
+    return "draw" if world_size == 1 else "stream"
 
 
 def _per_rank_batch_size(batch_size: int, split_batches: bool, world_size: int) -> int:
