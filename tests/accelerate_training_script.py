@@ -73,6 +73,11 @@ def main(library: str, mode: str, out: str, resume_dir: str | None) -> None:
     record["lr"] = scheduler.get_last_lr()[0]
     with open(f"{out}.{accelerator.process_index}", "w") as file:
         json.dump(record, file)
+    if torch.distributed.is_initialized():
+        # Left to interpreter exit, gloo's threads can abort the process ("terminate called without an active
+        # exception"), Accelerate's runs as much as cadence's: end the group while everything is alive.
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 def _train(accelerator: Any, model: Any, optimizer: Any, scheduler: Any, batch: Any, record: Any) -> None:
