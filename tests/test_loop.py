@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 import cadence
 from cadence import Engine
@@ -197,3 +198,114 @@ def test_killed_at_any_checkpoint_and_resumed_validates_and_stops_where_the_unin
         assert_bitwise_equal(resumed_weights, weights)
         saves += 1
     assert saves > 10
+
+
+# --- found in review: each failed before its fix ---------------------------------------------------------------
+class Record(cadence.Callback):
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def on_epoch_end(self, engine: cadence.Engine) -> None:
+        self.events.append(f"epoch_end {engine.state.step}")
+
+    def on_validation_start(self, engine: cadence.Engine) -> None:
+        self.events.append(f"validation {engine.state.step}")
+
+
+class StopAndSave(cadence.Callback):
+    """Asks to stop at ``stop_at`` and saves at ``save_at`` (both at BATCH_END)."""
+
+    def __init__(self, stop_at: int, save_at: int | None) -> None:
+        self.stop_at, self.save_at = stop_at, save_at
+
+    def on_batch_end(self, engine: cadence.Engine) -> None:
+        if engine.state.step == self.stop_at:
+            engine.state.stop("asked")
+        if engine.state.step == self.save_at:
+            engine.save_state()
+
+
+def recorded_fit(directory: Path, *callbacks: cadence.Callback, **arguments: Any) -> list[str]:
+    record = Record()
+    fit(directory, record, *callbacks, **arguments)
+    return record.events
+
+
+def test_a_run_resumed_at_an_epochs_last_batch_with_its_stop_asked_still_ends_that_epoch(tmp_path: Path) -> None:
+    # 5 batches an epoch; the stop asked at step 2 waits for min_steps=5, the epoch's last batch, where it is saved.
+    arguments: dict[str, Any] = {"max_epochs": 4, "min_steps": 5}
+    straight = recorded_fit(tmp_path / "straight", StopAndSave(2, None), **arguments)
+    assert straight == ["epoch_end 5", "validation 5"]
+    with pytest.raises(Killed):  # killed right after that checkpoint
+        recorded_fit(tmp_path / "split", StopAndSave(2, 5), KillAfterSave(1), **arguments)
+    resumed = recorded_fit(tmp_path / "split", StopAndSave(2, None), resume="latest", **arguments)
+    assert resumed == straight
+
+
+def test_a_run_resumed_at_its_max_steps_gets_the_final_validation_it_was_owed(tmp_path: Path) -> None:
+    straight = recorded_fit(tmp_path / "straight", max_steps=3)
+    assert straight == ["validation 3"]
+    first = recorded_fit(tmp_path / "split", StopAndSave(99, 3), max_steps=3)
+    # The checkpoint at step 3's BATCH_END comes before the final validation; the first run died right after it.
+    resumed = recorded_fit(tmp_path / "split", resume=str(tmp_path / "split" / "checkpoints" / "checkpoint_0"),
+                           max_steps=3)  # fmt: skip
+    assert first == ["validation 3"] and resumed == straight
+
+
+def test_a_stop_saved_with_its_checkpoint_is_restored_and_the_rerun_trains_nothing(tmp_path: Path) -> None:
+    fit(tmp_path, StopAndSave(3, 3), max_epochs=4)
+    validations, _ = fit(tmp_path, resume="latest", max_epochs=4)
+    assert validations.steps == []  # before: the resumed run trained on to step 20
+
+
+class FailingOnce(CountingStep):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fail = True
+
+    def validation_step(self, batch: Any) -> dict[str, torch.Tensor]:
+        if self.fail and len(self.validation_batches) == 1:
+            self.fail = False
+            raise RuntimeError("a transient failure")
+        return super().validation_step(batch)
+
+
+def test_a_validation_that_raises_leaves_the_models_training_and_the_next_reads_every_batch(tmp_path: Path) -> None:
+    step = FailingOnce()
+    with pytest.raises(RuntimeError, match="transient"):
+        fit(tmp_path, step=step, max_epochs=1, val_dataloader=loader(batch_size=10))
+    assert step.model.training
+    step.validation_batches.clear()
+    engine = Engine(progress_bar=False, model_summary=False, project_dir=tmp_path / "again")
+    with engine:
+        engine.fit(step, loader(), max_epochs=1, val_dataloader=loader(batch_size=10))
+    assert len(step.validation_batches) == 4  # 40 samples in batches of 10
+
+
+def test_fit_gives_a_loader_the_user_prepared_its_own_drives_training_back(tmp_path: Path) -> None:
+    engine = Engine(progress_bar=False, model_summary=False, project_dir=tmp_path)
+    prepared = engine.prepare(loader())
+    assert prepared.drives_training is None
+    engine.fit(CountingStep(), prepared, max_epochs=1)
+    assert prepared.drives_training is None
+
+
+def test_a_validation_keeps_a_frozen_submodule_frozen(tmp_path: Path) -> None:
+    modes: list[bool] = []
+
+    class FrozenNorm(CountingStep):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = nn.Sequential(nn.Linear(4, 2), nn.BatchNorm1d(2))
+            self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1)
+
+        def training_step(self, batch: Any) -> torch.Tensor:
+            modes.append(self.model[1].training)
+            return super().training_step(batch)
+
+    class Freeze(cadence.Callback):
+        def on_epoch_start(self, engine: cadence.Engine) -> None:
+            engine.models[0].module[1].eval() if hasattr(engine.models[0], "module") else engine.models[0][1].eval()
+
+    fit(tmp_path, Freeze(), step=FrozenNorm(), max_epochs=1, val_every_n_steps=2)
+    assert modes == [False] * 5

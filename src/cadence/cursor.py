@@ -111,6 +111,16 @@ class DataCursor:
         """True while a position inside an epoch waits for the next pass (a pass left early, or a restored one)."""
         return bool(self._pending_batches or self._pending_samples)
 
+    def batches_left(self) -> int | None:
+        """Batches the epoch in progress (or the next one) still has to yield; None without a length."""
+        total = self.num_batches()
+        if total is None:
+            return None
+        sampler = self.sampler
+        if sampler is not None and self._pending_samples:
+            return sampler.count_batches(max(sampler.num_samples - self._pending_samples, 0))
+        return max(total - self._pending_batches, 0)
+
     def end_epoch_early(self) -> None:
         """Count the epoch a pass left early (``break``) as done, without reading the rest: the next pass starts the
         next epoch at its first batch, as after a whole pass (``fit()``'s ``val_batches`` reads only the first

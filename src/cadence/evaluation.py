@@ -10,7 +10,8 @@ and the ``test/`` metrics leave ``state.metrics`` once ``TEST_END`` has shown th
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -235,6 +236,17 @@ def _warn_if_shuffled(loader: PreparedDataLoader) -> None:
             UserWarning,
             stacklevel=5,
         )
+
+
+@contextmanager
+def evaluating(models: Sequence[nn.Module]) -> Iterator[None]:
+    """Every model in eval mode inside; each model's and submodule's own mode back on leaving, however it is left
+    (``fit()``'s validation uses it too)."""
+    modes = _evaluate(models)
+    try:
+        yield
+    finally:
+        _restore(modes)
 
 
 def _evaluate(models: Sequence[nn.Module]) -> list[tuple[nn.Module, list[bool]]]:

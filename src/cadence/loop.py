@@ -40,6 +40,7 @@ from torch.optim.lr_scheduler import ReduceLROnPlateau
 from torch.utils.data import DataLoader
 
 from cadence.checkpoint.errors import CheckpointError
+from cadence.evaluation import evaluating
 from cadence.event import Event
 from cadence.metrics import ValidationMeans, batch_samples
 from cadence.state import State
@@ -105,8 +106,7 @@ def set_up_fit(
     for callback in defaults:
         engine.add_callback(callback)
     state = engine.state
-    state.stop_reason = state.exit_code = None
-    state.stop_requested = False
+    state.clear_stop()
     _prepared_then_resume(engine, resume)
     state.max_epochs, state.max_steps = plan.max_epochs, plan.max_steps
     state.min_epochs, state.min_steps = plan.min_epochs, plan.min_steps
@@ -114,10 +114,16 @@ def set_up_fit(
     state.should_stop = run.limit_reached()
     if not state.should_stop:
         run.update_minimum()
-    if resume is not None and (state.should_stop or run.epochs_done()):
+    if resume is not None and (run.limit_reached() or run.epochs_done()):
         engine.print(
             f"This run already reached {_limits(plan.max_epochs, plan.max_steps)} (step {state.step}, "
             f"{train_loader.epoch} epoch(s) done): nothing left to train. Raise max_epochs/max_steps to train further."
+        )
+    elif resume is not None and state.should_stop:
+        engine.print(
+            f"This run was already asked to stop at step {state.step} ({state.stop_reason or 'no reason given'}): "
+            "it finishes what the stop left (the epoch's end, a validation) and trains no further. Resume from an "
+            "earlier checkpoint to train on."
         )
     return run
 
@@ -150,6 +156,12 @@ class FitRun:
         # Only a run that validates by steps or has a minimum needs a call per batch: the default loop pays nothing.
         if plan.val_every_n_steps is not None or plan.min_steps is not None or plan.min_epochs is not None:
             self.train_loader.after_batch_end = self.after_batch_end
+        # fit() decides which of its loaders drive training; a loader the user prepared gets its own setting back.
+        loaders = [loader for loader in (self.train_loader, self.val_loader) if loader is not None]
+        given = [(loader, loader.drives_training) for loader in loaders]
+        self.train_loader.drives_training = True
+        if self.val_loader is not None:
+            self.val_loader.drives_training = False
         try:
             # Inside the try: a FIT_START hook that raises still gets FIT_END for the callbacks that started before it.
             engine.fire(Event.FIT_START)
@@ -160,6 +172,8 @@ class FitRun:
             raise
         finally:
             self.train_loader.after_batch_end = None
+            for loader, setting in given:
+                loader.drives_training = setting
             state.below_minimum = False
             _finish(engine)
         return _report(engine)
@@ -168,6 +182,8 @@ class FitRun:
         state = self.state
         if self.resumed:
             self.catch_up()
+            if state.should_stop and self.train_loader.cursor.batches_left() == 0:
+                self.end_stopped_epoch()
         while not state.should_stop and not self.epochs_done():
             self.model.train()
             epochs_before, batches = self.train_loader.epoch, 0
@@ -217,6 +233,18 @@ class FitRun:
         else:
             self.step_epoch_schedule()
 
+    def end_stopped_epoch(self) -> None:
+        """A run restored at an epoch's last batch with its stop already asked: the uninterrupted run went on to that
+        epoch's end (a stop on an epoch's last batch still ends the epoch), so this one does too."""
+        state, stop = self.state, self.state.should_stop
+        state.should_stop = False  # the loader yields nothing while a stop stands, not even the epoch's end
+        try:
+            for _ in self.train_loader:
+                raise RuntimeError("a finished epoch yielded a batch")  # cannot happen: batches_left() was 0
+        finally:
+            state.should_stop = stop
+        self.end_epoch()
+
     def catch_up(self) -> None:
         """What the restored run had left to do at its checkpoint, as the uninterrupted run did it: the end of its
         last epoch (an ``EPOCH_END`` checkpoint comes before its validation and schedule step), or the validation of
@@ -230,6 +258,8 @@ class FitRun:
             self.end_epoch()
         elif self.step_validation_due():
             self.validate_once()
+        elif self.limit_reached() and self.plan.val_every_n_epochs is not None:
+            self.validate_once()  # the validation a run that reached max_steps mid-epoch gets as it ends
 
     # --- validation ----------------------------------------------------------------------------------------
     def step_validation_due(self) -> bool:
@@ -241,29 +271,31 @@ class FitRun:
             self.validate()
 
     def validate(self, before_end: Callable[[], None] | None = None) -> None:
-        """One validation: ``validation_step`` over the validation loader (its first ``val_batches`` batches) in eval
-        mode without grad, each metric's mean over samples and ranks logged as ``val/<name>``."""
+        """One validation: ``validation_step`` over the validation loader (its first ``val_batches`` batches), every
+        prepared model in eval mode without grad, each metric's mean over samples and ranks logged as ``val/<name>``.
+        However it ends, every model and submodule gets its mode back and the next validation starts at the loader's
+        first batch; only a finished validation counts as one (``validated_step``)."""
         engine, state, loader = self.engine, self.state, self.val_loader
         if loader is None:
             raise RuntimeError("fit() cannot validate without a val_dataloader")  # callers check first
-        state.validated_epochs, state.validated_step = self.train_loader.epoch, state.step
         engine.fire(Event.VALIDATION_START)
-        training = self.model.training
-        self.model.eval()
         means = ValidationMeans(engine.rank, engine.world_size)
         limit, read = self.plan.val_batches, 0
-        with torch.no_grad():
-            for batch in loader:
-                samples = batch_samples(batch)  # before the step, which may take the batch apart
-                padding = loader.padding if loader.in_last_batch else 0
-                means.add(self.step.validation_step(batch), samples, padding)
-                read += 1
-                if read == limit and not loader.in_last_batch:
-                    break
-        if read == limit:
-            loader.end_epoch_early()  # the next validation starts at the first batch again
+        batches = iter(loader)
+        try:
+            with evaluating(engine.models), torch.no_grad():
+                for batch in batches:
+                    samples = batch_samples(batch)  # before the step, which may take the batch apart
+                    padding = loader.padding if loader.in_last_batch else 0
+                    means.add(self.step.validation_step(batch), samples, padding)
+                    read += 1
+                    if read == limit and not loader.in_last_batch:
+                        break
+        finally:
+            batches.close()  # type: ignore[attr-defined]
+            loader.end_epoch_early()  # a pass cut short (val_batches, an exception): the next starts afresh
         engine.log_dict({f"val/{name}": value for name, value in means.reduce(engine).items()})
-        self.model.train(training)
+        state.validated_epochs, state.validated_step = self.train_loader.epoch, state.step
         if before_end is not None:
             before_end()
         engine.fire(Event.VALIDATION_END)
@@ -377,11 +409,7 @@ def _prepare_loaders(
         return result
 
     train_loader = prepared(train)
-    train_loader.drives_training = True
-    val_loader = None
-    if val is not None:
-        val_loader = prepared(val)
-        val_loader.drives_training = False
+    val_loader = prepared(val) if val is not None else None
     for _, loader in earlier:
         if loader is not train_loader and loader is not val_loader:
             engine._release_dataloader(loader)

@@ -284,6 +284,7 @@ class State:
     )
 
     _veto: str | None = None
+    _urgent_stop: bool = False  # a stop(now=True) or with an exit code: a wall clock or a signal, never replayed
     _window_non_finite: Any = False
     _non_finite_steps: Any = 0
 
@@ -328,12 +329,19 @@ class State:
         if exit_code is not None and (type(exit_code) is not int or not 0 <= exit_code <= 255):
             raise ValueError(f"stop(exit_code=...) takes an integer from 0 to 255 or None; got {exit_code!r}.")
         self.stop_requested = True
+        self._urgent_stop = self._urgent_stop or now or exit_code is not None
         if now or exit_code is not None or not self.below_minimum:
             self.should_stop = True
         if self.stop_reason is None:
             self.stop_reason = reason
         if self.exit_code is None:
             self.exit_code = exit_code
+
+    def clear_stop(self) -> None:
+        """Forget any stop asked so far (its reason, exit code, request). Called by ``fit()`` as it starts, before a
+        resume restores the request a checkpoint holds."""
+        self.stop_reason = self.exit_code = None
+        self.stop_requested = self._urgent_stop = False
 
     def veto_step(self, reason: str) -> None:
         """Skip the optimizer step about to run; ``reason`` lands in ``skip_reason``. Call at
@@ -365,8 +373,8 @@ class State:
             "validated_epochs": self.validated_epochs,
             "ended_epochs": self.ended_epochs,
             "validated_step": self.validated_step,
-            "stop_requested": self.stop_requested and not self.should_stop,
-            "requested_stop_reason": self.stop_reason if self.stop_requested and not self.should_stop else None,
+            "stop_requested": self.stop_requested and not self._urgent_stop,
+            "requested_stop_reason": self.stop_reason if self.stop_requested and not self._urgent_stop else None,
             "metrics": _portable_metrics(self.metrics),
         }
 
