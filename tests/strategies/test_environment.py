@@ -97,7 +97,8 @@ def test_a_bad_slurm_environment_is_refused_and_nothing_is_set(environ: dict[str
 
 def test_resolve_strategy_adopts_a_one_task_slurm_step(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")  # recorded, so the variables adopt_slurm_environment sets are removed after
+        monkeypatch.delenv(name)
     for name, value in slurm(0, ntasks=1).items():
         monkeypatch.setenv(name, value)
     assert resolve_strategy("auto", "cpu").name == "single"
