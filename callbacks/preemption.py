@@ -4,8 +4,11 @@ step and the process exits with a status that says "resume me"."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import subprocess
 import threading
+import warnings
 from collections.abc import Callable, Iterable
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -69,6 +72,11 @@ class Preemption(Callback):
     and live on through the save, and the main process stops them. A forked child that inherits ours and gets
     another signal reacts as it would have without it. Signals reach only the main thread, so ``fit()`` must run
     there.
+
+    ``requeue=True`` (SLURM): once the run has stopped this way and every ``FIT_END`` ran, the main process runs
+    ``scontrol requeue $SLURM_JOB_ID``, so the job goes back in the queue and its next start resumes. ``fit()``
+    refuses to start without ``SLURM_JOB_ID`` or ``scontrol``; a requeue that fails is a warning (the checkpoint
+    is safe: resubmit the job by hand).
     """
 
     saves_checkpoints = True  # runs after the other callbacks at each event: its saves hold their work
@@ -79,6 +87,7 @@ class Preemption(Callback):
         exit_code: int = EX_TEMPFAIL,
         exit_on_preemption: bool = True,
         check_every_n_steps: int = 1,
+        requeue: bool = False,
     ) -> None:
         self.signals = _checked_signals(signals)
         if not is_integer(exit_code) or not 1 <= exit_code <= 255:
@@ -88,6 +97,8 @@ class Preemption(Callback):
             )
         boolean("Preemption", "exit_on_preemption", exit_on_preemption)
         integer("Preemption", "check_every_n_steps", check_every_n_steps)
+        boolean("Preemption", "requeue", requeue)
+        self.requeue = requeue
         self.exit_code = exit_code
         self.exit_on_preemption = exit_on_preemption
         self.check_every_n_steps = check_every_n_steps
@@ -125,6 +136,8 @@ class Preemption(Callback):
                 "Python delivers signals to the main thread only. Call fit() from the main thread, or remove "
                 "Preemption from the engine's callbacks."
             )
+        if self.requeue:
+            _check_requeue_possible()
         self._received, self._steps_since_check, self._acted = None, 0, False
         self._in_fit = True
         self._pid = os.getpid()
@@ -187,9 +200,30 @@ class Preemption(Callback):
     def on_fit_end(self, engine: Engine) -> None:
         self._in_fit = False
         self._restore()
+        if self.requeue and self._acted:
+            self._requeue(engine)
         if self._received is not None and not self._acted and engine.state.exception is None:
             name = signal.Signals(self._received).name
             engine.print(f"Preemption: {name} arrived after the last checked step; fit() ended normally.")
+
+    def _requeue(self, engine: Engine) -> None:
+        """After the checkpoint and the loggers' last flush: SLURM stops this job to requeue it."""
+        if not engine.is_main_process:
+            return
+        job = os.environ["SLURM_JOB_ID"]
+        try:
+            result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+            failure = f"exit status {result.returncode}: {result.stderr.strip()}" if result.returncode else None
+        except (OSError, subprocess.TimeoutExpired) as error:
+            failure = str(error)
+        if failure is None:
+            engine.print(f"Preemption: job {job} requeued (scontrol requeue {job}).")
+        else:
+            warnings.warn(
+                f"Preemption(requeue=True): `scontrol requeue {job}` failed ({failure}). The checkpoint is saved; "
+                f"resubmit the job (sbatch) to resume from it.",
+                stacklevel=2,
+            )
 
     def _restore(self) -> None:
         for sig, previous in self._previous.items():
@@ -202,6 +236,19 @@ def _run_ends_here(state: State) -> bool:
     if state.max_steps is not None and state.step >= state.max_steps:
         return True
     return state.is_last_batch and state.max_epochs is not None and state.epoch + 1 >= state.max_epochs
+
+
+def _check_requeue_possible() -> None:
+    missing = []
+    if "SLURM_JOB_ID" not in os.environ:
+        missing.append("SLURM_JOB_ID is not set")
+    if shutil.which("scontrol") is None:
+        missing.append("scontrol is not on PATH")
+    if missing:
+        raise RuntimeError(
+            f"Preemption(requeue=True) requeues a SLURM job, but {' and '.join(missing)}. Run under sbatch (with "
+            "--requeue allowed), or pass requeue=False outside SLURM."
+        )
 
 
 def _checked_signals(signals: Iterable[int]) -> tuple[signal.Signals, ...]:

@@ -180,3 +180,64 @@ def test_a_rank_that_raises_fails_the_job_instead_of_hanging() -> None:
     assert "rank 1 failed on purpose" in result.stdout + result.stderr
     assert "Root Cause (first observed failure)" in result.stderr  # torchrun's summary: which rank, which exit code
     assert time.monotonic() - started < 120
+
+
+def test_restarts_over_a_static_multi_node_rendezvous_are_refused_before_anything_starts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    arguments = ["launch", "--nnodes", "2", "--node-rank", "0", "--max-restarts", "1", "train.py"]
+    assert main(arguments) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert "the static one (--master-addr/--master-port) reuses its store" in line
+    assert "--rdzv-backend c10d --rdzv-endpoint HOST:PORT" in line
+
+
+LAUNCHED = ROOT / "tests" / "distributed" / "launched_training.py"
+
+
+def _final_weights(project_dir: Path) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    return load_file(str(project_dir / "weights.safetensors"))
+
+
+@pytest.mark.slow
+def test_a_rank_that_crashes_once_is_restarted_and_ends_bit_exact_ten_times_out_of_ten(tmp_path: Path) -> None:
+    import torch
+
+    # Before the fix about half of the restarted groups hung in init_process_group or failed in
+    # connectFullMesh: torchrun's store outlived the attempt, so the new workers read the old addresses.
+    reference = tmp_path / "reference"
+    launch = [*CADENCE, "launch", "--nproc-per-node", "2"]
+    result = subprocess.run([*launch, str(LAUNCHED), str(reference)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    expected = _final_weights(reference)
+    for run in range(10):
+        # Half the runs name a port: torchrun's static rendezvous, which kept its store across attempts.
+        port = free_master_port() if run % 2 else []
+        project = tmp_path / f"run_{run}"
+        result = subprocess.run(
+            [*launch, "--max-restarts", "2", *port, str(LAUNCHED), str(project), "--crash-rank", "1",
+             "--crash-at-step", "3"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert result.returncode == 0, f"run {run}: {result.stderr[-3000:]}"
+        assert (project / "crashed").exists() and "rank 1 crashed on purpose at step 3" in result.stderr
+        assert "attempt 1: ended at step 8" in result.stdout
+        weights = _final_weights(project)
+        assert all(torch.equal(weights[name], expected[name]) for name in expected), f"run {run} differs"
+
+
+@pytest.mark.slow
+def test_two_launches_side_by_side_without_port_options_both_train(tmp_path: Path) -> None:
+    pipes: dict[str, Any] = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    launches = [
+        subprocess.Popen(
+            [*CADENCE, "launch", "--nproc-per-node", "2", str(LAUNCHED), str(tmp_path / name), "--steps", "4"], **pipes
+        )
+        for name in ("first", "second")
+    ]
+    for launch in launches:
+        out, err = launch.communicate(timeout=180)
+        assert launch.returncode == 0, err[-3000:]
+        assert "rank 0 of 2 (ddp), attempt 0: ended at step 4" in out

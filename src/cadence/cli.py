@@ -12,7 +12,9 @@ import json
 import os
 import platform
 import sys
-from collections.abc import Sequence
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 _EXAMPLES = """examples:
@@ -120,9 +122,14 @@ def _launch(arguments: list[str]) -> int:
         options = parser.parse_args(arguments)
     except SystemExit as stop:
         return _exit_status(stop)
+    refusal = _rendezvous_per_attempt(options)
+    if refusal:
+        print(f"cadence launch: error: {refusal} (see cadence launch --help)", file=sys.stderr)
+        return 2
     _end_workers_with_the_launcher(options)
     try:
-        record(run.run)(options)
+        with _fresh_worker_store_per_attempt():
+            record(run.run)(options)
     except ChildFailedError as error:
         # torchrun's summary of the failure: the first rank that failed, its exit code and traceback.
         print(error, file=sys.stderr)
@@ -147,6 +154,49 @@ def _end_workers_with_the_launcher(options: argparse.Namespace) -> None:
     options.training_script_args = [str(os.getpid()), mode, options.training_script, *options.training_script_args]
     options.training_script = str(Path(__file__).with_name("launch_child.py"))
     options.module = False
+
+
+def _rendezvous_per_attempt(options: argparse.Namespace) -> str | None:
+    """Moves a one-node job to a c10d rendezvous of its own; returns why the options cannot restart, if they can't.
+
+    torchrun's static rendezvous (its default, and what ``--master-port`` selects) keeps one TCP store for every
+    attempt: after a restart the new workers read the old attempt's addresses from it and hang or fail to connect.
+    A c10d rendezvous starts a new round per attempt. On one node we choose it ourselves, at ``--master-port`` if
+    given, else on a port the kernel picks, with a fresh id: two launches side by side never share a rendezvous,
+    on every torch version (recent torchrun does the same only when no port is given).
+    """
+    from torch.distributed.run import parse_min_max_nnodes
+
+    if options.rdzv_backend != "static" or options.rdzv_endpoint or options.standalone:
+        return None
+    _, max_nodes = parse_min_max_nnodes(options.nnodes)
+    if max_nodes > 1:
+        if options.max_restarts > 0:
+            return (
+                "--max-restarts needs a rendezvous that starts afresh for each attempt, and the static one "
+                "(--master-addr/--master-port) reuses its store, so restarted workers cannot connect. Use "
+                "--rdzv-backend c10d --rdzv-endpoint HOST:PORT (the same on every node) instead"
+            )
+        return None
+    port = options.master_port if options.master_port is not None else 0
+    options.rdzv_backend = "c10d"
+    options.rdzv_endpoint = f"{options.master_addr}:{port}"
+    options.rdzv_id = str(uuid.uuid4())
+    return None
+
+
+@contextmanager
+def _fresh_worker_store_per_attempt() -> Iterator[None]:
+    """Recent torchrun hands its workers the c10d rendezvous's own store, kept across rounds, so a restarted
+    attempt reads the keys the last one left; unshared, each round's rank 0 worker hosts a new store."""
+    name = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+    previous = os.environ.get(name)
+    os.environ[name] = "1" if previous is None else previous  # a user's explicit choice stands
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[name]
 
 
 def _exit_status(stop: SystemExit) -> int:

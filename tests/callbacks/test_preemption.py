@@ -434,3 +434,72 @@ def test_a_hand_written_loop_is_told_once_and_no_handler_is_installed(guard: Gua
         hand_written_loop(fake)
     assert len([w for w in caught if "acts only inside" in str(w.message)]) == 1
     assert all(signal.getsignal(sig) is guard for sig in SIGNALS)
+
+
+def fake_scontrol(directory: Path, status: int = 0) -> Path:
+    """An ``scontrol`` that records its arguments in ``calls`` and exits with ``status``."""
+    calls = directory / "calls"
+    script = directory / "scontrol"
+    script.write_text(f'#!/bin/sh\necho "$@" >> {calls}\necho "scontrol said no" >&2\nexit {status}\n')
+    script.chmod(0o755)
+    return calls
+
+
+@pytest.fixture
+def slurm_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    return bin_dir
+
+
+def test_requeue_runs_scontrol_after_the_checkpoint_on_the_main_process(guard: Guard, slurm_job: Path) -> None:
+    calls = fake_scontrol(slurm_job)
+    fake = FakeEngine(callbacks=[SignalAt(1), Preemption(exit_on_preemption=False, requeue=True)])
+    state = fake.fit(TinyStep(), tiny_dataloader(), max_epochs=3)
+    assert state.step == 2 and saved(fake) == ["checkpoint_0"]
+    assert calls.read_text() == "requeue 4242\n"
+    # Another rank stops too but leaves the requeue to the main process; a run not preempted is not requeued.
+    other = FakeEngine(callbacks=[Preemption(exit_on_preemption=False, requeue=True)], rank=1, world_size=2)
+    other.strategy.all_reduce = lambda tensor, op="mean": torch.tensor(float(signal.SIGUSR1))  # type: ignore[method-assign]
+    assert other.fit(TinyStep(), tiny_dataloader(), max_epochs=1).stop_reason is not None
+    FakeEngine(callbacks=[Preemption(requeue=True)]).fit(TinyStep(), tiny_dataloader(), max_epochs=1)
+    assert calls.read_text() == "requeue 4242\n"
+
+
+def test_requeue_also_follows_a_stop_before_the_first_step(guard: Guard, slurm_job: Path) -> None:
+    calls = fake_scontrol(slurm_job)
+    fake = FakeEngine(callbacks=[SignalAtFitStart(), Preemption(exit_on_preemption=False, requeue=True)])
+    fake.fit(TinyStep(), tiny_dataloader(), max_epochs=1)
+    assert fake.state.step == 0 and calls.read_text() == "requeue 4242\n"
+
+
+def test_a_failed_requeue_warns_and_keeps_the_checkpoint(guard: Guard, slurm_job: Path) -> None:
+    fake_scontrol(slurm_job, status=1)
+    fake = FakeEngine(callbacks=[SignalAt(0), Preemption(requeue=True)])
+    failed = r"scontrol requeue 4242` failed \(exit status 1: scontrol said no\)"
+    with pytest.warns(UserWarning, match=failed), pytest.raises(SystemExit) as exited:
+        fake.fit(TinyStep(), tiny_dataloader(), max_epochs=3)
+    assert exited.value.code == 75 and saved(fake) == ["checkpoint_0"]
+
+
+@pytest.mark.parametrize("missing", ["SLURM_JOB_ID", "scontrol"])
+def test_requeue_without_slurm_is_refused_before_any_handler_is_installed(
+    guard: Guard, slurm_job: Path, monkeypatch: pytest.MonkeyPatch, missing: str
+) -> None:
+    if missing == "SLURM_JOB_ID":
+        fake_scontrol(slurm_job)
+        monkeypatch.delenv("SLURM_JOB_ID")
+    else:
+        monkeypatch.setenv("PATH", str(slurm_job))  # an empty bin directory
+    fake = FakeEngine(callbacks=[Preemption(requeue=True)])
+    reason = "SLURM_JOB_ID is not set" if missing == "SLURM_JOB_ID" else "scontrol is not on PATH"
+    with pytest.raises(RuntimeError, match=f"{reason}.*requeue=False"):
+        fake.fit(TinyStep(), tiny_dataloader(), max_epochs=1)
+    assert fake.state.step == 0 and all(signal.getsignal(sig) is guard for sig in SIGNALS)
+
+
+def test_requeue_must_be_a_boolean() -> None:
+    with pytest.raises(TypeError, match="True or False"):
+        Preemption(requeue="yes")  # type: ignore[arg-type]

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 
 import torch
 
 from cadence.strategies.base import ReduceOp, Strategy
 from cadence.strategies.distributed import DEFAULT_TIMEOUT, torchrun_world_size
+from cadence.strategies.environment import adopt_slurm_environment
 from cadence.strategies.single import SingleDevice
 
 __all__ = ["ReduceOp", "SingleDevice", "Strategy", "resolve_device", "resolve_strategy"]
@@ -43,9 +45,11 @@ def resolve_strategy(
     strategy: str | Strategy, accelerator: str | torch.device, timeout: timedelta = DEFAULT_TIMEOUT
 ) -> Strategy:
     """The strategy object for ``Engine(strategy=..., accelerator=...)``: ``"auto"`` is DDP when torchrun's
-    environment says ``WORLD_SIZE > 1``, else one device."""
+    environment says ``WORLD_SIZE > 1``, else one device. Tasks started by ``srun`` without torchrun get
+    torchrun's variables from SLURM's first (``cadence.strategies.environment``)."""
     if isinstance(strategy, Strategy):
         return strategy
+    adopt_slurm_environment(os.environ)
     if strategy == "auto":
         strategy = "ddp" if torchrun_world_size() > 1 else "single"
     if strategy == "single":
