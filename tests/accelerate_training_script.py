@@ -14,6 +14,7 @@ batches already seen and finishes the run: the written numbers must be the unint
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from typing import Any
@@ -73,9 +74,12 @@ def main(library: str, mode: str, out: str, resume_dir: str | None) -> None:
     record["lr"] = scheduler.get_last_lr()[0]
     with open(f"{out}.{accelerator.process_index}", "w") as file:
         json.dump(record, file)
+    # Left to interpreter exit, gloo's threads can abort the process ("terminate called without an active
+    # exception"), Accelerate's runs as much as cadence's: free what holds the group (models wrapped in DDP, the
+    # accelerators), then end the group while the interpreter is whole, as cadence's Engine.close() does.
+    del accelerator, model, optimizer, loader, scheduler, batches
+    gc.collect()
     if torch.distributed.is_initialized():
-        # Left to interpreter exit, gloo's threads can abort the process ("terminate called without an active
-        # exception"), Accelerate's runs as much as cadence's: end the group while everything is alive.
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
