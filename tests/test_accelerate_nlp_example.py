@@ -79,6 +79,14 @@ if accelerator.is_main_process:
     with open(output, "w") as handle:
         json.dump(losses, handle)
 accelerator.end_training()
+# gloo's threads can abort a process at interpreter exit while a group lives (Accelerate's runs too): free what
+# holds it and end it while the interpreter is whole.
+del model, optimizer, train_dataloader, lr_scheduler, accelerator
+import gc
+gc.collect()
+if torch.distributed.is_initialized():
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 """
 
 
