@@ -85,8 +85,7 @@ del model, optimizer, train_dataloader, lr_scheduler, accelerator
 import gc
 gc.collect()
 if torch.distributed.is_initialized():
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    torch.distributed.destroy_process_group()  # local: a barrier here hung when one rank had already ended it
 """
 
 
