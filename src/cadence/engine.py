@@ -133,6 +133,22 @@ class Engine:
         return self.strategy.world_size
 
     @property
+    def data_parallel_rank(self) -> int:
+        """Which shard of every global batch this process reads: its rank, unless ranks share a model replica
+        (``ModelParallelStrategy``: the tensor-parallel ranks of a replica read the same batch)."""
+        return self.strategy.data_parallel_rank
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many shards a global batch is split into: the world size, unless ranks share a model replica."""
+        return self.strategy.data_parallel_size
+
+    @property
+    def device_mesh(self) -> Any:
+        """The strategy's ``DeviceMesh`` when it has several dimensions (``ModelParallelStrategy``), else None."""
+        return self.strategy.device_mesh
+
+    @property
     def is_main_process(self) -> bool:
         """True on rank 0, the process that prints, logs and commits checkpoints."""
         return self.strategy.rank == 0
@@ -262,11 +278,12 @@ class Engine:
         return prepared
 
     def _prepare_dataloader(self, loader: DataLoader[Any]) -> PreparedDataLoader:
-        if self.world_size > 1:
+        shards = self.data_parallel_size
+        if shards > 1:
             check_shardable(loader)
-        # Every rank must shuffle with the same seed: the order is global and each rank takes its slice.
+        # Every rank must shuffle with the same seed: the order is global and each data shard takes its slice.
         seed = self.seed if self.seed is not None else self.strategy.broadcast_object(draw_seed(loader))
-        stateful = to_stateful(loader, seed, rank=self.rank, world_size=self.world_size)
+        stateful = to_stateful(loader, seed, rank=self.data_parallel_rank, world_size=shards)
         prepared = PreparedDataLoader(stateful, self, self._move_batch, seed_chosen=self.seed is not None)
         self._dataloaders.append(prepared)
         return prepared
@@ -554,7 +571,7 @@ class Engine:
         and caps the total by ``max_steps``. Steps skipped at run time (fp16 overflow, ``FiniteCheck``) cannot be
         foreseen: each one leaves the schedule one step short of its end."""
         loader = dataloader.loader if isinstance(dataloader, PreparedDataLoader) else dataloader
-        steps = batches_per_epoch(loader, self.world_size)
+        steps = batches_per_epoch(loader, self.data_parallel_size)
         if steps is not None:
             for callback in self.callbacks:
                 steps = callback.steps_per_epoch(steps)

@@ -1,9 +1,11 @@
-"""Backends: one device, DDP, FSDP2. ``resolve_strategy`` turns the Engine's arguments into one of them."""
+"""Backends: one device, DDP, FSDP2, FSDP2 x tensor parallelism (``ModelParallelStrategy``). ``resolve_strategy``
+turns the Engine's arguments into one of them."""
 
 from __future__ import annotations
 
 import os
 from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -12,7 +14,19 @@ from cadence.strategies.distributed import DEFAULT_TIMEOUT, torchrun_world_size
 from cadence.strategies.environment import adopt_slurm_environment
 from cadence.strategies.single import SingleDevice
 
-__all__ = ["ReduceOp", "SingleDevice", "Strategy", "resolve_device", "resolve_strategy"]
+if TYPE_CHECKING:
+    from cadence.strategies.model_parallel import ModelParallelStrategy
+
+__all__ = ["ModelParallelStrategy", "ReduceOp", "SingleDevice", "Strategy", "resolve_device", "resolve_strategy"]
+
+
+def __getattr__(name: str) -> Any:
+    # Imported on first use: it needs torch.distributed.tensor.parallel, which `import cadence` should not load.
+    if name == "ModelParallelStrategy":
+        from cadence.strategies.model_parallel import ModelParallelStrategy
+
+        return ModelParallelStrategy
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def resolve_device(accelerator: str | torch.device) -> torch.device:
