@@ -63,6 +63,12 @@ class Strategy(ABC):
         return self.world_size
 
     @property
+    def replica_leaders(self) -> list[int]:
+        """The rank that speaks for each data shard, in data-parallel rank order (every rank, unless ranks share a
+        replica): an object gathered from every rank, taken at these, holds each shard's once."""
+        return list(range(self.world_size))
+
+    @property
     def device_mesh(self) -> DeviceMesh | None:
         """The mesh a strategy with several parallel dimensions trains on (None: one dimension, all ranks)."""
         return None

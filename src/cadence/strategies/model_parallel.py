@@ -87,6 +87,10 @@ class ModelParallelStrategy(FSDPStrategy):
     def data_parallel_size(self) -> int:
         return self._sizes[0]
 
+    @property
+    def replica_leaders(self) -> list[int]:
+        return [int(rank) for rank in self._mesh.mesh[:, 0].tolist()]
+
     def setup_module(self, module: nn.Module) -> nn.Module:
         before = dict(module.named_parameters())
         module = module.to(self.device)
@@ -135,8 +139,7 @@ class ModelParallelStrategy(FSDPStrategy):
         """One entry per data-parallel replica, in data-parallel rank order (that of its first tensor-parallel
         rank), on every rank."""
         gathered = super().all_gather(tensor)
-        firsts = self._mesh.mesh[:, 0].to(gathered.device)
-        return gathered.index_select(0, firsts)
+        return gathered[self.replica_leaders]
 
 
 def mesh_sizes(

@@ -70,6 +70,10 @@ class FakeStrategy(Strategy):
     def data_parallel_size(self) -> int:
         return self._world_size // self._tensor_parallel_size
 
+    @property
+    def replica_leaders(self) -> list[int]:
+        return list(range(0, self._world_size, self._tensor_parallel_size))
+
     def no_backward_sync(self, module: nn.Module) -> AbstractContextManager[Any]:
         self.no_sync_entered += 1
         return nullcontext()
