@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import signal
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader
 
 import cadence
+from cadence.callbacks import EMA, Checkpoint, FiniteCheck, GradientClipping, Preemption, ThroughputMonitor
 from cadence.strategies import ModelParallelStrategy
 from tests.distributed.workers import Job, run_jobs
 
@@ -52,4 +57,58 @@ def collectives(tensor_parallel_size: int) -> dict[str, Any]:
             "mean": engine.reduce(shard).item(),
             "max": engine.reduce(torch.tensor(float(engine.rank)), op="max").item(),
             "gather": engine.gather(shard.reshape(1)).tolist(),
+        }
+
+
+class SignalRankZero(cadence.Callback):
+    """A scheduler's SIGUSR1 reaching rank 0 alone, after optimizer step ``step``."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_batch_end(self, engine: cadence.Engine) -> None:
+        if engine.rank == 0 and engine.state.step == self.step:
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+
+def callbacks_on_a_mesh(directory: str) -> dict[str, Any]:
+    """The run-level callbacks on a 2x2 mesh with validation: EMA, FiniteCheck, clipping, throughput, best-k
+    Checkpoint, and Preemption of a signal that reaches rank 0 only after step 3."""
+    module = example()
+
+    class Validated(module.LanguageModel):  # type: ignore[name-defined,misc]
+        def validation_step(self, batch: Any) -> dict[str, torch.Tensor]:
+            tokens, targets = batch
+            return {"loss": nn.functional.cross_entropy(self.model(tokens).flatten(0, 1), targets.flatten())}
+
+    checkpoint = Checkpoint(every_n_steps=2, monitor="val/loss", save_top_k=1)
+    callbacks = [
+        GradientClipping(max_norm=1.0),
+        FiniteCheck(),
+        EMA(0.5),
+        ThroughputMonitor(window_size=2, log_every_n_steps=2),
+        checkpoint,
+        Preemption(),
+        SignalRankZero(3),
+    ]
+    strategy = ModelParallelStrategy(module.parallelize, tensor_parallel_size=2)
+    engine = cadence.Engine(
+        strategy=strategy, seed=0, project_dir=directory, callbacks=callbacks, progress_bar=False, model_summary=False
+    )
+    with engine:
+        step = Validated(engine)
+        train = DataLoader(module.sequences(256), batch_size=4, shuffle=True)
+        validation = DataLoader(module.sequences(20), batch_size=4)
+        code = None
+        try:
+            engine.fit(step, train, max_steps=8, val_dataloader=validation, val_every_n_steps=2)
+        except SystemExit as stop:
+            code = stop.code
+        metrics = {name: float(value) for name, value in engine.state.metrics.items()}
+        return {
+            "code": code,
+            "step": engine.state.step,
+            "metrics": metrics,
+            "best": checkpoint.best_path.name if checkpoint.best_path else None,
+            "checkpoints": sorted(path.name for path in (Path(directory) / "checkpoints").iterdir()),
         }

@@ -22,6 +22,7 @@ GLOBAL_BATCH = 8  # every layout reads the same global batches, so every layout 
 
 
 def test_two_by_two_equals_one_process_and_its_checkpoint_resumes_on_4x1_ddp_and_one_process(tmp_path: Path) -> None:
+    """Also: the run-level callbacks work on the 2x2 mesh (one more job of the same start of 4 ranks)."""
     saved = str(tmp_path / "2x2" / "checkpoints" / "checkpoint_0")
     four = results_by_job(
         spawn(
@@ -31,6 +32,7 @@ def test_two_by_two_equals_one_process_and_its_checkpoint_resumes_on_4x1_ddp_and
                 ("collectives", workers.collectives, (2,)),
                 ("2x2", workers.train, (5, str(tmp_path / "2x2"), 2, GLOBAL_BATCH)),
                 ("4x1", workers.train, (6, str(tmp_path / "4x1"), 1, GLOBAL_BATCH, "2d", saved)),
+                ("callbacks", workers.callbacks_on_a_mesh, (str(tmp_path / "callbacks"),)),
             ],
             timeout=600.0,
         )
@@ -63,3 +65,11 @@ def test_two_by_two_equals_one_process_and_its_checkpoint_resumes_on_4x1_ddp_and
     assert sorted(exported) == sorted(model.state_dict())
     for name, tensor in model.state_dict().items():
         assert torch.equal(exported[name], tensor), name
+
+    # EMA (validation on its average), FiniteCheck, clipping, ThroughputMonitor and best-k Checkpoint ran; SIGUSR1 on
+    # rank 0 alone stopped every rank at the same step with a checkpoint and status 75; every rank agrees.
+    callbacks = four["callbacks"]
+    assert all(result == callbacks[0] for result in callbacks)
+    assert (callbacks[0]["code"], callbacks[0]["step"]) == (75, 3)
+    assert callbacks[0]["best"] in callbacks[0]["checkpoints"] and len(callbacks[0]["checkpoints"]) == 3
+    assert {"val/loss", "grad_norm", "throughput/samples_per_sec"} <= set(callbacks[0]["metrics"])
