@@ -4,13 +4,15 @@
 
 (CPU and gloo work; `cadence launch` takes the same options). Four ranks make a 2x2 mesh: two data-parallel
 replicas, each layer split over two tensor-parallel ranks. The checkpoint it saves resumes on any layout: run it
-again with more `--steps` on 4 ranks as 4x1 (`--tensor-parallel-size 1`), on 2, or as plain `python` (1x1).
+again with more `--steps` on 4 ranks as 4x1 (`--tensor-parallel-size 1`), on 2, or as plain `python` (a 1x1 mesh:
+the tensor-parallel size defaults to 2 for an even number of processes, else 1).
 The global batch stays `--global-batch-size` whatever the layout, so every layout computes the same losses.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Any
 
@@ -132,7 +134,8 @@ def train(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--tensor-parallel-size", type=int, default=2)
+    even = int(os.environ.get("WORLD_SIZE", "1")) % 2 == 0  # torchrun sets it; plain `python` gets a 1x1 mesh
+    parser.add_argument("--tensor-parallel-size", type=int, default=2 if even else 1)
     parser.add_argument("--global-batch-size", type=int, default=8)
     parser.add_argument("--project-dir", default="runs/model_parallel")
     args = parser.parse_args(argv)
