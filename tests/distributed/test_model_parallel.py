@@ -66,10 +66,12 @@ def test_two_by_two_equals_one_process_and_its_checkpoint_resumes_on_4x1_ddp_and
     for name, tensor in model.state_dict().items():
         assert torch.equal(exported[name], tensor), name
 
-    # EMA (validation on its average), FiniteCheck, clipping, ThroughputMonitor and best-k Checkpoint ran; SIGUSR1 on
-    # rank 0 alone stopped every rank at the same step with a checkpoint and status 75; every rank agrees.
+    # EMA (validation on its average), FiniteCheck, clipping, ThroughputMonitor and best-k Checkpoint (saving in the
+    # background) ran; SIGUSR1 on rank 0 alone stopped every rank at the same step with a checkpoint and status 75.
     callbacks = four["callbacks"]
     assert all(result == callbacks[0] for result in callbacks)
     assert (callbacks[0]["code"], callbacks[0]["step"]) == (75, 3)
     assert callbacks[0]["best"] in callbacks[0]["checkpoints"] and len(callbacks[0]["checkpoints"]) == 3
-    assert {"val/loss", "grad_norm", "throughput/samples_per_sec"} <= set(callbacks[0]["metrics"])
+    metrics = callbacks[0]["metrics"]
+    assert {"val/loss", "grad_norm", "throughput/samples_per_sec"} <= set(metrics)
+    assert metrics["test/loss"] == pytest.approx(metrics["val/loss"], rel=1e-6)  # the background save loads back
