@@ -11,6 +11,7 @@ from .flops import measure_flops
 from .logger import Logger
 from .lr_monitor import LearningRateMonitor
 from .mixed_precision import MixedPrecision
+from .mlflow_logger import MLflowLogger
 from .model_summary import ModelSummary
 from .preemption import Preemption
 from .progress import RichProgressBar
@@ -28,6 +29,7 @@ __all__ = [
     "GradientClipping",
     "LearningRateMonitor",
     "Logger",
+    "MLflowLogger",
     "MixedPrecision",
     "ModelSummary",
     "Preemption",
