@@ -18,6 +18,7 @@ from .progress import RichProgressBar
 from .tensorboard import TensorBoardLogger
 from .throughput import ThroughputMonitor
 from .timer import Timer
+from .wandb_logger import WandbLogger
 
 __all__ = [
     "EMA",
@@ -37,6 +38,7 @@ __all__ = [
     "TensorBoardLogger",
     "ThroughputMonitor",
     "Timer",
+    "WandbLogger",
     "clip_gradients",
     "measure_flops",
 ]
