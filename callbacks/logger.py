@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from cadence import Callback
+from cadence.checkpoint.checks import refuse_state
 
 if TYPE_CHECKING:
     from cadence import Engine
@@ -355,6 +357,15 @@ class Logger(Callback):
             return None
         self._hyperparams_pending = False
         return dict(self._engine.state.hyperparams)
+
+
+def check_run_id(logger: Logger, state_dict: dict[str, Any], pattern: re.Pattern[str], what: str) -> None:
+    """Refuse (``CheckpointCorrupted``) a tracker logger's checkpoint state whose ``run_id``, the run a resume
+    continues, does not match ``pattern`` (``what`` names it: "an MLflow run id"); ``None`` (no run was started before
+    the save) passes."""
+    run_id = state_dict.get("run_id")
+    if run_id is not None and not (isinstance(run_id, str) and pattern.fullmatch(run_id)):
+        refuse_state(f"callback {logger.state_key!r}", f"its run_id {run_id!r} is not {what}")
 
 
 @dataclass(eq=False, slots=True)

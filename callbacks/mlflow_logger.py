@@ -9,7 +9,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .logger import Logger
+from .logger import Logger, check_run_id
 
 if TYPE_CHECKING:
     from mlflow.entities import Metric
@@ -101,12 +101,7 @@ class MLflowLogger(Logger):
 
     def check_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().check_state_dict(state_dict)
-        run_id = state_dict.get("run_id")
-        if run_id is not None and not (isinstance(run_id, str) and _RUN_ID.fullmatch(run_id)):
-            raise ValueError(
-                f"The checkpoint's {self.state_key} state holds run_id={run_id!r}, which is not an MLflow run id; "
-                "it was damaged or not written by cadence. Resume from another checkpoint (fit(..., resume=path))."
-            )
+        check_run_id(self, state_dict, _RUN_ID, "an MLflow run id")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any, Literal
 
-from .logger import Logger
+from .logger import Logger, check_run_id
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -78,12 +78,7 @@ class WandbLogger(Logger):
 
     def check_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().check_state_dict(state_dict)
-        run_id = state_dict.get("run_id")
-        if run_id is not None and not (isinstance(run_id, str) and _RUN_ID.fullmatch(run_id)):
-            raise ValueError(
-                f"The checkpoint's {self.state_key} state holds run_id={run_id!r}, which is not a W&B run id; it "
-                "was damaged or not written by cadence. Resume from another checkpoint (fit(..., resume=path))."
-            )
+        check_run_id(self, state_dict, _RUN_ID, "a W&B run id")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
@@ -146,7 +141,7 @@ class WandbLogger(Logger):
                 reinit="create_new",  # never finish another engine's run, as reinit=True would
             )
             self._run, self.run_id = run, run.id
-            self._first_step = run.step  # online, a resumed run starts after its last logged step
+            self._first_step = run.starting_step  # online, a resumed run starts after its last logged step
         return self._run
 
 

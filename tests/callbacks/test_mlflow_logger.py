@@ -25,6 +25,7 @@ import torch
 from cadence import Engine, Event
 from cadence.callbacks import Checkpoint, CSVLogger, MLflowLogger
 from cadence.callbacks.mlflow_logger import CHECKPOINT_TAG
+from cadence.checkpoint.errors import CheckpointCorrupted
 from cadence.testing import FakeEngine
 from tests.callbacks.test_csv_logger import FailingStep
 from tests.helpers import loader
@@ -242,7 +243,7 @@ def test_other_ranks_log_nothing(tmp_path: Path) -> None:
 @pytest.mark.parametrize("run_id", [42, "", "../../etc", "a" * 65])
 def test_a_checkpoint_state_with_a_bad_run_id_is_refused(run_id: Any) -> None:
     logger = MLflowLogger()
-    with pytest.raises(ValueError, match=r"run_id=.* is not an MLflow run id; .* resume=path"):
+    with pytest.raises(CheckpointCorrupted, match=r"'MLflowLogger' is malformed: its run_id .* is not an MLflow run"):
         logger.check_state_dict({"run_id": run_id})
     logger.check_state_dict({"run_id": "0123456789abcdef0123456789abcdef"})
     logger.check_state_dict({})  # written before the run was created

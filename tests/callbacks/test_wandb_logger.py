@@ -23,6 +23,7 @@ import pytest
 from cadence import Engine, Event
 from cadence.callbacks import Checkpoint, CSVLogger, WandbLogger
 from cadence.callbacks.wandb_logger import CHECKPOINT_KEY
+from cadence.checkpoint.errors import CheckpointCorrupted
 from cadence.testing import FakeEngine
 from tests.callbacks.test_csv_logger import FailingStep
 from tests.helpers import loader
@@ -180,7 +181,7 @@ def test_other_ranks_log_nothing(tmp_path: Path) -> None:
 @pytest.mark.parametrize("run_id", [7, "", "a/b", "x" * 129])
 def test_a_checkpoint_state_with_a_bad_run_id_is_refused(run_id: Any) -> None:
     logger = WandbLogger(mode="offline")
-    with pytest.raises(ValueError, match=r"run_id=.* is not a W&B run id; .* resume=path"):
+    with pytest.raises(CheckpointCorrupted, match=r"'WandbLogger' is malformed: its run_id .* is not a W&B run id"):
         logger.check_state_dict({"run_id": run_id})
     logger.check_state_dict({"run_id": "1x2y3z4w"})
 
