@@ -359,6 +359,14 @@ class Logger(Callback):
         return dict(self._engine.state.hyperparams)
 
 
+def missing_package(logger: str, package: str, error: ImportError) -> ImportError:
+    """The error for a tracker logger built without its package: names the extra that installs it."""
+    return ImportError(
+        f"{logger} needs the {package} package, which is not installed ({error}). Install it with "
+        f'`pip install "cadence[{package}]"`, or log with CSVLogger instead.'
+    )
+
+
 def check_run_id(logger: Logger, state_dict: dict[str, Any], pattern: re.Pattern[str], what: str) -> None:
     """Refuse (``CheckpointCorrupted``) a tracker logger's checkpoint state whose ``run_id``, the run a resume
     continues, does not match ``pattern`` (``what`` names it: "an MLflow run id"); ``None`` (no run was started before

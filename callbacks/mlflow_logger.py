@@ -9,7 +9,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .logger import Logger, check_run_id
+from .logger import Logger, check_run_id, missing_package
 
 if TYPE_CHECKING:
     from mlflow.entities import Metric
@@ -17,7 +17,6 @@ if TYPE_CHECKING:
 
     from cadence import Engine
 
-INSTALL_HINT = 'pip install "cadence[mlflow]"'
 CHECKPOINT_TAG = "cadence.checkpoint"
 """The run's tag naming its last committed checkpoint."""
 STORE_DIRECTORY = "mlflow"
@@ -270,8 +269,5 @@ def _mlflow_client_class() -> type[MlflowClient]:
     try:
         from mlflow.tracking import MlflowClient
     except ImportError as error:
-        raise ImportError(
-            f"MLflowLogger needs the mlflow package, which is not installed ({error}). Install it with "
-            f"`{INSTALL_HINT}`, or log with CSVLogger instead."
-        ) from error
+        raise missing_package("MLflowLogger", "mlflow", error) from error
     return MlflowClient

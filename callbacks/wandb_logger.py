@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any, Literal
 
-from .logger import Logger, check_run_id
+from .logger import Logger, check_run_id, missing_package
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -14,7 +14,6 @@ if TYPE_CHECKING:
 
     from cadence import Engine
 
-INSTALL_HINT = 'pip install "cadence[wandb]"'
 CHECKPOINT_KEY = "cadence.checkpoint"
 """The summary key naming the run's last committed checkpoint."""
 
@@ -149,10 +148,7 @@ def _wandb_module() -> ModuleType:
     try:
         import wandb
     except ImportError as error:
-        raise ImportError(
-            f"WandbLogger needs the wandb package, which is not installed ({error}). Install it with "
-            f"`{INSTALL_HINT}`, or log with CSVLogger instead."
-        ) from error
+        raise missing_package("WandbLogger", "wandb", error) from error
     if tuple(int(part) for part in re.findall(r"\d+", wandb.__version__)[:2]) < (0, 19):
         # wandb.init(reinit="create_new"), which lets two engines' runs live side by side, came in wandb 0.19.
         raise ImportError(
