@@ -77,6 +77,8 @@ class CSVLogger(Logger):
                     "replaces a file it did not write. Move it aside, or pass CSVLogger(filename=...) to log "
                     "elsewhere."
                 )
+        if self.hparams_path.exists():
+            _read_hyperparams(self.hparams_path, resumed=False)  # refuses a file this logger did not write
         kept = [(path.name, _keep_aside(path)) for path in (self.path, self.hparams_path) if path.exists()]
         if kept:
             names = " and ".join(name for name, _ in kept)
@@ -130,7 +132,7 @@ class CSVLogger(Logger):
     def resume(self, step: int) -> None:
         self._claimed = True
         if self.hparams_path is not None and self.hparams_path.exists():
-            self._kept_hyperparams = _read_hyperparams(self.hparams_path)
+            self._kept_hyperparams = _read_hyperparams(self.hparams_path, resumed=True)
         if self.path is None or not self.path.exists():
             return
         columns, rows = _read_logged_rows(self.path)
@@ -172,8 +174,9 @@ def _step_of(row: dict[str, Any], path: Path) -> int:
         ) from None
 
 
-def _read_hyperparams(path: Path) -> dict[str, Any]:
-    """The hyperparameters of an ``hparams.json`` CSVLogger wrote; anything else is refused before it is changed."""
+def _read_hyperparams(path: Path, resumed: bool) -> dict[str, Any]:
+    """The hyperparameters of an ``hparams.json`` CSVLogger wrote; anything else is refused before it is changed
+    (replaced by a ``resumed`` run, else kept aside)."""
     try:
         params = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError):
@@ -181,10 +184,16 @@ def _read_hyperparams(path: Path) -> dict[str, Any]:
     if not isinstance(params, dict) or not all(
         value is None or isinstance(value, (str, int, float, bool)) for value in params.values()
     ):
+        if resumed:
+            fix = "the resumed run would replace it. Move it aside (the resumed run then writes a new one) or fix it"
+        else:
+            fix = (
+                "cadence never moves a file it did not write. Move it aside, or pass CSVLogger(filename=...) in "
+                "another directory (hparams.json goes beside it)"
+            )
         raise ValueError(
             f"{path} is not a flat JSON object of hyperparameters: it was not written by CSVLogger, or was damaged, "
-            "and the resumed run would replace it. Move it aside (the resumed run then writes a new one) or fix "
-            "it, then resume again."
+            f"and {fix}, then {'resume' if resumed else 'start'} again."
         )
     return params
 

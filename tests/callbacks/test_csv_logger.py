@@ -375,3 +375,13 @@ def test_a_resume_refuses_an_hparams_json_the_logger_did_not_write(tmp_path: Pat
     with pytest.raises(ValueError, match=r"not a flat JSON object .* Move it aside"):
         resumed.fire(Event.LOAD_STATE)
     assert (tmp_path / "hparams.json").read_text() == content
+
+
+def test_a_fresh_run_refuses_an_hparams_json_the_logger_did_not_write_before_training(tmp_path: Path) -> None:
+    (tmp_path / "hparams.json").write_text('{"model": {"layers": 4}}')
+    fake = FakeEngine(callbacks=[CSVLogger()], project_dir=str(tmp_path))
+    with pytest.raises(ValueError, match=r"not a flat JSON object .* never moves a file it did not write"):
+        fake.run(steps=1)
+    assert fake.state.step == 0
+    assert (tmp_path / "hparams.json").read_text() == '{"model": {"layers": 4}}'
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["hparams.json"]
