@@ -134,11 +134,12 @@ class MLflowLogger(Logger):
         client = self._connect()
         run_id = self._open_run()
         params = [Param(name, value) for name, value in self._unchanged_params(client, run_id)]
-        metrics, self._metrics, self._params = self._metrics, [], {}
         for start in range(0, len(params), _BATCH["params"]):
             client.log_batch(run_id, params=params[start : start + _BATCH["params"]])
-        for start in range(0, len(metrics), _BATCH["metrics"]):
-            client.log_batch(run_id, metrics=metrics[start : start + _BATCH["metrics"]])
+        self._params = {}
+        for start in range(0, len(self._metrics), _BATCH["metrics"]):
+            client.log_batch(run_id, metrics=self._metrics[start : start + _BATCH["metrics"]])
+        self._metrics = []
 
     def resume(self, step: int) -> None:
         self._read_last_steps = True  # each metric goes on after its last point in the store
