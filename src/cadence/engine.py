@@ -24,6 +24,7 @@ from cadence.compile import CompileSetting, check_compile_sources, compile_optio
 from cadence.data import batches_per_epoch, check_shardable, draw_seed, make_batch_mover, to_stateful
 from cadence.evaluation import run_predict, run_test
 from cadence.event import Event
+from cadence.hyperparams import flatten_hyperparams
 from cadence.inputs import (
     PREPARABLE,
     check_callbacks,
@@ -541,6 +542,15 @@ class Engine:
         """``engine.log(name, value)`` for every item of ``metrics``. Tensors are kept as they are (no device sync);
         loggers read them when they write."""
         self.state.metrics.update(metrics)
+
+    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
+        """Record the run's hyperparameters for every attached logger (``Event.LOG_HYPERPARAMS``). A nested mapping
+        is flattened, its names joined with ``/`` (``{"optim": {"lr": 0.1}}`` is ``optim/lr``); values other than
+        ``str``, ``int``, ``float`` and ``bool`` are stored as their ``str()``. Calls merge into
+        ``state.hyperparams``, a later value replacing an earlier one. Call it on every process, or on the main one
+        (the loggers write there), before ``fit()`` or during it; a resumed run logs them again."""
+        self.state.hyperparams.update(flatten_hyperparams(params))
+        self.fire(Event.LOG_HYPERPARAMS)
 
     def estimated_steps(
         self,
