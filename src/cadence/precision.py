@@ -35,6 +35,11 @@ class Precision:
     name = "fp32"
     wraps_forward = False
     """True when the prepared model's forward must run under ``forward_context()``."""
+    param_dtype: torch.dtype | None = None
+    """The dtype the forward computes in (``None``: each parameter's own); a strategy with its own mixed precision
+    (FSDP2's ``MixedPrecisionPolicy``) casts parameters to it."""
+    uses_scaler = False
+    """True when the loss is scaled and gradients unscaled (fp16): gradients must stay in the parameters' dtype."""
 
     def forward_context(self) -> AbstractContextManager[Any]:
         return nullcontext()
@@ -86,6 +91,7 @@ class AutocastPrecision(Precision):
         check_autocast(device_type, dtype)
         self.device_type = device_type
         self.dtype = dtype
+        self.param_dtype = dtype
         self.name = _DTYPE_NAMES.get(dtype, str(dtype))
 
     def forward_context(self) -> AbstractContextManager[Any]:
@@ -97,6 +103,8 @@ class AutocastPrecision(Precision):
 
 class GradScalerPrecision(AutocastPrecision):
     """fp16 autocast with dynamic loss scaling (``torch.amp.GradScaler``): an overflow skips the step."""
+
+    uses_scaler = True
 
     def __init__(self, device_type: str, init_scale: float = 2.0**16, growth_interval: int = 2000) -> None:
         super().__init__(device_type, torch.float16)

@@ -1,0 +1,106 @@
+"""A ``transformers`` GPT-2 (tied embeddings, built from a config) trained under FSDP2 on every rank of a
+``cadence.testing.spawn`` job: blocks sharded one by one, activations recomputed in backward."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import cadence
+from cadence.callbacks import GradientClipping
+
+SEQUENCES, LENGTH, VOCAB = 32, 8, 64
+PER_RANK = 2
+
+
+def gpt2() -> torch.nn.Module:
+    """A 2-block GPT-2 with no dropout (so one process and several see the same arithmetic)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=2,
+        n_embd=32,
+        n_head=2,
+        vocab_size=VOCAB,
+        n_positions=LENGTH,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    return GPT2LMHeadModel(config)
+
+
+def tokens() -> TensorDataset:
+    generator = torch.Generator().manual_seed(1)
+    return TensorDataset(torch.randint(0, VOCAB, (SEQUENCES, LENGTH), generator=generator), torch.arange(SEQUENCES))
+
+
+def _engine(directory: str) -> cadence.Engine:
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    from cadence.strategies import FSDPStrategy
+
+    strategy = FSDPStrategy("cpu", shard=GPT2Block, activation_checkpointing=True)
+    return cadence.Engine(
+        strategy=strategy,
+        seed=0,
+        project_dir=directory,
+        callbacks=[GradientClipping(max_norm=1.0)],
+        progress_bar=False,
+    )
+
+
+def _train(engine: cadence.Engine, net: Any, optimizer: Any, data: Any, until: int) -> dict[str, Any]:
+    losses, ids_seen = [], []
+    while engine.state.step < until:
+        for ids, index in data:
+            with engine.accumulate(net):
+                loss = net(input_ids=ids, labels=ids).loss
+                engine.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+            losses.append(engine.reduce(loss.detach()).item())
+            ids_seen.append(engine.gather(index).flatten().tolist())
+            if engine.state.step == until:
+                break
+    return {"losses": losses, "ids": ids_seen}
+
+
+def _prepared(directory: str) -> tuple[cadence.Engine, Any, Any, Any]:
+    engine = _engine(directory)
+    net = gpt2()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=0.01)
+    net, optimizer, data = engine.prepare(net, optimizer, DataLoader(tokens(), PER_RANK, shuffle=True))
+    return engine, net, optimizer, data
+
+
+def _full_state(engine: cadence.Engine, net: Any) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in engine.strategy.model_state_dict(engine.unwrap_model(net)).items()}
+
+
+def train_save_resume_export(root: str, save_at: int, steps: int) -> dict[str, Any]:
+    """Train ``steps`` steps saving at ``save_at``, then export; resume a fresh run from the save and train to
+    ``steps`` again. Returns both runs' losses, sample ids and full weights, and whether the weights were sharded."""
+    from torch.distributed.tensor import DTensor
+
+    engine, net, optimizer, data = _prepared(f"{root}/straight")
+    sharded = all(isinstance(p, DTensor) for p in net.parameters())
+    first = _train(engine, net, optimizer, data, save_at)
+    checkpoint = engine.save_state()
+    rest = _train(engine, net, optimizer, data, steps)
+    engine.save_model(net, f"{root}/export")
+    straight = _full_state(engine, net)
+
+    engine, net, optimizer, data = _prepared(f"{root}/resumed")
+    engine.load_state(checkpoint)
+    resumed = _train(engine, net, optimizer, data, steps)
+    return {
+        "sharded": sharded,
+        "losses": first["losses"] + rest["losses"],
+        "ids": first["ids"] + rest["ids"],
+        "weights": straight,
+        "resumed": {**resumed, "weights": _full_state(engine, net)},
+    }
