@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 from cadence.callback import Callback, Dispatcher
 from cadence.checkpoint.background import CheckpointSaves, PendingCheckpoint
 from cadence.checkpoint.engine_state import load_engine_state
-from cadence.checkpoint.export import save_weights
+from cadence.checkpoint.export import model_configs, save_weights
 from cadence.checkpoint.layout import CheckpointDirectory
 from cadence.compile import CompileSetting, check_compile_sources, compile_options, compile_prepared, split_compiled
 from cadence.data import batches_per_epoch, check_shardable, draw_seed, make_batch_mover, to_stateful
@@ -525,12 +525,15 @@ class Engine:
     ) -> list[Path]:
         """Export the unwrapped model's weights on the main process: ``model.safetensors`` or shards with
         ``model.safetensors.index.json``; ``safe_serialization=False`` writes ``pytorch_model.bin``. Tied
-        weights are written once. Returns the files written (empty on other ranks)."""
+        weights are written once. A ``transformers`` model's ``config.json`` (and ``generation_config.json``) go
+        beside them, for ``from_pretrained(save_directory)``. Returns the files written (empty on other ranks)."""
         # Every rank takes part (FSDP gathers the full weights from their shards); the main rank writes.
-        state_dict = self.strategy.model_state_dict(self.unwrap_model(model))
+        module = self.unwrap_model(model)
+        state_dict = self.strategy.model_state_dict(module)
         if not self.is_main_process:
             return []
-        return save_weights(state_dict, save_directory, max_shard_size, safe_serialization)
+        configs = model_configs(module, state_dict)
+        return save_weights(state_dict, save_directory, max_shard_size, safe_serialization, configs)
 
     # --- metrics -------------------------------------------------------------------------------------------
     def log(self, name: str, value: Any) -> None:

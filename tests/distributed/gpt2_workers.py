@@ -29,6 +29,8 @@ def gpt2() -> torch.nn.Module:
         resid_pdrop=0.0,
         embd_pdrop=0.0,
         attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     return GPT2LMHeadModel(config)
 
@@ -78,7 +80,8 @@ def _prepared(directory: str) -> tuple[cadence.Engine, Any, Any, Any]:
 
 
 def _full_state(engine: cadence.Engine, net: Any) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in engine.strategy.model_state_dict(engine.unwrap_model(net)).items()}
+    """The full weights, gathered into new tensors (a tied weight is one tensor under both its names)."""
+    return engine.strategy.model_state_dict(engine.unwrap_model(net))
 
 
 def train_save_resume_export(root: str, save_at: int, steps: int) -> dict[str, Any]:
