@@ -37,7 +37,7 @@ from cadence.inputs import (
     warn_if_prepared_elsewhere,
 )
 from cadence.loop import Plan, set_up_fit
-from cadence.precision import Precision
+from cadence.precision import Precision, check_one_precision
 from cadence.schedule import Schedule, steps_in_run
 from cadence.state import State
 from cadence.step import TrainingStep
@@ -92,6 +92,7 @@ class Engine:
         self.progress_bar = progress_bar
         self.model_summary = model_summary
         self._precision = Precision()
+        self._precision_set = False
         self._dispatcher = Dispatcher()
         self._models: list[nn.Module] = []
         self._optimizers: list[PreparedOptimizer] = []
@@ -175,17 +176,8 @@ class Engine:
 
     def set_precision(self, precision: Precision) -> None:
         """Install a precision plugin (the ``MixedPrecision`` callback does, in its ``setup``)."""
-        if self._models:
-            raise RuntimeError(
-                "The precision must be chosen before any model is prepared: pass the MixedPrecision callback "
-                "to Engine(callbacks=[...]) instead of installing it later."
-            )
-        if type(self._precision) is not Precision and type(precision) is not Precision:
-            raise RuntimeError(
-                f"A {self._precision.name} precision is already installed; an engine has one precision. "
-                "Keep a single MixedPrecision callback."
-            )
-        self._precision = precision
+        check_one_precision(self._precision if self._precision_set else None, precision, bool(self._models))
+        self._precision, self._precision_set = precision, True
         self.strategy.configure_precision(precision)
 
     def add_callback(self, callback: Callback) -> None:

@@ -148,6 +148,22 @@ class GradScalerPrecision(AutocastPrecision):
         self.scaler.load_state_dict(state_dict)
 
 
+def check_one_precision(installed: Precision | None, new: Precision, models_prepared: bool) -> None:
+    """The rule ``engine.set_precision`` keeps, and with it every ``MixedPrecision``: an engine has one precision,
+    chosen before any model is prepared (a strategy wraps the model for it). ``installed``: the one set before."""
+    if installed is not None:
+        raise ValueError(
+            f"The engine already has a {installed.name!r} precision, which a second one ({new.name!r}) would "
+            "replace: an engine has one precision. Keep a single MixedPrecision callback (or engine.set_precision "
+            "call)."
+        )
+    if models_prepared:
+        raise RuntimeError(
+            "The precision must be chosen before any model is prepared: pass the MixedPrecision callback "
+            "to Engine(callbacks=[...]) instead of installing it later."
+        )
+
+
 def check_scaler_state(state_dict: Any, owner: str) -> None:
     """Raise ``CheckpointCorrupted`` unless ``GradScalerPrecision.load_state_dict`` can take ``state_dict``."""
     check_state_fields(owner, state_dict, SCALER_FIELDS)
