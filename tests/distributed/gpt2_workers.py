@@ -9,10 +9,11 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import cadence
-from cadence.callbacks import GradientClipping
+from cadence.callbacks import EMA, FiniteCheck, GradientClipping
 
 SEQUENCES, LENGTH, VOCAB = 32, 8, 64
 PER_RANK = 2
+DECAY = 0.5
 
 
 def gpt2() -> torch.nn.Module:
@@ -50,7 +51,7 @@ def _engine(directory: str) -> cadence.Engine:
         strategy=strategy,
         seed=0,
         project_dir=directory,
-        callbacks=[GradientClipping(max_norm=1.0)],
+        callbacks=[GradientClipping(max_norm=1.0), FiniteCheck(), EMA(DECAY)],
         progress_bar=False,
     )
 
@@ -79,6 +80,12 @@ def _prepared(directory: str) -> tuple[cadence.Engine, Any, Any, Any]:
     return engine, net, optimizer, data
 
 
+def _average(engine: cadence.Engine) -> dict[str, torch.Tensor]:
+    """The EMA's full average, by ``0.<parameter name>`` (gathered from every rank's shards)."""
+    ema = next(callback for callback in engine.callbacks if isinstance(callback, EMA))
+    return dict(ema.state_dict()["weights"])
+
+
 def _full_state(engine: cadence.Engine, net: Any) -> dict[str, torch.Tensor]:
     """The full weights, gathered into new tensors (a tied weight is one tensor under both its names)."""
     return engine.strategy.model_state_dict(engine.unwrap_model(net))
@@ -95,7 +102,7 @@ def train_save_resume_export(root: str, save_at: int, steps: int) -> dict[str, A
     checkpoint = engine.save_state()
     rest = _train(engine, net, optimizer, data, steps)
     engine.save_model(net, f"{root}/export")
-    straight = _full_state(engine, net)
+    straight, average = _full_state(engine, net), _average(engine)
 
     engine, net, optimizer, data = _prepared(f"{root}/resumed")
     engine.load_state(checkpoint)
@@ -105,5 +112,6 @@ def train_save_resume_export(root: str, save_at: int, steps: int) -> dict[str, A
         "losses": first["losses"] + rest["losses"],
         "ids": first["ids"] + rest["ids"],
         "weights": straight,
-        "resumed": {**resumed, "weights": _full_state(engine, net)},
+        "average": average,
+        "resumed": {**resumed, "weights": _full_state(engine, net), "average": _average(engine)},
     }

@@ -1,6 +1,7 @@
 """``transformers``' GPT-2 (tied input and output embeddings, built from a config) under FSDP2 on 2 CPU ranks, with
-its blocks sharded one by one and their activations recomputed in backward: the losses and weights of one process
-within fp32 tolerance, a bitwise resume, and an export that ``GPT2LMHeadModel.from_pretrained`` loads."""
+its blocks sharded one by one and their activations recomputed in backward, and GradientClipping, FiniteCheck and
+EMA attached: the losses, weights and average of one process within fp32 tolerance, a bitwise resume, and an export
+that ``GPT2LMHeadModel.from_pretrained`` loads."""
 
 from __future__ import annotations
 
@@ -31,10 +32,12 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"ranks": ranks, "export": root / "export"}
 
 
-def one_process(ids_per_step: list[list[int]]) -> tuple[list[float], torch.nn.Module]:
-    """The same steps in one process, on each step's global batch (both ranks' sequences), in plain PyTorch."""
+def one_process(ids_per_step: list[list[int]]) -> tuple[list[float], torch.nn.Module, dict[str, torch.Tensor]]:
+    """The same steps in one process, on each step's global batch (both ranks' sequences), in plain PyTorch; the
+    losses, the model and the moving average of its weights, keyed as EMA keys it."""
     net = gpt2_workers.gpt2()
     optimizer = torch.optim.AdamW(net.parameters(), lr=0.01)
+    average = {f"0.{name}": p.detach().clone() for name, p in net.named_parameters()}
     sequences = gpt2_workers.tokens().tensors[0]
     losses = []
     for ids in ids_per_step:
@@ -45,19 +48,24 @@ def one_process(ids_per_step: list[list[int]]) -> tuple[list[float], torch.nn.Mo
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return losses, net
+        for name, p in net.named_parameters():
+            average[f"0.{name}"].lerp_(p.detach(), 1.0 - gpt2_workers.DECAY)
+    return losses, net, average
 
 
 def test_gpt2_trains_under_fsdp_as_one_process(run: dict[str, Any]) -> None:
     first = run["ranks"][0]
     assert first["sharded"]
-    expected, net = one_process(first["ids"])
+    expected, net, average = one_process(first["ids"])
     for rank in run["ranks"]:
         torch.testing.assert_close(torch.tensor(rank["losses"]), torch.tensor(expected), **TOLERANCE)
     reference = net.state_dict()
     assert first["weights"].keys() == reference.keys()
     for name, weight in first["weights"].items():
         torch.testing.assert_close(weight, reference[name], **WEIGHT_TOLERANCE, msg=name)
+    assert first["average"].keys() == average.keys()
+    for name, weight in first["average"].items():
+        torch.testing.assert_close(weight, average[name], **WEIGHT_TOLERANCE, msg=name)
     # The tie survives sharding: both names hold one tensor.
     assert first["weights"]["lm_head.weight"] is first["weights"]["transformer.wte.weight"]
 
@@ -70,6 +78,9 @@ def test_gpt2_resumes_bitwise_from_a_sharded_checkpoint(run: dict[str, Any]) -> 
         assert resumed["weights"].keys() == rank["weights"].keys()
         for name, weight in resumed["weights"].items():
             assert torch.equal(weight, rank["weights"][name]), name
+        assert resumed["average"].keys() == rank["average"].keys()
+        for name, weight in resumed["average"].items():
+            assert torch.equal(weight, rank["average"][name]), name
 
 
 def test_gpt2_export_loads_with_from_pretrained_to_the_same_logits(run: dict[str, Any]) -> None:
