@@ -15,17 +15,14 @@ from torch import nn
 
 import cadence
 from cadence.checkpoint import export
+from tests.helpers import tiny_gpt2
 
 transformers = pytest.importorskip("transformers")
 TOKENS = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
 
 
 def gpt2(layers: int = 2) -> Any:
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        n_layer=layers, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0
-    )
-    return transformers.GPT2LMHeadModel(config).eval()
+    return tiny_gpt2(layers).eval()
 
 
 def bert() -> Any:

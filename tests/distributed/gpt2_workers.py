@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import cadence
 from cadence.callbacks import EMA, FiniteCheck, GradientClipping
+from tests.helpers import tiny_gpt2
 
 SEQUENCES, LENGTH, VOCAB = 32, 8, 64
 PER_RANK = 2
@@ -17,23 +18,7 @@ DECAY = 0.5
 
 
 def gpt2() -> torch.nn.Module:
-    """A 2-block GPT-2 with no dropout (so one process and several see the same arithmetic)."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    config = GPT2Config(
-        n_layer=2,
-        n_embd=32,
-        n_head=2,
-        vocab_size=VOCAB,
-        n_positions=LENGTH,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return GPT2LMHeadModel(config)
+    return tiny_gpt2(vocab=VOCAB, positions=LENGTH)
 
 
 def tokens() -> TensorDataset:

@@ -19,26 +19,14 @@ from cadence.precision import AutocastPrecision, GradScalerPrecision, Precision
 from cadence.strategies import FSDPStrategy
 from cadence.strategies.fsdp import shard_selector, shard_targets
 from cadence.strategies.fsdp_checkpoint import tied_names
+from tests.helpers import tiny_gpt2
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.gpt2.modeling_gpt2 import GPT2MLP, GPT2Block  # noqa: E402
 
 
 def gpt2() -> Any:
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        n_layer=2,
-        n_embd=32,
-        n_head=2,
-        vocab_size=64,
-        n_positions=8,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return transformers.GPT2LMHeadModel(config)
+    return tiny_gpt2()
 
 
 class TiedLM(nn.Module):
