@@ -79,7 +79,7 @@ def test_a_module_holding_a_tied_weight_is_left_to_the_root() -> None:
     assert tied_names(model) == {"lm_head.weight": "transformer.wte.weight"}
 
 
-@pytest.mark.parametrize("shard", ["GPT2Block", [], [GPT2Block, int], 3])
+@pytest.mark.parametrize("shard", ["GPT2Block", [], [GPT2Block, int], 3, nn.Linear(2, 2)])
 def test_a_shard_that_names_no_module_classes_or_predicate_is_refused(shard: Any) -> None:
     with pytest.raises(TypeError, match=r"FSDPStrategy\(shard=\.\.\.\) takes nn\.Module subclasses"):
         FSDPStrategy("cpu", shard=shard)

@@ -259,7 +259,7 @@ def shard_selector(shard: ShardPolicy | None) -> Callable[[nn.Module], bool] | N
     if isinstance(classes, tuple | list) and classes and all(_is_module_class(c) for c in classes):
         chosen = tuple(classes)
         return lambda module: isinstance(module, chosen)
-    if callable(shard) and not isinstance(shard, type):
+    if callable(shard) and not isinstance(shard, type | nn.Module):
         return shard
     raise TypeError(
         "FSDPStrategy(shard=...) takes nn.Module subclasses (e.g. shard=GPT2Block or shard=(Block, Embedding)) "
