@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 from cadence.callback import Callback, Dispatcher
 from cadence.checkpoint.background import CheckpointSaves, PendingCheckpoint
 from cadence.checkpoint.engine_state import load_engine_state
-from cadence.checkpoint.export import save_weights
+from cadence.checkpoint.export import model_configs, save_weights
 from cadence.checkpoint.layout import CheckpointDirectory
 from cadence.compile import CompileSetting, check_compile_sources, compile_options, compile_prepared, split_compiled
 from cadence.data import batches_per_epoch, check_shardable, draw_seed, make_batch_mover, to_stateful
@@ -38,7 +38,7 @@ from cadence.inputs import (
     warn_if_prepared_elsewhere,
 )
 from cadence.loop import Plan, set_up_fit
-from cadence.precision import Precision
+from cadence.precision import Precision, check_one_precision
 from cadence.schedule import Schedule, steps_in_run
 from cadence.state import State
 from cadence.step import TrainingStep
@@ -93,6 +93,7 @@ class Engine:
         self.progress_bar = progress_bar
         self.model_summary = model_summary
         self._precision = Precision()
+        self._precision_set = False
         self._dispatcher = Dispatcher()
         self._models: list[nn.Module] = []
         self._optimizers: list[PreparedOptimizer] = []
@@ -176,17 +177,8 @@ class Engine:
 
     def set_precision(self, precision: Precision) -> None:
         """Install a precision plugin (the ``MixedPrecision`` callback does, in its ``setup``)."""
-        if self._models:
-            raise RuntimeError(
-                "The precision must be chosen before any model is prepared: pass the MixedPrecision callback "
-                "to Engine(callbacks=[...]) instead of installing it later."
-            )
-        if type(self._precision) is not Precision and type(precision) is not Precision:
-            raise RuntimeError(
-                f"A {self._precision.name} precision is already installed; an engine has one precision. "
-                "Keep a single MixedPrecision callback."
-            )
-        self._precision = precision
+        check_one_precision(self._precision if self._precision_set else None, precision, bool(self._models))
+        self._precision, self._precision_set = precision, True
         self.strategy.configure_precision(precision)
 
     def add_callback(self, callback: Callback) -> None:
@@ -526,12 +518,15 @@ class Engine:
     ) -> list[Path]:
         """Export the unwrapped model's weights on the main process: ``model.safetensors`` or shards with
         ``model.safetensors.index.json``; ``safe_serialization=False`` writes ``pytorch_model.bin``. Tied
-        weights are written once. Returns the files written (empty on other ranks)."""
+        weights are written once. A ``transformers`` model's ``config.json`` (and ``generation_config.json``) go
+        beside them, for ``from_pretrained(save_directory)``. Returns the files written (empty on other ranks)."""
         # Every rank takes part (FSDP gathers the full weights from their shards); the main rank writes.
-        state_dict = self.strategy.model_state_dict(self.unwrap_model(model))
+        module = self.unwrap_model(model)
+        state_dict = self.strategy.model_state_dict(module)
         if not self.is_main_process:
             return []
-        return save_weights(state_dict, save_directory, max_shard_size, safe_serialization)
+        configs = model_configs(module, state_dict)
+        return save_weights(state_dict, save_directory, max_shard_size, safe_serialization, configs)
 
     # --- metrics -------------------------------------------------------------------------------------------
     def log(self, name: str, value: Any) -> None:
