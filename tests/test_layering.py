@@ -163,3 +163,49 @@ def test_strategies_never_import_the_checkpoint_layer_that_drives_them() -> None
         if _is_within(module, "cadence.checkpoint") or _is_within(f"{module}.{name}", "cadence.checkpoint")
     }
     assert edges == set()
+
+
+def _engine_private_uses(source: str) -> list[str]:
+    """``engine._x`` (also ``self._engine._x``, ``getattr(engine, "_x")``): a private Engine member reached from
+    outside engine.py. Any name ending in ``engine`` counts as the engine; dunders are Python's, not Engine's."""
+
+    def names_engine(node: ast.expr) -> bool:
+        name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+        return name.lower().endswith("engine")
+
+    def private(name: str) -> bool:
+        return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and private(node.attr) and names_engine(node.value):
+            found.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in {"getattr", "setattr"}:
+            target, *rest = node.args
+            if rest and isinstance(rest[0], ast.Constant) and private(str(rest[0].value)) and names_engine(target):
+                found.append((node.lineno, ast.unparse(node)))
+    return [f"{line}: {text}" for line, text in sorted(found)]
+
+
+def test_no_module_outside_engine_py_touches_the_engines_private_members() -> None:
+    """The loop, evaluation, checkpoints, callbacks and front ends use Engine's public members (``cadence.loop``
+    owns the loaders fit() reuses; ``release_dataloader`` is public), so Engine's private fields can change freely."""
+    files = [path for path in _core_files() if path != CORE / "engine.py"]
+    files += [*sorted(CALLBACKS.rglob("*.py")), *sorted(FRONTENDS.rglob("*.py"))]
+    found = [f"{path.relative_to(ROOT)}:{use}" for path in files for use in _engine_private_uses(path.read_text())]
+    assert found == []
+
+
+def test_the_private_member_scan_sees_each_form() -> None:
+    source = (
+        "def f(engine, run):\n"
+        "    engine._fit_loaders = []\n"
+        "    run.engine._release(1)\n"
+        "    getattr(self._engine, '_models')\n"
+        "    engine.__class__, engine.state._step, run._cache\n"
+    )
+    assert _engine_private_uses(source) == [
+        "2: engine._fit_loaders",
+        "3: run.engine._release",
+        "4: getattr(self._engine, '_models')",
+    ]
