@@ -67,11 +67,11 @@ def _fresh_venv(tmp_path: Path) -> Path:
     return python
 
 
-def _run(command: list[str], cwd: Path) -> str:
+def _run(command: list[str], cwd: Path, *, status: int = 0) -> str:
     # PYTHONPATH (a checkout's src) would put another cadence before the install under test.
     env = {name: value for name, value in os.environ.items() if name not in {"PYTHONPATH", "PYTHONHOME"}}
-    result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert result.returncode == 0, result.stdout + result.stderr
+    result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=900, check=False)
+    assert result.returncode == status, result.stdout + result.stderr
     return result.stdout
 
 
@@ -184,6 +184,26 @@ def test_a_clone_named_cadence_beside_the_script_does_not_shadow_the_installed_p
     assert engine == "<class 'cadence.engine.Engine'>"
     expected = tmp_path / "source/src/cadence/__init__.py" if strict else Path(cadence.__file__)
     assert Path(imported).resolve() == expected.resolve()
+
+
+@pytest.mark.slow
+def test_mypy_checks_callbacks_and_front_ends_under_their_installed_names(tmp_path: Path) -> None:
+    """``make lint``'s mypy reads the package through the strict install's links (docs/architecture.md,
+    Packaging): a type error in callbacks/ or frontends/ is reported, in the module users import."""
+    source = _source_copy(tmp_path)
+    mistake = '\n\ndef _wrong() -> int:\n    return "not an int"\n'
+    for module in ("callbacks/timer.py", "frontends/accelerate/utils/__init__.py"):
+        (source / module).write_text((source / module).read_text() + mistake)
+    python = _fresh_venv(tmp_path)
+    _pip(python, "install", "--editable", str(source), "--config-settings", "editable_mode=strict", cwd=tmp_path)
+    report = _run([str(python), "-m", "mypy"], source, status=1)
+    errors = [line for line in report.splitlines() if ": error: " in line]
+    # Reported under the link tree: build/__editable__.cadence-<version>-<tag>/cadence/...
+    assert sorted(Path(line.split(":")[0]).parts[2:] for line in errors) == [
+        ("cadence", "accelerate", "utils", "__init__.py"),
+        ("cadence", "callbacks", "timer.py"),
+    ], report
+    assert all(line.startswith("build/__editable__.cadence-") for line in errors), report
 
 
 def test_the_repository_holds_no_symlink() -> None:
