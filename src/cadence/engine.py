@@ -37,7 +37,7 @@ from cadence.inputs import (
     unmark_prepared,
     warn_if_prepared_elsewhere,
 )
-from cadence.loop import Plan, set_up_fit
+from cadence.loop import FitLoaders, Plan, set_up_fit
 from cadence.precision import Precision, check_one_precision
 from cadence.schedule import Schedule, steps_in_run
 from cadence.state import State
@@ -99,8 +99,7 @@ class Engine:
         self._optimizers: list[PreparedOptimizer] = []
         self._schedulers: list[PreparedScheduler] = []
         self._dataloaders: list[PreparedDataLoader] = []
-        self._fit_loaders: list[tuple[Any, PreparedDataLoader]] = []
-        """The (given, prepared) dataloaders of the last ``fit()``, which the next ``fit()`` reuses or releases."""
+        self._fit_loaders = FitLoaders()
         self._fitting = False
         self._registered: list[Any] = []
         self.checkpoint_total_limit = checkpoint_total_limit
@@ -264,10 +263,22 @@ class Engine:
         self._dataloaders.append(prepared)
         return prepared
 
-    def _release_dataloader(self, loader: PreparedDataLoader) -> None:
-        """Stop saving and restoring ``loader`` with the engine (a dataloader an earlier ``fit()`` used), and stop
-        the worker processes it keeps (``persistent_workers``) now rather than when the garbage collector finds it."""
+    def release_dataloader(self, loader: PreparedDataLoader) -> None:
+        """Stop saving and restoring ``loader`` (what ``prepare`` returned) with this engine's checkpoints, and stop
+        the worker processes it keeps (``persistent_workers``) now rather than when the garbage collector finds it;
+        everything else prepared stays. Refused for a loader the running ``fit()`` trains or validates with."""
+        if not any(prepared is loader for prepared in self._dataloaders):
+            raise ValueError(
+                f"engine.release_dataloader() takes a dataloader this engine's prepare() returned; got "
+                f"{type(loader).__name__}, which it did not prepare or released already. Nothing was released."
+            )
+        if self._fitting and self._fit_loaders.holds(loader):
+            raise RuntimeError(
+                "engine.release_dataloader() was called during fit() on a dataloader fit() is using: its position "
+                "would no longer be saved. Release it after fit() returns."
+            )
         self._dataloaders = [prepared for prepared in self._dataloaders if prepared is not loader]
+        self._fit_loaders.forget(loader)
         if not loader.in_pass:
             loader.close()
 
@@ -286,7 +297,8 @@ class Engine:
         for own in [self.unwrap_model(model) for model in self._models] + [o.optimizer for o in self._optimizers]:
             unmark_prepared(own, self)  # another engine (or this one again) may prepare them without a warning
         loaders = self._dataloaders
-        self._models, self._optimizers, self._schedulers, self._dataloaders, self._fit_loaders = [], [], [], [], []
+        self._models, self._optimizers, self._schedulers, self._dataloaders = [], [], [], []
+        self._fit_loaders = FitLoaders()
         for loader in loaders:
             loader.close()
 
@@ -603,7 +615,7 @@ class Engine:
         plan = Plan(max_epochs, max_steps, min_epochs, min_steps, val_every_n_steps, val_every_n_epochs, val_batches)
         self._fitting = True
         try:
-            return set_up_fit(self, step, train_dataloader, val_dataloader, resume, plan).run()
+            return set_up_fit(self, self._fit_loaders, step, train_dataloader, val_dataloader, resume, plan).run()
         finally:
             self._fitting = False
 

@@ -29,6 +29,7 @@ from cadence.checkpoint.errors import CheckpointError
 from cadence.checkpoint.format import deduplicate, split_by_size, write_safetensors
 from cadence.compat import compiled_module_type, uncompile
 from cadence.strategies.matching import mismatch
+from cadence.validators import is_integer
 from cadence.wrappers import PreparedModule
 
 SAFE_WEIGHTS = "model.safetensors"
@@ -52,7 +53,7 @@ _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2*
 
 def parse_size(size: int | str) -> int:
     """``1GB`` (10^9 bytes), ``500MiB`` (2^20), or a number of bytes."""
-    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+    if is_integer(size) and size > 0:
         return size
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)\s*", str(size).upper())
     parsed = 0 if match is None else int(float(match.group(1)) * _UNITS[match.group(2)])
@@ -446,7 +447,7 @@ def _read_file(path: Path) -> dict[str, torch.Tensor]:
 def _parse_device(prefix: str, target: object) -> torch.device:
     if isinstance(target, torch.device):
         return target
-    if isinstance(target, int) and not isinstance(target, bool) and target >= 0:
+    if is_integer(target) and target >= 0:
         return torch.device("cuda", target)
     if isinstance(target, str):
         try:
