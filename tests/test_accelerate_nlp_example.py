@@ -17,7 +17,6 @@ import pytest
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
 
-ROOT = Path(__file__).parents[1]
 
 # The example's loop, shaped as accelerate/examples/nlp_example.py; {package} is the only line that differs.
 EXAMPLE = """
@@ -96,7 +95,6 @@ def run_example(package: str, precision: str, processes: int, directory: Path) -
     script.write_text(EXAMPLE.format(package=package))
     output = directory / f"losses_{package}.json"
     environment = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
-    environment["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), environment.get("PYTHONPATH", "")])
     launch = [sys.executable, "-m", "cadence.cli", "launch", "--standalone", "--nproc-per-node", str(processes)]
     finished = subprocess.run(
         [*launch, str(script), precision, str(output)],
