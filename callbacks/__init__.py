@@ -11,12 +11,14 @@ from .flops import measure_flops
 from .logger import Logger
 from .lr_monitor import LearningRateMonitor
 from .mixed_precision import MixedPrecision
+from .mlflow_logger import MLflowLogger
 from .model_summary import ModelSummary
 from .preemption import Preemption
 from .progress import RichProgressBar
 from .tensorboard import TensorBoardLogger
 from .throughput import ThroughputMonitor
 from .timer import Timer
+from .wandb_logger import WandbLogger
 
 __all__ = [
     "EMA",
@@ -28,6 +30,7 @@ __all__ = [
     "GradientClipping",
     "LearningRateMonitor",
     "Logger",
+    "MLflowLogger",
     "MixedPrecision",
     "ModelSummary",
     "Preemption",
@@ -35,6 +38,7 @@ __all__ = [
     "TensorBoardLogger",
     "ThroughputMonitor",
     "Timer",
+    "WandbLogger",
     "clip_gradients",
     "measure_flops",
 ]

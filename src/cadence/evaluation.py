@@ -223,7 +223,7 @@ def _pass_loader(
     with torch.random.fork_rng(devices=[]):
         loader: PreparedDataLoader = engine.prepare(dataloader)
     loader.drives_training = False
-    return loader, lambda: engine._release_dataloader(loader)
+    return loader, lambda: engine.release_dataloader(loader)
 
 
 def _warn_if_shuffled(loader: PreparedDataLoader) -> None:

@@ -15,18 +15,18 @@ from cadence.strategies.environment import adopt_slurm_environment
 from cadence.strategies.single import SingleDevice
 
 if TYPE_CHECKING:
+    from cadence.strategies.fsdp import FSDPStrategy
     from cadence.strategies.model_parallel import ModelParallelStrategy
 
-__all__ = ["ModelParallelStrategy", "ReduceOp", "SingleDevice", "Strategy", "resolve_device", "resolve_strategy"]
-
-
-def __getattr__(name: str) -> Any:
-    # Imported on first use: it needs torch.distributed.tensor.parallel, which `import cadence` should not load.
-    if name == "ModelParallelStrategy":
-        from cadence.strategies.model_parallel import ModelParallelStrategy
-
-        return ModelParallelStrategy
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__ = [
+    "FSDPStrategy",
+    "ModelParallelStrategy",
+    "ReduceOp",
+    "SingleDevice",
+    "Strategy",
+    "resolve_device",
+    "resolve_strategy",
+]
 
 
 def resolve_device(accelerator: str | torch.device) -> torch.device:
@@ -77,3 +77,16 @@ def resolve_strategy(
     raise ValueError(
         f"Unknown strategy {strategy!r}. Use 'auto', 'single', 'ddp' or 'fsdp', or pass a cadence Strategy instance."
     )
+
+
+def __getattr__(name: str) -> Any:
+    # FSDP's modules cost a noticeable import; only a run that names FSDPStrategy pays for them.
+    if name == "FSDPStrategy":
+        from cadence.strategies.fsdp import FSDPStrategy
+
+        return FSDPStrategy
+    if name == "ModelParallelStrategy":  # and torch.distributed.tensor.parallel with it
+        from cadence.strategies.model_parallel import ModelParallelStrategy
+
+        return ModelParallelStrategy
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -85,6 +85,26 @@ class Strategy(ABC):
         """The user's module inside whatever ``setup_module`` wrapped it in."""
         return module
 
+    # --- tensors as this strategy lays them out: callbacks go through these, never through the tensor's type.
+    def local_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a parameter, gradient or state tensor, as a plain tensor sharing its memory (in place
+        changes reach ``tensor``); the tensor itself where every rank holds it whole."""
+        return tensor
+
+    def full_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The whole of ``tensor``, detached: gathered from every rank's part (a collective: call it on every rank)
+        where it is sharded."""
+        return tensor.detach()
+
+    def shard_like(self, full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """This rank's part of ``full`` as ``like`` is laid out (what ``local_tensor(like)`` holds), cut locally
+        from the whole tensor every rank holds: no communication."""
+        return full
+
+    def reshard(self, module: nn.Module) -> None:  # noqa: B027 - only a sharding strategy gathers weights
+        """Drop whatever full weights ``module`` keeps gathered from an earlier forward, so the next forward
+        gathers them again (after a callback changed the local parts, e.g. swapped averaged weights in)."""
+
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:  # noqa: B027 - most strategies need none
         """Called by ``engine.prepare`` for every optimizer, after the models prepared before it: a strategy whose
         ``setup_module`` replaced parameters (FSDP2) points an optimizer built earlier at the new ones here."""
