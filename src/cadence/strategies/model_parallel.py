@@ -100,9 +100,7 @@ class ModelParallelStrategy(FSDPStrategy):
                 f"{_OWNER}'s parallelize returned a {type(returned).__qualname__}, not the model it was given: it "
                 "must change the model in place (parallelize_module and fully_shard do) and return it or None."
             )
-        for name, parameter in module.named_parameters():
-            if name in before and before[name] is not parameter:
-                self._replaced[id(before[name])] = parameter
+        self._remember_replaced(before, module)
         return module
 
     def clip_grad_norm_(
