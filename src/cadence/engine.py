@@ -54,7 +54,8 @@ class Engine:
     Args:
         accelerator: ``"auto"`` (CUDA, then MPS, then CPU), ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"mps"``.
         strategy: ``"auto"`` (DDP under torchrun with ``WORLD_SIZE > 1``, else one device), ``"single"``,
-            ``"ddp"``, ``"fsdp"``, or a ``cadence.strategies.Strategy`` instance.
+            ``"ddp"``, ``"fsdp"``, or a ``cadence.strategies.Strategy`` instance (``FSDPStrategy(...)``,
+            ``ModelParallelStrategy(...)`` for FSDP x tensor parallelism).
         callbacks: features, run in the order given at every event.
         seed: seeds python, numpy and torch, and the prepared dataloaders' shuffling.
         project_dir: where logs and checkpoints go (``project_dir/checkpoints/checkpoint_{n}``).
@@ -477,7 +478,8 @@ class Engine:
         self.close()
 
     def reduce(self, tensor: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
-        """``tensor`` reduced across ranks with ``op``: ``"mean"``, ``"sum"``, ``"max"`` or ``"min"``."""
+        """``tensor`` reduced across ranks with ``op``: ``"mean"``, ``"sum"``, ``"max"`` or ``"min"``. Ranks that share
+        a model replica (``ModelParallelStrategy``'s tensor-parallel ranks, which read the same batch) count once."""
         if op not in ("mean", "sum", "max", "min"):
             raise ValueError(f"Unknown reduce op {op!r}; use 'mean', 'sum', 'max' or 'min'.")
         return self.strategy.all_reduce(tensor, op)
