@@ -54,7 +54,8 @@ class Engine:
     Args:
         accelerator: ``"auto"`` (CUDA, then MPS, then CPU), ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"mps"``.
         strategy: ``"auto"`` (DDP under torchrun with ``WORLD_SIZE > 1``, else one device), ``"single"``,
-            ``"ddp"``, ``"fsdp"``, or a ``cadence.strategies.Strategy`` instance.
+            ``"ddp"``, ``"fsdp"``, or a ``cadence.strategies.Strategy`` instance (``FSDPStrategy(...)``,
+            ``ModelParallelStrategy(...)`` for FSDP x tensor parallelism).
         callbacks: features, run in the order given at every event.
         seed: seeds python, numpy and torch, and the prepared dataloaders' shuffling.
         project_dir: where logs and checkpoints go (``project_dir/checkpoints/checkpoint_{n}``).
@@ -132,6 +133,22 @@ class Engine:
     def world_size(self) -> int:
         """How many processes train together (1 without torchrun)."""
         return self.strategy.world_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """Which shard of every global batch this process reads: its rank, unless ranks share a model replica
+        (``ModelParallelStrategy``: the tensor-parallel ranks of a replica read the same batch)."""
+        return self.strategy.data_parallel_rank
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many shards a global batch is split into: the world size, unless ranks share a model replica."""
+        return self.strategy.data_parallel_size
+
+    @property
+    def device_mesh(self) -> Any:
+        """The strategy's ``DeviceMesh`` when it has several dimensions (``ModelParallelStrategy``), else None."""
+        return self.strategy.device_mesh
 
     @property
     def is_main_process(self) -> bool:
@@ -254,11 +271,12 @@ class Engine:
         return prepared
 
     def _prepare_dataloader(self, loader: DataLoader[Any]) -> PreparedDataLoader:
-        if self.world_size > 1:
+        shards = self.data_parallel_size
+        if shards > 1:
             check_shardable(loader)
-        # Every rank must shuffle with the same seed: the order is global and each rank takes its slice.
+        # Every rank must shuffle with the same seed: the order is global and each data shard takes its slice.
         seed = self.seed if self.seed is not None else self.strategy.broadcast_object(draw_seed(loader))
-        stateful = to_stateful(loader, seed, rank=self.rank, world_size=self.world_size)
+        stateful = to_stateful(loader, seed, rank=self.data_parallel_rank, world_size=shards)
         prepared = PreparedDataLoader(stateful, self, self._move_batch, seed_chosen=self.seed is not None)
         self._dataloaders.append(prepared)
         return prepared
@@ -460,7 +478,8 @@ class Engine:
         self.close()
 
     def reduce(self, tensor: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
-        """``tensor`` reduced across ranks with ``op``: ``"mean"``, ``"sum"``, ``"max"`` or ``"min"``."""
+        """``tensor`` reduced across ranks with ``op``: ``"mean"``, ``"sum"``, ``"max"`` or ``"min"``. Ranks that share
+        a model replica (``ModelParallelStrategy``'s tensor-parallel ranks, which read the same batch) count once."""
         if op not in ("mean", "sum", "max", "min"):
             raise ValueError(f"Unknown reduce op {op!r}; use 'mean', 'sum', 'max' or 'min'.")
         return self.strategy.all_reduce(tensor, op)
@@ -571,7 +590,7 @@ class Engine:
         and caps the total by ``max_steps``. Steps skipped at run time (fp16 overflow, ``FiniteCheck``) cannot be
         foreseen: each one leaves the schedule one step short of its end."""
         loader = dataloader.loader if isinstance(dataloader, PreparedDataLoader) else dataloader
-        steps = batches_per_epoch(loader, self.world_size)
+        steps = batches_per_epoch(loader, self.data_parallel_size)
         if steps is not None:
             for callback in self.callbacks:
                 steps = callback.steps_per_epoch(steps)

@@ -319,7 +319,7 @@ class FitRun:
         if loader is None:
             raise RuntimeError("fit() cannot validate without a val_dataloader")  # callers check first
         engine.fire(Event.VALIDATION_START)
-        means = ValidationMeans(engine.rank, engine.world_size)
+        means = ValidationMeans(engine.data_parallel_rank, engine.data_parallel_size)
         limit, read = self.plan.val_batches, 0
         batches = iter(loader)
         try:

@@ -1,4 +1,5 @@
-"""Backends: one device, DDP, FSDP2. ``resolve_strategy`` turns the Engine's arguments into one of them."""
+"""Backends: one device, DDP, FSDP2, FSDP2 x tensor parallelism (``ModelParallelStrategy``). ``resolve_strategy``
+turns the Engine's arguments into one of them."""
 
 from __future__ import annotations
 
@@ -15,8 +16,17 @@ from cadence.strategies.single import SingleDevice
 
 if TYPE_CHECKING:
     from cadence.strategies.fsdp import FSDPStrategy
+    from cadence.strategies.model_parallel import ModelParallelStrategy
 
-__all__ = ["FSDPStrategy", "ReduceOp", "SingleDevice", "Strategy", "resolve_device", "resolve_strategy"]
+__all__ = [
+    "FSDPStrategy",
+    "ModelParallelStrategy",
+    "ReduceOp",
+    "SingleDevice",
+    "Strategy",
+    "resolve_device",
+    "resolve_strategy",
+]
 
 
 def resolve_device(accelerator: str | torch.device) -> torch.device:
@@ -75,4 +85,8 @@ def __getattr__(name: str) -> Any:
         from cadence.strategies.fsdp import FSDPStrategy
 
         return FSDPStrategy
+    if name == "ModelParallelStrategy":  # and torch.distributed.tensor.parallel with it
+        from cadence.strategies.model_parallel import ModelParallelStrategy
+
+        return ModelParallelStrategy
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -15,6 +15,8 @@ from cadence.strategies.checkpoint_state import Apply
 from cadence.strategies.optimizer_state import indexed_optimizer_state, named_optimizer_state
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
     from cadence.strategies.storage import TensorSink, TensorSource
 
 ReduceOp = Literal["mean", "sum", "max", "min"]
@@ -48,6 +50,28 @@ class Strategy(ABC):
     @property
     def world_size(self) -> int:
         return 1
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """This rank's data shard: which slice of every global batch it reads (its rank, unless ranks share a
+        replica, as tensor-parallel ranks do)."""
+        return self.rank
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many data shards a global batch is split into (the world size, unless ranks share a replica)."""
+        return self.world_size
+
+    @property
+    def replica_leaders(self) -> list[int]:
+        """The rank that speaks for each data shard, in data-parallel rank order (every rank, unless ranks share a
+        replica): an object gathered from every rank, taken at these, holds each shard's once."""
+        return list(range(self.world_size))
+
+    @property
+    def device_mesh(self) -> DeviceMesh | None:
+        """The mesh a strategy with several parallel dimensions trains on (None: one dimension, all ranks)."""
+        return None
 
     def configure_precision(self, precision: Any) -> None:  # noqa: B027 - most strategies need no cue
         """Called when a precision plugin is installed, before any model is prepared; a strategy with its own

@@ -130,10 +130,14 @@ class FSDPStrategy(DistributedStrategy):
                 activation_checkpoint(block)
             fully_shard(block, **options)
         fully_shard(module, **options)
+        self._remember_replaced(before, module)
+        return module
+
+    def _remember_replaced(self, before: dict[str, nn.Parameter], module: nn.Module) -> None:
+        """Note which of ``module``'s parameters (``before`` sharding, by name) sharding replaced."""
         for name, parameter in module.named_parameters():
             if name in before and before[name] is not parameter:
                 self._replaced[id(before[name])] = parameter
-        return module
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         if not self._replaced:
