@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from cadence.checkpoint.state_document import SCORE_KEY
+from cadence.checkpoint.state_document import PROTECTS_KEY, SCORE_KEY
 from cadence.validators import is_integer, is_number
 
 if TYPE_CHECKING:
@@ -253,13 +253,19 @@ class BestCheckpoints:
         self.ranking.dropped = waiting
 
     def state_dict(self) -> dict[str, Any]:
-        current = self._current
+        current, ranking = self._current, self.ranking
         return {
-            "ranking": self.ranking.state_dict(current, self.root),
-            # What CheckpointDirectory.best() reads: the score of the checkpoint this state is saved in.
+            "ranking": ranking.state_dict(current, self.root),
+            # What CheckpointDirectory.best() and `cadence checkpoint list` read from disk: the score of the
+            # checkpoint this state is saved in, and what retention spares.
             SCORE_KEY: None
             if current is None or math.isnan(current.score)
-            else {"monitor": self.ranking.monitor, "value": current.score},
+            else {"monitor": ranking.monitor, "value": current.score, "mode": ranking.mode},
+            PROTECTS_KEY: [
+                None if entry is current else _relative(entry.path, self.root)
+                for entry in (*ranking.best, *ranking.kept)
+                if entry is current or entry.path is not None
+            ],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
