@@ -43,7 +43,12 @@ class LearningRateMonitor(Callback):
     uses, and the scheduler's ``get_last_lr()`` until it steps after it. Logging before the step puts them in
     the row that loggers write at ``AFTER_OPTIMIZER_STEP`` whatever the callbacks' order. ``"epoch"`` logs every
     optimizer's values at ``EPOCH_START``.
+
+    Loggers (``CSVLogger``, ``TensorBoardLogger``) leave out their own ``lr``, ``lr_1`` ... columns while this
+    callback is attached (``logs_learning_rates``): one learning rate, one column.
     """
+
+    logs_learning_rates = True
 
     def __init__(
         self, logging_interval: Interval = "step", log_momentum: bool = True, log_weight_decay: bool = False
