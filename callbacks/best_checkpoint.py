@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from cadence.checkpoint.state_document import PROTECTS_KEY, SCORE_KEY
+from cadence.errors import CadenceWarning
+from cadence.stacklevel import user_stacklevel
 from cadence.validators import is_integer, is_number
 
 if TYPE_CHECKING:
@@ -195,8 +197,8 @@ class BestCheckpoints:
             warnings.warn(
                 f"Checkpoint(monitor={self.ranking.monitor!r}): the score at step {engine.state.step} is NaN; it is "
                 "not ranked and no checkpoint is saved for it.",
-                UserWarning,
-                stacklevel=3,
+                CadenceWarning,
+                stacklevel=user_stacklevel(),
             )
         return score if self.ranking.enters(score) else None
 
@@ -275,8 +277,8 @@ class BestCheckpoints:
             warnings.warn(
                 f"Checkpoint(monitor={self.ranking.monitor!r}): the checkpoint's ranking is malformed "
                 f"({loaded!r:.80}); the ranking starts afresh.",
-                UserWarning,
-                stacklevel=3,
+                CadenceWarning,
+                stacklevel=user_stacklevel(),
             )
             loaded = None
         self._loaded = loaded  # its paths resolve against the loaded checkpoint: restore()
@@ -297,11 +299,15 @@ class BestCheckpoints:
             warnings.warn(
                 f"Checkpoint(monitor={self.ranking.monitor!r}): the ranked checkpoint {entry.path} (score "
                 f"{entry.score}, step {entry.step}) is gone; it is left out of the ranking.",
-                UserWarning,
-                stacklevel=3,
+                CadenceWarning,
+                stacklevel=user_stacklevel(),
             )
         if engine.is_main_process and (loaded["monitor"], loaded["mode"]) != (self.ranking.monitor, self.ranking.mode):
-            warnings.warn(self._reranked(loaded["monitor"], loaded["mode"], set_aside), UserWarning, stacklevel=3)
+            warnings.warn(
+                self._reranked(loaded["monitor"], loaded["mode"], set_aside),
+                CadenceWarning,
+                stacklevel=user_stacklevel(),
+            )
         for entry in (*self.ranking.best, *self.ranking.kept):
             if entry.path is not None:
                 checkpoints.protect(entry.path, self.holder)

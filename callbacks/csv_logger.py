@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cadence.checkpoint.commit import fsync_path
+from cadence.errors import CadenceWarning
+from cadence.stacklevel import user_stacklevel
 
 from .logger import Logger
 
@@ -73,7 +75,7 @@ class CSVLogger(Logger):
             if not (candidate := self.path.with_name(f"{self.path.stem}.{number}{self.path.suffix}")).exists()
         )
         os.rename(self.path, kept)
-        warnings.warn(self._kept_message(self.path.name, kept.name), UserWarning, stacklevel=2)
+        warnings.warn(self._kept_message(self.path.name, kept.name), CadenceWarning, stacklevel=user_stacklevel())
 
     def _kept_message(self, name: str, kept: str) -> str:
         checkpoints = self._checkpoints

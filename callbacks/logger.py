@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from cadence import Callback
+from cadence.errors import CadenceWarning
+from cadence.stacklevel import user_stacklevel
 
 if TYPE_CHECKING:
     from cadence import Engine
@@ -269,8 +271,8 @@ class Logger(Callback):
                 "the points every rank passes (every flush_every_n_rows rows, an epoch's end, a checkpoint save, "
                 "the end of fit()). They are written then; to write them now, call flush(every_rank=True) on "
                 "every rank.",
-                UserWarning,
-                stacklevel=2,
+                CadenceWarning,
+                stacklevel=user_stacklevel(),
             )
 
     def _flush_together(self, engine: Engine, window: bool = False) -> dict[str, Any]:

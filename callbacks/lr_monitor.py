@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from cadence import Callback
+from cadence.errors import CadenceWarning
+from cadence.stacklevel import user_stacklevel
 from cadence.validators import boolean
 
 if TYPE_CHECKING:
@@ -122,8 +124,8 @@ class LearningRateMonitor(Callback):
         self._warned.add((name, flag))
         warnings.warn(
             f"LearningRateMonitor: param group {name!r} {_MISSING[flag]} Pass {flag}=False to {_INSTEAD[flag]}.",
-            UserWarning,
-            stacklevel=4,
+            CadenceWarning,
+            stacklevel=user_stacklevel(),
         )
 
 

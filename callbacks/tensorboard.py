@@ -8,6 +8,9 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cadence.errors import CadenceWarning
+from cadence.stacklevel import user_stacklevel
+
 from .logger import Logger
 
 if TYPE_CHECKING:
@@ -96,7 +99,8 @@ class TensorBoardLogger(Logger):
         warnings.warn(
             f"TensorBoardLogger writes numbers only; metric {name!r} is {shape}, so it is left out of TensorBoard "
             "(CSVLogger keeps it). Log a number (e.g. tensor.mean()) to see it there.",
-            stacklevel=2,
+            CadenceWarning,
+            stacklevel=user_stacklevel(),
         )
 
 
