@@ -147,3 +147,19 @@ def test_an_empty_directory_and_a_missing_one(tmp_path: Path, capsys: pytest.Cap
     assert "holds no checkpoint" in capsys.readouterr().out
     assert main(["checkpoint", "list", str(tmp_path / "nowhere")]) == 1
     assert "is not a directory. Pass the folder that holds the checkpoints" in capsys.readouterr().err
+
+
+def test_a_malformed_score_record_lists_no_score_instead_of_failing(
+    run: Run, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.checkpoint.test_state_document import rewrite
+
+    def spoil(document: dict[str, Any]) -> None:
+        for state in document["callbacks"].values():
+            state["checkpoint_score"] = {"monitor": "val/loss", "value": "low", "mode": "min"}
+            state["checkpoint_protects"] = "everything"
+
+    rewrite(run.root / run.best[0], "state.json", spoil)  # still matches its manifest: only the record is wrong
+    entries = listed(run.root, "--verify", capsys=capsys)
+    assert entries[run.best[0]]["scores"] == {} and entries[run.best[0]]["verified"] is True
+    assert entries[run.best[1]]["best"] == ["val/loss"]

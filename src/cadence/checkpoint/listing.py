@@ -4,7 +4,7 @@ matches its checksums. Reads only: nothing here loads, repairs or deletes anythi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -44,11 +44,11 @@ class Entry:
 
     @property
     def loadable(self) -> bool:
-        """Committed, and not found damaged: what ``load_state`` would try."""
-        return self.status == "committed" and self.verified is not False
+        """Committed and not found damaged (a failed check makes it "damaged"): what ``load_state`` would try."""
+        return self.status == "committed"
 
     def as_json(self) -> dict[str, Any]:
-        return {key: value for key, value in vars(self).items()}
+        return asdict(self)
 
 
 def verify(directory: Path) -> dict[str, Any]:
