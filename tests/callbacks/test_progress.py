@@ -353,6 +353,8 @@ def test_test_and_predict_passes_show_their_batches_and_the_test_metrics() -> No
     assert lines[3] == f"test: test/loss {results['test/loss']:.4f}"
     assert [line.split(" | ")[:2] for line in lines[4:]] == [["predict", f"batch {n}/3"] for n in (2, 3)]
     assert all(" it/s | ETA " in line for line in lines if " | " in line)
+    # Each pass's first line is untimed (a compiled model compiles its evaluation graph there), the others timed.
+    assert [line.endswith("-- it/s | ETA --:--:--") for line in lines if " | " in line] == [1, 0, 0, 1, 0]
 
 
 def test_a_pass_on_a_terminal_outside_fit_runs_its_own_live_bar_and_stops_it(clock: FakeClock) -> None:
