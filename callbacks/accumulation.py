@@ -12,6 +12,8 @@ from torch import nn
 from cadence import Callback
 from cadence.checkpoint.checks import check_state_fields
 from cadence.compat import version_counter
+from cadence.errors import CadenceWarning
+from cadence.stacklevel import user_stacklevel
 from cadence.validators import integer
 
 if TYPE_CHECKING:
@@ -83,8 +85,8 @@ class GradientAccumulation(Callback):
                 "(and zeroing the gradients) at every batch, so nothing is accumulated. Step the optimizer "
                 "engine.prepare() returned: `model, optimizer = engine.prepare(model, optimizer)`, then "
                 "`optimizer.step()` and `optimizer.zero_grad()` on that one.",
-                UserWarning,
-                stacklevel=2,
+                CadenceWarning,
+                stacklevel=user_stacklevel(),
             )
         sync = engine.state.sync_gradients
         self._versions = self._weight_versions(engine) if position == 0 and not sync else None

@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from cadence.checkpoint.state_document import SCORE_KEY
+from cadence.checkpoint.state_document import PROTECTS_KEY, SCORE_KEY
+from cadence.errors import CadenceWarning
+from cadence.stacklevel import user_stacklevel
 from cadence.validators import is_integer, is_number
 
 if TYPE_CHECKING:
@@ -195,8 +197,8 @@ class BestCheckpoints:
             warnings.warn(
                 f"Checkpoint(monitor={self.ranking.monitor!r}): the score at step {engine.state.step} is NaN; it is "
                 "not ranked and no checkpoint is saved for it.",
-                UserWarning,
-                stacklevel=3,
+                CadenceWarning,
+                stacklevel=user_stacklevel(),
             )
         return score if self.ranking.enters(score) else None
 
@@ -253,13 +255,19 @@ class BestCheckpoints:
         self.ranking.dropped = waiting
 
     def state_dict(self) -> dict[str, Any]:
-        current = self._current
+        current, ranking = self._current, self.ranking
         return {
-            "ranking": self.ranking.state_dict(current, self.root),
-            # What CheckpointDirectory.best() reads: the score of the checkpoint this state is saved in.
+            "ranking": ranking.state_dict(current, self.root),
+            # What CheckpointDirectory.best() and `cadence checkpoint list` read from disk: the score of the
+            # checkpoint this state is saved in, and what retention spares.
             SCORE_KEY: None
             if current is None or math.isnan(current.score)
-            else {"monitor": self.ranking.monitor, "value": current.score},
+            else {"monitor": ranking.monitor, "value": current.score, "mode": ranking.mode},
+            PROTECTS_KEY: [
+                None if entry is current else _relative(entry.path, self.root)
+                for entry in (*ranking.best, *ranking.kept)
+                if entry is current or entry.path is not None
+            ],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -269,8 +277,8 @@ class BestCheckpoints:
             warnings.warn(
                 f"Checkpoint(monitor={self.ranking.monitor!r}): the checkpoint's ranking is malformed "
                 f"({loaded!r:.80}); the ranking starts afresh.",
-                UserWarning,
-                stacklevel=3,
+                CadenceWarning,
+                stacklevel=user_stacklevel(),
             )
             loaded = None
         self._loaded = loaded  # its paths resolve against the loaded checkpoint: restore()
@@ -291,11 +299,15 @@ class BestCheckpoints:
             warnings.warn(
                 f"Checkpoint(monitor={self.ranking.monitor!r}): the ranked checkpoint {entry.path} (score "
                 f"{entry.score}, step {entry.step}) is gone; it is left out of the ranking.",
-                UserWarning,
-                stacklevel=3,
+                CadenceWarning,
+                stacklevel=user_stacklevel(),
             )
         if engine.is_main_process and (loaded["monitor"], loaded["mode"]) != (self.ranking.monitor, self.ranking.mode):
-            warnings.warn(self._reranked(loaded["monitor"], loaded["mode"], set_aside), UserWarning, stacklevel=3)
+            warnings.warn(
+                self._reranked(loaded["monitor"], loaded["mode"], set_aside),
+                CadenceWarning,
+                stacklevel=user_stacklevel(),
+            )
         for entry in (*self.ranking.best, *self.ranking.kept):
             if entry.path is not None:
                 checkpoints.protect(entry.path, self.holder)

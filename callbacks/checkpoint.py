@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 from cadence import Callback
 from cadence.checkpoint.checks import check_state_fields
+from cadence.errors import CadenceWarning
+from cadence.stacklevel import user_stacklevel
 from cadence.validators import boolean, optional_integer
 
 from .best_checkpoint import BestCheckpoints, Mode, check_ranking_arguments
@@ -201,7 +203,11 @@ class Checkpoint(Callback):
         try:
             self._save(engine, f"fit failed: {type(error).__name__}; the batch that raised is not replayed")
         except Exception as save_error:  # the original exception is what the user must see
-            warnings.warn(f"Checkpoint(on_exception=True) could not save: {save_error}", UserWarning, stacklevel=2)
+            warnings.warn(
+                f"Checkpoint(on_exception=True) could not save: {save_error}",
+                CadenceWarning,
+                stacklevel=user_stacklevel(),
+            )
 
     def on_fit_end(self, engine: Engine) -> None:
         # fit() sets state.exception during FIT_END when it is failing: that case belongs to on_exception.
@@ -214,8 +220,8 @@ class Checkpoint(Callback):
             warnings.warn(
                 f"Checkpoint(monitor={best.ranking.monitor!r}) ranks checkpoints after validation, and this fit() ran "
                 "none: pass fit(..., val_dataloader=...) with a validation_step.",
-                UserWarning,
-                stacklevel=2,
+                CadenceWarning,
+                stacklevel=user_stacklevel(),
             )
 
     def state_dict(self) -> dict[str, Any]:

@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from cadence.checkpoint.commit import fsync_path
+from cadence.errors import CadenceWarning
+from cadence.stacklevel import user_stacklevel
 
 from .logger import Logger
 
@@ -83,7 +85,7 @@ class CSVLogger(Logger):
         if kept:
             names = " and ".join(name for name, _ in kept)
             aside = " and ".join(aside.name for _, aside in kept)
-            warnings.warn(self._kept_message(names, aside), UserWarning, stacklevel=2)
+            warnings.warn(self._kept_message(names, aside), CadenceWarning, stacklevel=user_stacklevel())
 
     def _kept_message(self, name: str, kept: str) -> str:
         holds = "hold" if " and " in name else "holds"

@@ -10,6 +10,8 @@ import torch
 
 from cadence import Callback
 from cadence.checkpoint.checks import check_state_fields, refuse_state
+from cadence.errors import CadenceWarning
+from cadence.stacklevel import user_stacklevel
 from cadence.validators import integer, is_number
 
 if TYPE_CHECKING:
@@ -226,7 +228,7 @@ class EarlyStopping(Callback):
             message = _missing_message(self.monitor, self.check_on, metrics)
             if self.strict:
                 raise RuntimeError(message)
-            warnings.warn(message, UserWarning, stacklevel=2)
+            warnings.warn(message, CadenceWarning, stacklevel=user_stacklevel())
             return None
         value = _as_scalar(self.monitor, metrics[self.monitor])
         if not self.monitor.startswith(_VALIDATION_PREFIX):

@@ -14,6 +14,8 @@ import torch
 
 from cadence import Callback
 from cadence.checkpoint.checks import refuse_state
+from cadence.errors import CadenceWarning
+from cadence.stacklevel import user_stacklevel
 
 if TYPE_CHECKING:
     from cadence import Engine
@@ -24,7 +26,9 @@ TEST_PREFIX = "test/"
 
 class Logger(Callback):
     """The base of the metrics loggers. It writes one training row per real optimizer step, one that updated the
-    weights (``epoch``, ``loss``, ``lr``, ``lr_1`` ... one per param group, then every logged training metric),
+    weights (``epoch``, ``loss``, ``lr``, ``lr_1`` ... one per param group, then every logged training metric;
+    no ``lr`` columns when a callback that ``logs_learning_rates`` is attached: ``LearningRateMonitor``'s
+    ``lr-<Optimizer>`` columns hold the same values),
     one row after each validation (``epoch`` and the ``val/`` metrics), and one after each ``engine.test()`` (``epoch``
     and the ``test/`` metrics, written at once: no later flush may come), on the main process only. A skipped
     step (accumulating, fp16 overflow, a veto) writes no row: it leaves ``state.step`` where it was, so its row
@@ -83,6 +87,7 @@ class Logger(Callback):
         self._micro_batches = 0
         self._items: Any = None
         self._last_loss: _StepLoss | None = None  # the last step's, for the rows of its other optimizers
+        self._writes_lr: bool | None = None  # decided at the first row, once every callback is attached
 
     # --- the backend ---------------------------------------------------------------------------------------------
     def write(self, step: int, metrics: dict[str, Any]) -> None:
@@ -150,6 +155,7 @@ class Logger(Callback):
 
     def on_fit_start(self, engine: Engine) -> None:
         self._fit_ended = False
+        self._writes_lr = None  # callbacks may have been attached or removed since the last fit
         self._fit_running = True
         self._write_ready()  # hyperparameters logged before fit(): the resume, if any, is done
 
@@ -192,7 +198,11 @@ class Logger(Callback):
             row = {"epoch": state.epoch}
             if loss is not None:
                 row["loss"] = loss
-            for index, group in enumerate(state.optimizer.param_groups if state.optimizer is not None else ()):
+            if self._writes_lr is None:
+                self._writes_lr = not any(getattr(each, "logs_learning_rates", False) for each in engine.callbacks)
+            for index, group in enumerate(
+                state.optimizer.param_groups if state.optimizer is not None and self._writes_lr else ()
+            ):
                 row["lr" if index == 0 else f"lr_{index}"] = group["lr"]
             row.update((name, value) for name, value in state.metrics.items() if not name.startswith(VALIDATION_PREFIX))
         self._add(engine, state.step, row)
@@ -283,8 +293,8 @@ class Logger(Callback):
                 "the points every rank passes (every flush_every_n_rows rows, an epoch's end, a checkpoint save, "
                 "the end of fit()). They are written then; to write them now, call flush(every_rank=True) on "
                 "every rank.",
-                UserWarning,
-                stacklevel=2,
+                CadenceWarning,
+                stacklevel=user_stacklevel(),
             )
 
     def _flush_together(self, engine: Engine, window: bool = False) -> dict[str, Any]:

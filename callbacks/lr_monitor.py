@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from cadence import Callback
+from cadence.errors import CadenceWarning
+from cadence.stacklevel import user_stacklevel
 from cadence.validators import boolean
 
 if TYPE_CHECKING:
@@ -43,7 +45,12 @@ class LearningRateMonitor(Callback):
     uses, and the scheduler's ``get_last_lr()`` until it steps after it. Logging before the step puts them in
     the row that loggers write at ``AFTER_OPTIMIZER_STEP`` whatever the callbacks' order. ``"epoch"`` logs every
     optimizer's values at ``EPOCH_START``.
+
+    Loggers (``CSVLogger``, ``TensorBoardLogger``) leave out their own ``lr``, ``lr_1`` ... columns while this
+    callback is attached (``logs_learning_rates``): one learning rate, one column.
     """
+
+    logs_learning_rates = True
 
     def __init__(
         self, logging_interval: Interval = "step", log_momentum: bool = True, log_weight_decay: bool = False
@@ -117,8 +124,8 @@ class LearningRateMonitor(Callback):
         self._warned.add((name, flag))
         warnings.warn(
             f"LearningRateMonitor: param group {name!r} {_MISSING[flag]} Pass {flag}=False to {_INSTEAD[flag]}.",
-            UserWarning,
-            stacklevel=4,
+            CadenceWarning,
+            stacklevel=user_stacklevel(),
         )
 
 

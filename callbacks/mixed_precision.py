@@ -7,7 +7,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from cadence import Callback
 from cadence.checkpoint.checks import check_state_fields, refuse_state
+from cadence.errors import CadenceWarning
 from cadence.precision import AutocastPrecision, GradScalerPrecision, Precision, check_scaler_state
+from cadence.stacklevel import user_stacklevel
 
 if TYPE_CHECKING:
     from cadence import Engine
@@ -92,8 +94,8 @@ class MixedPrecision(Callback):
         warnings.warn(
             f"MixedPrecision: the checkpoint was saved in {was} and this run uses {self.precision_name}: it resumes "
             f"in {self.precision_name}{change}. Attach {same} instead to continue the saved run exactly.",
-            UserWarning,
-            stacklevel=2,
+            CadenceWarning,
+            stacklevel=user_stacklevel(),
         )
 
     def _attached(self) -> Precision:

@@ -9,6 +9,9 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cadence.errors import CadenceWarning
+from cadence.stacklevel import user_stacklevel
+
 from .logger import Logger, check_run_id, missing_package
 
 if TYPE_CHECKING:
@@ -193,8 +196,8 @@ class MLflowLogger(Logger):
                 f"MLflowLogger: the checkpoint's MLflow run {run_id} is not in the store {self.tracking_uri} "
                 "(it was deleted, or logged to another tracking_uri or project_dir); this resumed run logs into a "
                 "new MLflow run. Pass MLflowLogger(tracking_uri=...) of the store that holds it to continue it.",
-                UserWarning,
-                stacklevel=2,
+                CadenceWarning,
+                stacklevel=user_stacklevel(),
             )
             self.run_id, self._last_steps, self._read_last_steps = None, {}, False
             return
@@ -232,8 +235,8 @@ class MLflowLogger(Logger):
                 f"MLflowLogger: the MLflow run {run_id} holds other values for the hyperparameter(s) "
                 f"{', '.join(changed)} ({', '.join(f'{n}={logged[n]!r}' for n in changed)}); MLflow cannot change a "
                 "param, so they keep those values. Start a fresh run (no resume) to log new ones.",
-                UserWarning,
-                stacklevel=2,
+                CadenceWarning,
+                stacklevel=user_stacklevel(),
             )
         return [(name, value) for name, value in self._params.items() if name not in changed]
 
@@ -248,8 +251,8 @@ class MLflowLogger(Logger):
         warnings.warn(
             f"MLflowLogger logs numbers under names MLflow accepts; metric {name!r} is {reason}, so it is left out of "
             "MLflow (CSVLogger keeps it). Log a number (e.g. tensor.mean()) under such a name to see it there.",
-            UserWarning,
-            stacklevel=2,
+            CadenceWarning,
+            stacklevel=user_stacklevel(),
         )
 
 

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from cadence import Callback
+from cadence.errors import CadenceWarning
+from cadence.stacklevel import user_stacklevel
 from cadence.validators import boolean, integer, is_integer
 
 from .checkpoint import save_once
@@ -222,7 +224,8 @@ class Preemption(Callback):
             warnings.warn(
                 f"Preemption(requeue=True): `scontrol requeue {job}` failed ({failure}). The checkpoint is saved; "
                 f"resubmit the job (sbatch) to resume from it.",
-                stacklevel=2,
+                CadenceWarning,
+                stacklevel=user_stacklevel(),
             )
 
     def _restore(self) -> None:

@@ -41,8 +41,10 @@ class RichProgressBar(Callback):
     process show nothing.
 
     Each display shows the epoch, the batch within the epoch (``i/N``, counted from the epoch's start, also in a
-    resumed epoch), the optimizer step, the loss, the epoch's rate in batches per second and its ETA. The fit's
-    last position is shown when it ends (unless it raised), and validation metrics on a line of their own.
+    resumed epoch), the optimizer step, the loss, the epoch's rate in batches per second and its ETA (none on a
+    fit's or a pass's first line, ``-- it/s``: the batches before it include torch.compile's compilation, so the
+    rate counts from that line on; later epochs count from their start). The fit's last position is shown when it
+    ends (unless it raised), and validation metrics on a line of their own.
     ``engine.test()`` and ``engine.predict()`` passes show ``test`` / ``predict``, the batch, the rate and the ETA,
     by the same refresh rule, and their last position; a test's metrics follow on a line of their own.
 
@@ -76,8 +78,8 @@ class RichProgressBar(Callback):
         """The batches the countdown last started from: those run since the last clock check when it hits 0."""
         self._next_draw_at = 0.0
         self._checked_at = 0.0
-        self._epoch_started = 0.0
-        self._epoch_start_position = 0
+        self._timed_from: tuple[int, float] | None = None
+        """The position and time the rate counts from; None until a fit's first line (see ``_draw``)."""
         self._drawn_at: tuple[int, int] | None = None
         self._pass: _EvaluationPass | None = None
         """The ``test()`` or ``predict()`` pass being shown."""
@@ -97,6 +99,7 @@ class RichProgressBar(Callback):
         else:
             self._interval = LIVE_REFRESH_S if self._live is not None else PLAIN_REFRESH_S
         self._countdown = NEVER  # set when the first epoch starts: a new fit draws its first batch again
+        self._timed_from = None
         self._drawn_at = (engine.state.epoch, engine.state.batch_idx)  # a fit that runs no batch draws nothing
 
     def on_epoch_start(self, engine: Engine) -> None:
@@ -105,8 +108,9 @@ class RichProgressBar(Callback):
         state = engine.state
         now = monotonic()
         # A resumed epoch starts part-way: positions and the rate count from where this process started it.
-        self._epoch_started = now
-        self._epoch_start_position = position = state.batch_idx + 1
+        position = state.batch_idx + 1
+        if self._timed_from is not None:  # the fit's first epoch is timed from its first line instead
+            self._timed_from = (position, now)
         if self.refresh_every_n_batches is not None:
             self._countdown = self.refresh_every_n_batches - position % self.refresh_every_n_batches
         elif self._countdown == NEVER:  # the fit's first epoch (or a hand-written loop's): draw its first batch
@@ -188,15 +192,15 @@ class RichProgressBar(Callback):
         state = engine.state
         self._drawn_at = (state.epoch, state.batch_idx)
         position = state.batch_idx + 1
-        # The rate counts only the batches this process ran; the batches left count from the epoch's position.
-        rate = (position - self._epoch_start_position) / max(now - self._epoch_started, 1e-9)
-        eta = "?"
-        if state.num_batches is not None and rate > 0:
-            eta = _clock_time((state.num_batches - position) / rate)
+        # The batches before a fit's first line took torch.compile's compilation, the first CUDA kernels' loading
+        # and the workers' start: the rate counts from that line on, so it shows none until a second line.
+        # Later epochs count from their start, only the batches this process ran.
+        timed_from, self._timed_from = self._timed_from, self._timed_from or (position, now)
+        left = None if state.num_batches is None else state.num_batches - position
         current_loss = state.loss
         loss = "-" if current_loss is None else f"{current_loss.item():.4f}"
         total = "?" if state.num_batches is None else str(state.num_batches)
-        counts = f"{position}/{total} | step {state.step} | loss {loss} | {rate:.1f} it/s | ETA {eta}"
+        counts = f"{position}/{total} | step {state.step} | loss {loss} | {_speed(position, timed_from, now, left)}"
         if self._live is not None:
             self._live.update(_bar_line(f"epoch {state.epoch}", position, state.num_batches, counts), refresh=True)
         else:
@@ -217,7 +221,7 @@ class RichProgressBar(Callback):
         if interval is None:
             interval = LIVE_REFRESH_S if self._live is not None else PLAIN_REFRESH_S
         now = monotonic()
-        self._pass = _EvaluationPass(name, now, interval, owns_live, next_draw_at=now)
+        self._pass = _EvaluationPass(name, interval, owns_live, next_draw_at=now)
 
     def _pass_batch(self, engine: Engine) -> None:
         shown = self._pass
@@ -249,9 +253,10 @@ class RichProgressBar(Callback):
         state = engine.state
         position, total = state.eval_batch_idx + 1, state.eval_num_batches
         shown.drawn = position
-        rate = position / max(now - shown.started, 1e-9)
-        eta = _clock_time((total - position) / rate) if total is not None and rate > 0 else "?"
-        counts = f"{position}/{'?' if total is None else total} | {rate:.1f} it/s | ETA {eta}"
+        # As in fit(): a compiled model compiles its evaluation graph in the first batch, so the first line is untimed.
+        timed_from, shown.timed_from = shown.timed_from, shown.timed_from or (position, now)
+        left = None if total is None else total - position
+        counts = f"{position}/{'?' if total is None else total} | {_speed(position, timed_from, now, left)}"
         if self._live is not None:
             self._live.update(_bar_line(shown.name, position, total, counts), refresh=True)
         else:
@@ -270,13 +275,14 @@ class _EvaluationPass:
     """How a ``test()`` or ``predict()`` pass is being shown."""
 
     name: str
-    started: float
     interval: float
     owns_live: bool
     """Whether the pass started the live display (outside ``fit()``), so it stops it."""
     next_draw_at: float
     drawn: int = 0
     """The position last drawn."""
+    timed_from: tuple[int, float] | None = None
+    """The position and time of the pass's first line, which the rate counts from."""
 
 
 def _check_refresh(every_n_batches: int | None, every_s: float | None) -> None:
@@ -316,6 +322,15 @@ def _bar_line(label: str, position: int, total: int | None, counts: str) -> Text
     return Text.assemble(
         (f"{label} ", "bold"), ("━" * done, "bar.complete"), ("━" * (BAR_CELLS - done), "bar.back"), f" {counts}"
     )
+
+
+def _speed(position: int, timed_from: tuple[int, float] | None, now: float, left: int | None) -> str:
+    """``12.5 it/s | ETA 00:01:02`` over the batches since ``timed_from``; dashes before any was timed."""
+    if timed_from is None:
+        return "-- it/s | ETA --:--:--"
+    rate = (position - timed_from[0]) / max(now - timed_from[1], 1e-9)
+    eta = _clock_time(left / rate) if left is not None and rate > 0 else "?"
+    return f"{rate:.1f} it/s | ETA {eta}"
 
 
 def _clock_time(seconds: float) -> str:

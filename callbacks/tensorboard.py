@@ -8,6 +8,9 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cadence.errors import CadenceWarning
+from cadence.stacklevel import user_stacklevel
+
 from .logger import Logger
 
 if TYPE_CHECKING:
@@ -19,9 +22,9 @@ INSTALL_HINT = 'pip install "cadence[tensorboard]"'
 
 
 class TensorBoardLogger(Logger):
-    """Writes the rows of a ``Logger`` (``epoch``, ``loss``, ``lr``, logged metrics, ``val/`` metrics) with
-    ``torch.utils.tensorboard.SummaryWriter``: one scalar per metric, tagged with its name, at ``state.step``.
-    A tag gets one value per step, the first (``epoch`` is in both the training and the validation row).
+    """Writes the rows of a ``Logger`` (``loss``, ``lr``, logged metrics, ``val/`` metrics; not ``epoch``, which is
+    a CSV column and no curve: TensorBoard's axis is the step) with ``torch.utils.tensorboard.SummaryWriter``: one
+    scalar per metric, tagged with its name, at ``state.step``. A tag gets one value per step, the first.
     Main process only; ``log_dir`` is relative to ``project_dir`` (default ``project_dir/tensorboard``).
 
     A fresh run hides the events earlier runs wrote into the directory, as ``CSVLogger`` starts a new file; a
@@ -61,7 +64,7 @@ class TensorBoardLogger(Logger):
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         writer = self._open()
         for name, value in metrics.items():
-            if step <= self._last_steps.get(name, -1):
+            if name == "epoch" or step <= self._last_steps.get(name, -1):
                 continue
             if not isinstance(value, numbers.Real):
                 self._refuse(name, value)
@@ -109,7 +112,8 @@ class TensorBoardLogger(Logger):
         warnings.warn(
             f"TensorBoardLogger writes numbers only; metric {name!r} is {shape}, so it is left out of TensorBoard "
             "(CSVLogger keeps it). Log a number (e.g. tensor.mean()) to see it there.",
-            stacklevel=2,
+            CadenceWarning,
+            stacklevel=user_stacklevel(),
         )
 
 

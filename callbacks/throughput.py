@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from cadence import Callback
+from cadence.errors import CadenceWarning
+from cadence.stacklevel import user_stacklevel
 from cadence.validators import integer, is_integer, is_number
 
 from .flops import device_peak_flops
@@ -181,7 +183,7 @@ class ThroughputMonitor(Callback):
             warnings.warn(
                 f"ThroughputMonitor knows no peak FLOP/s for {engine.device} in {engine.precision.name}, so it logs no "
                 "throughput/mfu. Pass ThroughputMonitor(peak_flops=...): one device's dense peak in your precision.",
-                UserWarning,
-                stacklevel=2,
+                CadenceWarning,
+                stacklevel=user_stacklevel(),
             )
         return self._peak

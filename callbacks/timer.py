@@ -14,6 +14,8 @@ import torch
 
 from cadence import Callback
 from cadence.checkpoint.checks import check_state_fields
+from cadence.errors import CadenceWarning
+from cadence.stacklevel import user_stacklevel
 from cadence.validators import integer, is_number
 
 if TYPE_CHECKING:
@@ -209,7 +211,7 @@ def warn_outside_fit(name: str) -> bool:
     warnings.warn(
         f"{name} acts only inside engine.fit(): this batch ran in a hand-written loop, so it does nothing here. "
         "Use fit(), or remove it and check the condition in your loop.",
-        UserWarning,
-        stacklevel=4,
+        CadenceWarning,
+        stacklevel=user_stacklevel(),
     )
     return True

@@ -39,7 +39,9 @@ def test_usage_and_unknown_commands(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @pytest.mark.parametrize(
-    "command", [["env"], ["checkpoint"], ["checkpoint", "verify"], ["checkpoint", "inspect"]], ids=" ".join
+    "command",
+    [["env"], ["checkpoint"], ["checkpoint", "verify"], ["checkpoint", "inspect"], ["checkpoint", "list"]],
+    ids=" ".join,
 )
 def test_every_command_explains_itself_with_help(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*command, "--help"]) == 0
@@ -97,6 +99,23 @@ def test_checkpoint_verify_checks_the_sha256_that_a_load_skips(
     engine.load_state(checkpoint)
     assert main(["checkpoint", "verify", str(checkpoint)]) == 1
     assert "model_0.safetensors does not match its sha256" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_command_lists_checkpoints_in_a_process_of_its_own(checkpoint: Path) -> None:
+    (checkpoint.parent / "checkpoint_7").mkdir()  # a torn save: no manifest
+    listing = subprocess.run(
+        [*CADENCE, "checkpoint", "list", "--verify", "--json"], capture_output=True, text=True, timeout=120,
+        cwd=checkpoint.parent.parent,  # the default DIR: ./checkpoints
+    )  # fmt: skip
+    assert listing.returncode == 0, listing.stderr
+    entries = json.loads(listing.stdout)["checkpoints"]
+    assert [(e["name"], e["status"], e["verified"], e["newest"]) for e in entries] == [
+        ("checkpoint_0", "committed", True, True),
+        ("checkpoint_7", "incomplete", None, False),
+    ]
+    table = subprocess.run([*CADENCE, "checkpoint", "list", str(checkpoint.parent)], capture_output=True, text=True)
+    assert table.returncode == 0 and "│ checkpoint_0 " in table.stdout and "newest" in table.stdout
 
 
 @pytest.fixture

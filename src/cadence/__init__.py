@@ -4,6 +4,7 @@ from cadence.callback import Callback
 from cadence.checkpoint.export import load_checkpoint_in_model
 from cadence.checkpoint.files import CheckpointError
 from cadence.engine import Engine
+from cadence.errors import CadenceWarning
 from cadence.event import Event
 from cadence.inputs import seed_everything
 from cadence.schedule import Schedule
@@ -11,6 +12,7 @@ from cadence.state import State
 from cadence.step import TrainingStep
 
 __all__ = [
+    "CadenceWarning",
     "Callback",
     "CheckpointError",
     "Engine",

@@ -7,7 +7,9 @@ import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from cadence.errors import CadenceWarning
 from cadence.event import Event
+from cadence.stacklevel import user_stacklevel
 
 if TYPE_CHECKING:
     from cadence.engine import Engine
@@ -137,8 +139,8 @@ def _warn_misspelled_hooks(callback: Callback) -> None:
             hint = f" Did you mean `{close[0]}`?" if close else f" Valid hooks: {', '.join(sorted(HOOK_NAMES))}."
             warnings.warn(
                 f"{type(callback).__name__}.{name} is not an engine hook and will never be called.{hint}",
-                UserWarning,
-                stacklevel=4,
+                CadenceWarning,
+                stacklevel=user_stacklevel(),
             )
 
 

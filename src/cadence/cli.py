@@ -1,4 +1,4 @@
-"""The ``cadence`` command: ``launch`` (torchrun), ``env`` (for bug reports), ``checkpoint verify|inspect``.
+"""The ``cadence`` command: ``launch`` (torchrun), ``env`` (for bug reports), ``checkpoint verify|inspect|list``.
 
 Each command imports what it needs when it runs (torch.distributed.run for ``launch``, the checkpoint reader for
 ``checkpoint``): no command pays for another's imports.
@@ -12,16 +12,22 @@ import json
 import os
 import platform
 import sys
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cadence.checkpoint.listing import Entry
 
 _EXAMPLES = """examples:
   cadence launch --nproc-per-node 2 train.py --epochs 3
   cadence env
   cadence checkpoint verify checkpoints/checkpoint_3
   cadence checkpoint inspect checkpoints/checkpoint_3
+  cadence checkpoint list checkpoints --verify
 
 exit status: 0 success, 1 failure (a failed job, a damaged checkpoint), 2 usage error"""
 
@@ -73,15 +79,15 @@ def environment_report() -> str:
 
 def _checkpoint(options: argparse.Namespace) -> int:
     from cadence.checkpoint.files import CheckpointError, CheckpointReader
-    from cadence.checkpoint.state_document import check_documents
+    from cadence.checkpoint.listing import verify
 
     directory: Path = options.directory
     try:
-        with CheckpointReader(directory, every_checksum=True) as reader:
-            if options.action == "verify":
-                reader.verify()
-                check_documents(reader.manifest, reader.json, str(directory))
-            manifest = reader.manifest
+        if options.action == "verify":
+            manifest = verify(directory)
+        else:
+            with CheckpointReader(directory) as reader:
+                manifest = reader.manifest
     except CheckpointError as error:
         print(f"{directory}: {error}", file=sys.stderr)
         return 1
@@ -104,6 +110,90 @@ def _checkpoint(options: argparse.Namespace) -> int:
     else:
         print(json.dumps(manifest, indent=2, sort_keys=True))
     return 0
+
+
+def _list(options: argparse.Namespace) -> int:
+    from cadence.checkpoint.listing import list_checkpoints
+
+    directory: Path = options.directory
+    if not directory.is_dir():
+        print(
+            f"cadence checkpoint list: {directory} is not a directory. Pass the folder that holds the checkpoints "
+            "(Engine(project_dir=P) saves into P/checkpoints).",
+            file=sys.stderr,
+        )
+        return 1
+    entries = list_checkpoints(directory, check_checksums=options.verify)
+    if options.json:
+        print(json.dumps({"directory": str(directory), "checkpoints": [e.as_json() for e in entries]}, indent=2))
+    else:
+        _print_table(directory, entries, options.verify)
+    return 1 if any(entry.status == "damaged" for entry in entries) else 0
+
+
+def _print_table(directory: Path, entries: list[Entry], verified: bool) -> None:
+    """A rich table, oldest first, then one line per problem (a table cell would cut the message)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(file=sys.stdout, highlight=False, soft_wrap=True)
+    if not console.is_terminal:
+        console.width = 1000  # a log or a pipe: never cut a row
+    if not entries:
+        console.print(f"{directory} holds no checkpoint (Engine(project_dir=P) saves into P/checkpoints).")
+        return
+    monitors = sorted({monitor for entry in entries for monitor in entry.scores})
+    table = Table(title=f"Checkpoints in {directory}, newest last", title_justify="left")
+    for heading in ("checkpoint", "step", "epoch", "saved", "size", *monitors, "marks", "verified"):
+        table.add_column(heading, justify="right" if heading in ("step", "epoch", "size") else "left")
+    for entry in entries:
+        table.add_row(
+            entry.name,
+            _text(entry.step),
+            _text(entry.epoch),
+            "" if entry.saved_at is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(entry.saved_at)),
+            "" if entry.size is None else _bytes(entry.size),
+            *(_text(entry.scores.get(monitor)) for monitor in monitors),
+            ", ".join(_marks(entry)),
+            _verified(entry),
+        )
+    console.print(table)
+    for entry in entries:
+        if entry.problem is not None:
+            console.print(f"{entry.name}: {entry.problem}", markup=False)
+    if not verified:
+        console.print("Sizes checked against each manifest; pass --verify to read every file against its checksums.")
+
+
+def _marks(entry: Entry) -> list[str]:
+    from cadence.checkpoint.listing import STATUS_TEXT
+
+    marks = [] if entry.status == "committed" else [STATUS_TEXT[entry.status]]
+    marks += ["newest"] * entry.newest + [f"best {monitor}" for monitor in entry.best]
+    return marks + ["protected"] * entry.protected
+
+
+def _verified(entry: Entry) -> str:
+    if entry.status in ("incomplete", "foreign"):
+        return "-"
+    if entry.verified is None:
+        return "sizes only" if entry.status == "committed" else "FAILED (sizes)"
+    return "yes" if entry.verified else "FAILED"
+
+
+def _text(value: float | None) -> str:
+    return "" if value is None else f"{value:.6g}" if isinstance(value, float) else str(value)
+
+
+def _bytes(size: int) -> str:
+    if size < 1000:
+        return f"{size} B"
+    scaled = float(size)
+    for unit in ("kB", "MB", "GB"):
+        scaled /= 1000
+        if scaled < 1000:
+            return f"{scaled:.1f} {unit}"
+    return f"{scaled / 1000:.1f} TB"
 
 
 def _env(options: argparse.Namespace) -> int:
@@ -228,8 +318,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     checkpoint = commands.add_parser(
         "checkpoint",
-        help="verify a checkpoint directory or print its manifest",
-        description="Check a checkpoint written by Engine.save_state, or print its manifest.",
+        help="verify a checkpoint directory, print its manifest, or list a directory of checkpoints",
+        description="Check a checkpoint written by Engine.save_state, print its manifest, or list the checkpoints "
+        "of a directory.",
     )
     actions = checkpoint.add_subparsers(dest="action", metavar="ACTION", required=True)
     verify = actions.add_parser(
@@ -247,6 +338,23 @@ def build_parser() -> argparse.ArgumentParser:
     for action in (verify, inspect):
         action.add_argument("directory", type=Path, metavar="DIRECTORY", help="e.g. checkpoints/checkpoint_3")
         action.set_defaults(run=_checkpoint)
+    listing = actions.add_parser(
+        "list",
+        help="a table of the checkpoints in a directory: step, epoch, time, size, scores, marks",
+        description="List every checkpoint in DIR, newest last: its step, epoch, commit time, size, the scores "
+        "Checkpoint(monitor=...) recorded, and marks: newest (what resume='latest' loads), best <metric>, "
+        "protected (kept from retention by the newest checkpoint's ranking). A directory cadence did not write, "
+        "and a checkpoint whose save did not finish, are listed as such. Exit status 1 when a checkpoint is damaged.",
+    )
+    listing.add_argument(
+        "directory", type=Path, nargs="?", default=Path("checkpoints"), metavar="DIR",
+        help="the folder that holds the checkpoints (default: ./checkpoints, where Engine(project_dir='.') saves)",
+    )  # fmt: skip
+    listing.add_argument(
+        "--verify", action="store_true", help="read every file against its checksums (slow on large checkpoints)"
+    )
+    listing.add_argument("--json", action="store_true", help="print JSON, for scripts, instead of the table")
+    listing.set_defaults(run=_list)
     return parser
 
 

@@ -13,6 +13,8 @@ import torch
 from cadence.checkpoint.errors import CheckpointCorrupted, CheckpointError
 from cadence.compat import drop_pending_position, is_iterable_dataset, live_iterator, pending_position, stop_workers
 from cadence.data import ResumableBatchSampler, workers_start_shielded
+from cadence.errors import CadenceWarning
+from cadence.stacklevel import user_stacklevel
 
 _STATE_KEYS = ("epoch", "batches_done", "loader", "generator", "generator_at_epoch_start")
 """What ``load_state_dict`` needs; ``samples_done``, ``num_samples`` and ``seed`` are optional (older states lack
@@ -343,8 +345,8 @@ class DataCursor:
             f"order, so none of its samples is repeated or skipped, and seed {sampler.seed} shuffles from epoch "
             f"{self.epoch + 1} on. Resume with Engine(seed={saved}) to continue as the saved run would have; a "
             "checkpoint saved between epochs takes a new seed from its next epoch without this warning.",
-            UserWarning,
-            stacklevel=4,  # the caller of PreparedDataLoader.load_state_dict
+            CadenceWarning,
+            stacklevel=user_stacklevel(),
         )
 
     def _position_problem(self, state_dict: dict[str, Any]) -> str | None:
@@ -404,8 +406,8 @@ class DataCursor:
             f"{position} into epoch {state_dict['epoch']}, and the rest of this epoch is not what the saved run "
             "would have seen (samples may be repeated or skipped). Resume with the dataset the run was saved with "
             "to continue it exactly.",
-            UserWarning,
-            stacklevel=4,  # the caller of PreparedDataLoader.load_state_dict
+            CadenceWarning,
+            stacklevel=user_stacklevel(),
         )
 
     def _dataset_size(self) -> int | None:

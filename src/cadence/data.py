@@ -16,6 +16,8 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sampler, SequentialSampler
 
 from cadence.compat import is_iterable_dataset, pending_position, requested_num_samples
+from cadence.errors import CadenceWarning
+from cadence.stacklevel import user_stacklevel
 
 with warnings.catch_warnings():
     # torchdata calls the deprecated torch.set_vital when imported and on each construction; it is not ours to fix.
@@ -241,8 +243,8 @@ def check_shardable(loader: DataLoader[Any]) -> None:
         warnings.warn(
             "An IterableDataset is not split across ranks by cadence: every rank iterates all of it unless the "
             "dataset shards itself (by torch.distributed.get_rank()).",
-            UserWarning,
-            stacklevel=4,
+            CadenceWarning,
+            stacklevel=user_stacklevel(),
         )
         return
     custom_batches = loader.batch_size is None

@@ -11,3 +11,8 @@ class CheckpointError(RuntimeError):
 class CheckpointCorrupted(CheckpointError):
     """The checkpoint's files are not what its manifest recorded (incomplete save, truncation, bit rot) or their
     structure is malformed: an older checkpoint may still be good."""
+
+
+class CadenceWarning(UserWarning):
+    """What cadence warns about: a ``UserWarning`` that points at your line (``cadence.stacklevel``). Silence one
+    kind by its message, or all of them with ``warnings.filterwarnings("ignore", category=CadenceWarning)``."""

@@ -20,9 +20,11 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from cadence.data import batches_per_epoch
+from cadence.errors import CadenceWarning
 from cadence.event import Event
 from cadence.metrics import MetricSource, ValidationMeans, batch_samples
 from cadence.predictions import Predictions
+from cadence.stacklevel import user_stacklevel
 from cadence.step import TrainingStep, missing_step
 from cadence.wrappers import PreparedDataLoader
 
@@ -233,8 +235,8 @@ def _warn_if_shuffled(loader: PreparedDataLoader) -> None:
             "predict() returns the outputs in the order the dataloader yields them, and this dataloader shuffles "
             "(shuffle=True): they are not in the dataset's order. Pass a DataLoader with shuffle=False to get them "
             "in the dataset's order.",
-            UserWarning,
-            stacklevel=5,
+            CadenceWarning,
+            stacklevel=user_stacklevel(),
         )
 
 

@@ -19,7 +19,9 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from torch.utils.data import DataLoader
 
 from cadence.callback import Callback
+from cadence.errors import CadenceWarning
 from cadence.schedule import Schedule
+from cadence.stacklevel import user_stacklevel
 from cadence.validators import boolean, is_integer
 from cadence.wrappers import PreparedDataLoader, PreparedScheduler
 
@@ -156,8 +158,8 @@ def warn_if_prepared_elsewhere(obj: Any, engine: object) -> None:
         f"This {kind} ({type(obj).__name__}) was prepared by another Engine that is still open: both engines would "
         f"place, wrap and step it, each counting and checkpointing its own steps. Call close() on the other engine "
         f"first (or build it in a `with Engine(...) as engine:` block), or give this engine its own {kind}.",
-        UserWarning,
-        stacklevel=4,  # the caller of engine.prepare()
+        CadenceWarning,
+        stacklevel=user_stacklevel(),
     )
 
 

@@ -40,9 +40,11 @@ from torch.optim.lr_scheduler import ReduceLROnPlateau
 from torch.utils.data import DataLoader
 
 from cadence.checkpoint.errors import CheckpointError
+from cadence.errors import CadenceWarning
 from cadence.evaluation import evaluating
 from cadence.event import Event
 from cadence.metrics import ValidationMeans, batch_samples
+from cadence.stacklevel import user_stacklevel
 from cadence.state import State
 from cadence.step import TrainingStep, missing_validation_step
 from cadence.validators import optional_integer
@@ -397,8 +399,8 @@ def _report(engine: Engine) -> State:
         warnings.warn(
             f"{state.non_finite_steps} optimizer step(s) applied a NaN or infinite loss, so the weights are no longer "
             "finite. Attach cadence.callbacks.FiniteCheck() to skip such steps, or lower the learning rate.",
-            UserWarning,
-            stacklevel=4,
+            CadenceWarning,
+            stacklevel=user_stacklevel(),
         )
     if state.exit_code is not None:
         # Last of all, so every FIT_END (loggers flushing, checkpoints committing) and the messages above ran.
@@ -423,8 +425,8 @@ def _raise_save_failure(failure: Exception | None, failing: BaseException | None
         raise failure
     warnings.warn(
         f"A checkpoint saving in the background failed too: {type(failure).__name__}: {failure}",
-        UserWarning,
-        stacklevel=3,
+        CadenceWarning,
+        stacklevel=user_stacklevel(),
     )
 
 

@@ -11,6 +11,7 @@ import torch
 
 from cadence import Callback, Engine, Event
 from cadence.callbacks import Checkpoint, GradientAccumulation
+from cadence.checkpoint.state_document import read_recorded
 from cadence.testing import FakeEngine, TinyStep, tiny_dataloader
 
 
@@ -232,6 +233,20 @@ def test_keeps_the_k_best_and_deletes_only_its_own(mode: Any, best: float, kept:
     assert callback.best_path is not None and saved_at[callback.best_path.name] == best
     on_disk = {saved_at.get(path.name) for _, path in fake.checkpoints.numbered() if path != manual}
     assert manual.exists() and on_disk == set(kept)
+
+
+@pytest.mark.parametrize("mode", ["min", "max"])
+def test_each_ranked_checkpoint_records_its_score_mode_and_what_retention_spares(mode: Any) -> None:
+    callback = Checkpoint(monitor="val/loss", mode=mode, save_top_k=2, save_last=False)
+    fake = FakeEngine(callbacks=[callback])
+    for score in (2.0, 1.0, 3.0, 0.5):
+        validate(fake, score)
+    recorded = {path.name: read_recorded(path) for _, path in fake.checkpoints.numbered()}
+    kept = [1.0, 0.5] if mode == "min" else [3.0, 2.0]  # what is left on disk is the best two, nothing else
+    assert sorted(r.scores["val/loss"] for r in recorded.values()) == sorted((score, mode) for score in kept)
+    newest = fake.checkpoints.numbered()[0][1].name
+    # The newest names itself (None) when it is among the best, the others by name beside it.
+    assert sorted(newest if name is None else name for name in recorded[newest].protects) == sorted(recorded)
 
 
 def test_a_tie_does_not_replace_the_older_best() -> None:

@@ -191,8 +191,38 @@ def test_the_loss_is_read_only_when_drawing(clock: FakeClock) -> None:
 def test_an_eta_of_days_does_not_wrap_around(clock: FakeClock) -> None:
     output = io.StringIO()
     bar = RichProgressBar(refresh_every_n_batches=1, console=Console(file=output, force_terminal=False))
-    LossReads(num_batches=10_001).train(bar, clock, batches=1, seconds=100.0)
+    LossReads(num_batches=10_002).train(bar, clock, batches=2, seconds=100.0)
     assert output.getvalue().rstrip().endswith("| ETA 277:46:40")  # 10,000 batches left at 100 s each
+
+
+class CompilesFirst(TimedStep):
+    """A step whose first call takes ``first`` seconds (torch.compile compiling), the others ``seconds``."""
+
+    def __init__(self, clock: FakeClock, first: float, seconds: float) -> None:
+        super().__init__(clock, seconds)
+        self.first = first
+
+    def training_step(self, batch: Any) -> torch.Tensor:
+        self.clock.now += self.first
+        self.first = 0.0
+        return super().training_step(batch)
+
+
+@pytest.mark.parametrize("every_n", [1, 3])
+def test_the_first_line_shows_no_rate_and_the_next_ones_leave_the_first_batches_out(
+    clock: FakeClock, every_n: int
+) -> None:
+    output = io.StringIO()
+    bar = RichProgressBar(refresh_every_n_batches=every_n, console=Console(file=output, force_terminal=False))
+    engine = Engine(accelerator="cpu", callbacks=[bar], model_summary=False)
+    engine.fit(CompilesFirst(clock, first=60.0, seconds=0.25), tiny_dataloader(batches=9), max_epochs=2)
+    speeds = [line.split(" | ", 4)[-1] for line in output.getvalue().splitlines()]
+    assert speeds[0] == "-- it/s | ETA --:--:--"  # a minute of compiling is no rate at all
+    # From the first line on, 4 batches a second; the second epoch is timed from its start (no compiling there).
+    left = [9 - position for position in range(2 * every_n, 10, every_n)]
+    assert speeds[1:] == [f"4.0 it/s | ETA 00:00:{n // 4:02d}" for n in left] + [
+        f"4.0 it/s | ETA 00:00:{(9 - position) // 4:02d}" for position in range(every_n, 10, every_n)
+    ]
 
 
 def test_default_refresh_is_10_per_second_on_a_terminal_and_every_10_seconds_off_it(clock: FakeClock) -> None:
@@ -323,6 +353,8 @@ def test_test_and_predict_passes_show_their_batches_and_the_test_metrics() -> No
     assert lines[3] == f"test: test/loss {results['test/loss']:.4f}"
     assert [line.split(" | ")[:2] for line in lines[4:]] == [["predict", f"batch {n}/3"] for n in (2, 3)]
     assert all(" it/s | ETA " in line for line in lines if " | " in line)
+    # Each pass's first line is untimed (a compiled model compiles its evaluation graph there), the others timed.
+    assert [line.endswith("-- it/s | ETA --:--:--") for line in lines if " | " in line] == [1, 0, 0, 1, 0]
 
 
 def test_a_pass_on_a_terminal_outside_fit_runs_its_own_live_bar_and_stops_it(clock: FakeClock) -> None:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from cadence import Engine, Event
-from cadence.callbacks import Checkpoint, CSVLogger, TensorBoardLogger
+from cadence.callbacks import Checkpoint, CSVLogger, LearningRateMonitor, TensorBoardLogger
 from cadence.callbacks.tensorboard import wait_until_newer_than_event_files
 from cadence.testing import FakeEngine, TinyStep
 from tests.callbacks.test_csv_logger import FailingStep
@@ -62,14 +62,14 @@ def test_every_csv_metric_is_a_scalar_at_its_step(tmp_path: Path, read_events: A
     with (tmp_path / "metrics.csv").open(newline="") as handle:
         rows = list(csv.DictReader(handle))
     scalars = read_events(tmp_path / "tensorboard")
-    assert set(scalars) == set(rows[0]) - {"step"}  # epoch, loss, lr, extra, late, val/mse
+    assert set(scalars) == set(rows[0]) - {"step", "epoch"}  # loss, lr, extra, late, val/mse: epoch is no curve
     expected: dict[str, dict[int, float]] = {}
     for row in rows:
         for name, value in row.items():
-            if name != "step" and value:
+            if name not in ("step", "epoch") and value:
                 expected.setdefault(name, {}).setdefault(int(row["step"]), as_float32(value))
     assert {tag: dict(points) for tag, points in scalars.items()} == expected
-    assert_one_value_per_step(scalars)  # epoch is in the training and the validation row of steps 5, 10, 15
+    assert_one_value_per_step(scalars)
 
 
 def test_rows_made_after_fit_end_reach_the_events_before_a_background_save_commits(
@@ -185,7 +185,7 @@ def test_a_metric_that_is_not_a_number_is_left_out_with_one_warning(tmp_path: Pa
     with pytest.warns(UserWarning, match="'histogram' is a list of 3 values, so it is left out") as warned:
         fake.run(steps=2)
     assert len(warned) == 1
-    assert set(read_events(tmp_path / "tensorboard")) == {"epoch", "loss", "lr"}
+    assert set(read_events(tmp_path / "tensorboard")) == {"loss", "lr"}
 
 
 def test_a_log_dir_that_is_a_file_is_refused(tmp_path: Path) -> None:
@@ -242,3 +242,9 @@ def test_hyperparameters_are_the_hparams_plugins_summary(tmp_path: Path) -> None
                       "bias": "number_value"}  # fmt: skip
     assert start.hparams["lr"].number_value == 0.5 and start.hparams["model/act"].string_value == "tanh"
     assert start.hparams["bias"].number_value == 1
+
+
+def test_learning_rate_monitor_s_columns_replace_the_logger_s_own_lr(tmp_path: Path, read_events: Any) -> None:
+    fake = FakeEngine(callbacks=[TensorBoardLogger(flush_every_n_rows=1), LearningRateMonitor()], project_dir=tmp_path)
+    fake.run(steps=2)
+    assert set(read_events(tmp_path / "tensorboard")) == {"loss", "lr-SGD", "lr-SGD-momentum"}  # one lr, no epoch

@@ -15,6 +15,8 @@ import torch
 from cadence.checkpoint.codec import decode
 from cadence.checkpoint.errors import CheckpointCorrupted, CheckpointError
 from cadence.checkpoint.state_document import _describe, _is
+from cadence.errors import CadenceWarning
+from cadence.stacklevel import user_stacklevel
 from cadence.validators import is_number
 
 if TYPE_CHECKING:
@@ -71,16 +73,16 @@ def warn_unmatched_callbacks(callbacks: Sequence[Callback], saved: dict[str, Any
             warnings.warn(
                 f"The checkpoint has no state for callback {callback.state_key!r} (it was not attached when "
                 "saving); it starts fresh.",
-                UserWarning,
-                stacklevel=5,
+                CadenceWarning,
+                stacklevel=user_stacklevel(),
             )
     for key, state in saved.items():
         if key not in attached and state:
             warnings.warn(
                 f"The checkpoint holds state for callback {key!r}, but no attached callback has that state_key: its "
                 f"state is not restored. Attach the same callbacks as the run that saved it to continue exactly.",
-                UserWarning,
-                stacklevel=5,
+                CadenceWarning,
+                stacklevel=user_stacklevel(),
             )
 
 

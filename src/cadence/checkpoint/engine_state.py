@@ -43,6 +43,8 @@ from cadence.checkpoint.state_document import (
     rank_files,
     write_document,
 )
+from cadence.errors import CadenceWarning
+from cadence.stacklevel import user_stacklevel
 from cadence.strategies.storage import SHARDS
 
 if TYPE_CHECKING:
@@ -216,8 +218,8 @@ def _read_and_check(engine: Engine, reader: CheckpointReader) -> _Checked:
         warnings.warn(
             f"{directory} was saved by {reader.manifest.get('world_size')} rank(s); rank {engine.rank} resumes "
             "the data from rank 0's position and keeps its own RNG state.",
-            UserWarning,
-            stacklevel=4,
+            CadenceWarning,
+            stacklevel=user_stacklevel(),
         )
         rank_json, rank_safetensors = rank_files(0)
     models = [name for index in range(len(engine.models)) for name in strategy.model_files(index)]

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any, Literal
 from cadence.checkpoint.commit import MANIFEST, check_replaceable, is_checkpoint, remove_abandoned, temporary_name
 from cadence.checkpoint.errors import CheckpointCorrupted, CheckpointError
 from cadence.checkpoint.state_document import recorded_score
+from cadence.errors import CadenceWarning
+from cadence.stacklevel import user_stacklevel
 
 if TYPE_CHECKING:
     from cadence.checkpoint.files import CheckpointWriter
@@ -138,7 +140,7 @@ class CheckpointDirectory:
                 return directory, load(directory)
             except CheckpointCorrupted as error:
                 problems.append(str(error))
-                warnings.warn(f"Skipping {directory.name}: {error}", UserWarning, stacklevel=3)
+                warnings.warn(f"Skipping {directory.name}: {error}", CadenceWarning, stacklevel=user_stacklevel())
         detail = f" Checked: {' | '.join(problems)}" if problems else ""
         raise CheckpointError(f"No valid checkpoint in {self.root}.{detail}")
 
@@ -206,8 +208,8 @@ class CheckpointDirectory:
         warnings.warn(
             f"{self.root} holds {len(others)} checkpoint(s) that this run did not write ({shown}): {advice} "
             "checkpoint_total_limit and Checkpoint(save_top_k=...) count and delete only this run's checkpoints.",
-            UserWarning,
-            stacklevel=3,
+            CadenceWarning,
+            stacklevel=user_stacklevel(),
         )
 
     def best(self, monitor: str, mode: Literal["min", "max"] = "min") -> Path:

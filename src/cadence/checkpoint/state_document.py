@@ -16,6 +16,7 @@ import json
 import math
 import re
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
@@ -32,8 +33,13 @@ if TYPE_CHECKING:
 SHARED_JSON = "state.json"
 SHARED_TENSORS = "state.safetensors"
 SCORE_KEY = "checkpoint_score"
-"""A key a callback may put in its state: ``{"monitor": name, "value": score}`` (or None) records that the
-checkpoint it is saved in scored ``value`` on metric ``name``; ``recorded_score`` reads it from disk."""
+"""A key a callback may put in its state: ``{"monitor": name, "value": score, "mode": "min" | "max"}`` (or None)
+records that the checkpoint it is saved in scored ``value`` on metric ``name``, where ``mode`` says which way is
+better (absent before cadence recorded it); ``recorded_score`` reads it from disk."""
+PROTECTS_KEY = "checkpoint_protects"
+"""A key a callback may put in its state: the checkpoints it holds from retention (``CheckpointDirectory.protect``)
+when the checkpoint it is saved in was written: names of checkpoints beside it, absolute paths elsewhere, None for
+that checkpoint itself. ``cadence checkpoint list`` reads it (``read_recorded``)."""
 
 
 def rank_files(rank: int) -> tuple[str, str]:
@@ -235,18 +241,52 @@ def check_documents(manifest: dict[str, Any], read_json: Callable[[str], Any], d
             check_rank(read_json(name), f"{directory}/{name}")
 
 
-def recorded_score(directory: Path, monitor: str) -> float | None:
-    """The score on ``monitor`` that a callback recorded in ``directory``'s state (see ``SCORE_KEY``), if any: read
-    leniently, without the checks of a load (a damaged checkpoint scores nothing; loading it would fail anyway)."""
+@dataclass(frozen=True)
+class Recorded:
+    """What a checkpoint's ``state.json`` says of it, read leniently (None, or empty, where absent or malformed)."""
+
+    step: int | None = None
+    epoch: int | None = None
+    scores: dict[str, tuple[float, str | None]] = field(default_factory=dict)
+    """monitor -> (score, "min" or "max" or None), as ``SCORE_KEY`` records them."""
+    protects: tuple[str | None, ...] = ()
+    """What ``PROTECTS_KEY`` names, every callback's together."""
+
+
+def read_recorded(directory: Path) -> Recorded:
+    """The counters, scores and protections ``directory``'s state records, read without the checks of a load (a
+    damaged checkpoint records nothing; loading it would fail anyway)."""
     try:
         shared = json.loads((directory / SHARED_JSON).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    callbacks = shared.get("callbacks") if isinstance(shared, dict) else None
-    for state in callbacks.values() if isinstance(callbacks, dict) else ():
-        record = state.get(SCORE_KEY) if isinstance(state, dict) else None
-        if isinstance(record, dict) and record.get("monitor") == monitor:
-            value: Any = record.get("value")  # JSON: a number, or anything a hand edit left
-            if is_number(value) and not math.isnan(value):
-                return float(value)
-    return None
+        return Recorded()
+    shared = shared if isinstance(shared, dict) else {}
+    counters = shared.get("counters")
+    counters = counters if isinstance(counters, dict) else {}
+    callbacks = shared.get("callbacks")
+    states = [state for state in callbacks.values() if isinstance(state, dict)] if isinstance(callbacks, dict) else []
+    scores: dict[str, tuple[float, str | None]] = {}
+    protects: list[str | None] = []
+    for state in states:
+        record = state.get(SCORE_KEY)
+        if isinstance(record, dict) and isinstance(monitor := record.get("monitor"), str):
+            value: Any = record.get("value")
+            mode = record.get("mode")
+            if is_number(value) and not math.isnan(value) and monitor not in scores:
+                scores[monitor] = (float(value), mode if mode in ("min", "max") else None)
+        names = state.get(PROTECTS_KEY)
+        if isinstance(names, list):
+            protects += [name for name in names if name is None or isinstance(name, str)]
+    return Recorded(_counter(counters, "step"), _counter(counters, "epoch"), scores, tuple(protects))
+
+
+def _counter(counters: dict[str, Any], key: str) -> int | None:
+    value = counters.get(key)
+    return value if _is(value, int) else None
+
+
+def recorded_score(directory: Path, monitor: str) -> float | None:
+    """The score on ``monitor`` that a callback recorded in ``directory``'s state (see ``SCORE_KEY``), if any: read
+    leniently, without the checks of a load (a damaged checkpoint scores nothing; loading it would fail anyway)."""
+    recorded = read_recorded(directory).scores.get(monitor)
+    return None if recorded is None else recorded[0]

@@ -1,0 +1,133 @@
+"""What a checkpoints directory holds, for ``cadence checkpoint list``: each entry's number, counters, commit time,
+size, recorded scores, whether it is the newest, a best or protected one, and (on request) whether every file still
+matches its checksums. Reads only: nothing here loads, repairs or deletes anything."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from cadence.checkpoint.commit import MANIFEST, is_checkpoint
+from cadence.checkpoint.errors import CheckpointError
+from cadence.checkpoint.files import CheckpointReader, read_manifest
+from cadence.checkpoint.layout import RUN_KEY, CheckpointDirectory
+from cadence.checkpoint.state_document import Recorded, check_documents, read_recorded
+
+Status = Literal["committed", "incomplete", "damaged", "foreign"]
+STATUS_TEXT: dict[Status, str] = {
+    "committed": "committed",
+    "incomplete": "incomplete (no manifest: its save did not finish)",
+    "damaged": "damaged",
+    "foreign": "not a cadence checkpoint",
+}
+
+
+@dataclass
+class Entry:
+    """One directory under the listed one. ``verified``: None when its checksums were not read."""
+
+    name: str
+    status: Status
+    number: int | None = None
+    step: int | None = None
+    epoch: int | None = None
+    saved_at: float | None = None
+    size: int | None = None
+    run: str | None = None
+    scores: dict[str, float] = field(default_factory=dict)
+    newest: bool = False
+    best: list[str] = field(default_factory=list)
+    protected: bool = False
+    verified: bool | None = None
+    problem: str | None = None
+
+    @property
+    def loadable(self) -> bool:
+        """Committed and not found damaged (a failed check makes it "damaged"): what ``load_state`` would try."""
+        return self.status == "committed"
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def verify(directory: Path) -> dict[str, Any]:
+    """Read every file of ``directory`` against each checksum its manifest records and check every document's
+    structure (what a load checks, with sha256 too); its manifest. Raises what the reader finds."""
+    with CheckpointReader(directory, every_checksum=True) as reader:
+        reader.verify()
+        check_documents(reader.manifest, reader.json, str(directory))
+        return reader.manifest
+
+
+def list_checkpoints(root: Path, check_checksums: bool = False) -> list[Entry]:
+    """Every directory in ``root``, oldest first (by checkpoint number; other directories first, by name), marked
+    as ``load_state()`` / ``resume="latest"``, ``CheckpointDirectory.best`` and retention see them."""
+    numbers = {path.name: number for number, path in CheckpointDirectory(root).numbered()}
+    listed = [
+        _entry(path, numbers.get(path.name), check_checksums)
+        for path in sorted(root.iterdir())
+        if path.is_dir() and not path.name.startswith(".")  # hidden: a save being written, or not cadence's
+    ]
+    listed.sort(key=lambda pair: (pair[0].number is not None, pair[0].number or 0, pair[0].saved_at or 0, pair[0].name))
+    entries = [entry for entry, _ in listed]
+    loadable = {entry.name: recorded for entry, recorded in listed if entry.loadable}
+    newest = next((e for e in reversed(entries) if e.name in loadable and e.name in numbers), None)
+    if newest is not None:
+        newest.newest = True
+        held = {_held_name(name, newest.name, root) for name in loadable[newest.name].protects}
+        for entry in entries:
+            entry.protected = entry.name in loadable and entry.name in held
+    _mark_best([entry for entry in entries if entry.name in loadable], loadable)
+    return entries
+
+
+def _entry(path: Path, numbered: int | None, check_checksums: bool) -> tuple[Entry, Recorded]:
+    """``numbered``: the number in the name ``checkpoint_{n}``, None for any other name."""
+    if not (path / MANIFEST).exists() or (numbered is None and not is_checkpoint(path)):
+        return Entry(path.name, "foreign" if numbered is None else "incomplete", numbered), Recorded()
+    try:
+        manifest = verify(path) if check_checksums else read_manifest(path)
+    except (CheckpointError, OSError, ValueError, KeyError, TypeError) as error:
+        # ValueError, KeyError, TypeError: damage the reader's own checks do not name yet.
+        entry = Entry(path.name, "damaged", numbered, verified=False if check_checksums else None, problem=str(error))
+        return entry, Recorded()
+    recorded = read_recorded(path)
+    number = manifest.get("checkpoint_number") if numbered is None else numbered
+    entry = Entry(
+        path.name,
+        "committed",
+        number=number if isinstance(number, int) else None,
+        step=recorded.step,
+        epoch=recorded.epoch,
+        saved_at=(path / MANIFEST).stat().st_mtime,  # the manifest is written last: the commit's time
+        size=sum(int(file["size"]) for file in manifest["files"].values()),
+        run=manifest.get(RUN_KEY) if isinstance(manifest.get(RUN_KEY), str) else None,
+        scores={monitor: score for monitor, (score, _) in recorded.scores.items()},
+        verified=True if check_checksums else None,
+    )
+    return entry, recorded
+
+
+def _held_name(name: str | None, holder: str, root: Path) -> str | None:
+    """A ``PROTECTS_KEY`` name as a name in ``root`` (None: not in it)."""
+    if name is None:
+        return holder
+    path = Path(name)
+    if not path.is_absolute():
+        return path.name
+    return path.name if path.parent == root.absolute() else None
+
+
+def _mark_best(loadable: list[Entry], recorded: dict[str, Recorded]) -> None:
+    """Per monitor, the best score by the mode its newest record names (older records name none: no best then);
+    the older checkpoint on a tie, as ``CheckpointDirectory.best``."""
+    modes: dict[str, str] = {}
+    for entry in reversed(loadable):
+        for monitor, (_, mode) in recorded[entry.name].scores.items():
+            if mode is not None:
+                modes.setdefault(monitor, mode)
+    for monitor, mode in modes.items():
+        sign = 1 if mode == "min" else -1
+        scored = [(sign * e.scores[monitor], index, e) for index, e in enumerate(loadable) if monitor in e.scores]
+        min(scored, key=lambda item: item[:2])[2].best.append(monitor)

@@ -1,0 +1,42 @@
+"""The README's code that promises a behaviour runs as written: its learning-rate scheduler snippet."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def snippet(heading: str) -> str:
+    """The first ``python`` code block after ``heading`` in the README."""
+    text = README.read_text()
+    found = re.search(re.escape(heading) + r"\n.*?```python\n(.*?)```", text, re.DOTALL)
+    assert found is not None, f"README.md has no python block under {heading!r}"
+    return found.group(1)
+
+
+def test_the_scheduler_snippet_steps_its_one_cycle_once_per_update(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)  # the engine's project_dir defaults to the current directory
+    code = snippet("### Learning-rate schedulers")
+    namespace: dict[str, Any] = {"__name__": "readme"}
+    exec(compile(code, str(README), "exec"), namespace)
+    step, engine = namespace["step"], namespace["engine"]
+    total = 3 * 256 // 32
+    assert engine.state.step == total == step.scheduler.scheduler.total_steps
+    assert step.scheduler.scheduler.last_epoch == total  # stepped once per update
+    plain = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-2)
+    reference = torch.optim.lr_scheduler.OneCycleLR(plain, max_lr=1e-2, total_steps=total)
+    for _ in range(total):
+        plain.step()
+        reference.step()
+    assert step.optimizer.param_groups[0]["lr"] == reference.get_last_lr()[0]
+    printed = capsys.readouterr().out.strip()
+    assert printed == f"{total} updates, lr {step.optimizer.param_groups[0]['lr']:.2e}"
+    assert printed == code.rsplit("# ", 1)[1].strip()  # the README's comment shows the real output
