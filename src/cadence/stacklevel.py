@@ -10,16 +10,13 @@ the same; cadence supports 3.10.
 
 from __future__ import annotations
 
-import functools
-import os
 import sys
-from pathlib import Path
 from types import FrameType
 
-_CADENCE = Path(__file__).parent
-_THROUGH = ("torch", "torchdata", "contextlib")
-"""Modules whose frames stand between the user's call and cadence's code (a module's ``forward`` called by torch's
-``Module.__call__``, a sampler iterated by torchdata, a ``with engine.accumulate(model):``)."""
+_THROUGH = ("cadence", "torch", "torchdata", "contextlib")
+"""Packages whose frames count as cadence's side: cadence (its core, ``cadence.callbacks``, ``cadence.accelerate``)
+and the libraries it is called through (a module's ``forward`` called by torch's ``Module.__call__``, a sampler
+iterated by torchdata, a ``with engine.accumulate(model):``)."""
 
 
 def user_stacklevel() -> int:
@@ -28,36 +25,14 @@ def user_stacklevel() -> int:
     threads) points at the function that warns."""
     frame: FrameType | None = sys._getframe(1)
     level = 1
-    internal = _internal_prefixes()
-    while frame is not None and _inside(frame.f_code.co_filename, internal):
+    while frame is not None and _inside(frame):
         frame = frame.f_back
         level += 1
     return level if frame is not None else 1
 
 
-def _internal_prefixes() -> tuple[str, ...]:
-    """Real directories (and files) of cadence and of the imported libraries it is called through."""
-    paths = [_CADENCE, _CADENCE / "callbacks", _CADENCE / "accelerate", _CADENCE / "defaults.py"]
-    for name in _THROUGH:
-        module = sys.modules.get(name)
-        origin = getattr(module, "__file__", None)
-        if origin is not None:
-            paths.append(Path(origin).parent if name != "contextlib" else Path(origin))
-    return _real(tuple(str(path) for path in paths))
-
-
-@functools.cache
-def _real(paths: tuple[str, ...]) -> tuple[str, ...]:
-    # The dev layout links src/cadence/callbacks to callbacks/ (and defaults.py into frontends/): frames carry
-    # whichever path the import took, so both sides are compared resolved.
-    return tuple(os.path.realpath(path) for path in paths)
-
-
-@functools.cache
-def _resolved(filename: str) -> str:
-    return os.path.realpath(filename)
-
-
-def _inside(filename: str, prefixes: tuple[str, ...]) -> bool:
-    real = _resolved(filename)
-    return any(real == prefix or real.startswith(prefix + os.sep) for prefix in prefixes)
+def _inside(frame: FrameType) -> bool:
+    # By module name, not by file: the same module is reached through src/, the top-level callbacks/ and
+    # frontends/ folders, an editable install's link tree or a wheel, and its name is the same in each.
+    name = frame.f_globals.get("__name__")
+    return isinstance(name, str) and name.partition(".")[0] in _THROUGH
