@@ -56,9 +56,13 @@ def _fresh_venv(tmp_path: Path) -> Path:
     shared = tmp_path / "shared-packages"
     shared.mkdir()
     stdlib = Path(sysconfig.get_paths()["stdlib"]).resolve()
+    environment = Path(sys.prefix).resolve()
     for entry in map(Path, sys.path):
-        # This checkout (its tests, its src, its build's link tree) is left out too: a fresh venv has no cadence.
-        if not entry.is_dir() or any(entry.resolve().is_relative_to(folder) for folder in (ROOT, stdlib)):
+        # This checkout (its tests, its src, its build's link tree) is left out too: a fresh venv has no cadence. The
+        # running venv is kept even inside the checkout (make's .venv): its packages are what the fresh one shares.
+        resolved = entry.resolve()
+        in_checkout = resolved.is_relative_to(ROOT) and not resolved.is_relative_to(environment)
+        if not entry.is_dir() or in_checkout or resolved.is_relative_to(stdlib):
             continue
         for child in entry.iterdir():
             if not _is_cadence(child.name) and not (shared / child.name).exists():
