@@ -30,7 +30,7 @@ lint: check-code
 	$(VENV)/bin/mypy
 
 test: lint
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q --durations=15
 
 test-fast: check-code
 	$(PYTHON) -m pytest -q -m "not slow"

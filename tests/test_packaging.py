@@ -200,8 +200,12 @@ def test_mypy_checks_callbacks_and_front_ends_under_their_installed_names(tmp_pa
         (source / module).write_text((source / module).read_text() + mistake)
     python = _fresh_venv(tmp_path)
     _pip(python, "install", "--editable", str(source), "--config-settings", "editable_mode=strict", cwd=tmp_path)
-    report = _run([str(python), "-m", "mypy"], source, status=1)
-    errors = [line for line in report.splitlines() if ": error: " in line]
+    # The two modules by their installed names; what they import is skipped (checking torch takes most of a minute,
+    # and make lint runs the whole check in CI anyway).
+    modules = ["-m", "cadence.callbacks.timer", "-m", "cadence.accelerate.utils"]
+    report = _run([str(python), "-m", "mypy", "--follow-imports=skip", *modules], source, status=1)
+    # Skipped imports are Any, which strict settings report too: the planted mistakes are the return-value errors.
+    errors = [line for line in report.splitlines() if ": error: " in line and "[return-value]" in line]
     # Reported under the link tree: build/__editable__.cadence-<version>-<tag>/cadence/...
     assert sorted(Path(line.split(":")[0]).parts[2:] for line in errors) == [
         ("cadence", "accelerate", "utils", "__init__.py"),
