@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -116,19 +117,37 @@ CASES = [
 ]
 
 
+@pytest.fixture(scope="module")
+def accelerate_losses(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, int], list[float]]:
+    """Accelerate's losses per case, run once for the module: the control and the comparison both read them."""
+    runs: dict[tuple[str, int], list[float]] = {}
+
+    def losses(precision: str, processes: int) -> list[float]:
+        if (precision, processes) not in runs:
+            directory = tmp_path_factory.mktemp(f"accelerate-{precision}-{processes}")
+            runs[precision, processes] = run_example("accelerate", precision, processes, directory)
+        return runs[precision, processes]
+
+    return losses
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("precision", "processes"), CASES)
-def test_the_example_runs_on_accelerate(tmp_path: Path, precision: str, processes: int) -> None:
+def test_the_example_runs_on_accelerate(
+    accelerate_losses: Callable[[str, int], list[float]], precision: str, processes: int
+) -> None:
     """The control: the script itself is sound, so a failure of the cadence run below is cadence's."""
-    losses = run_example("accelerate", precision, processes, tmp_path)
+    losses = accelerate_losses(precision, processes)
     assert len(losses) == 2 * 64 // (8 * processes)
     assert all(loss == loss for loss in losses)  # no NaN
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("precision", "processes"), CASES)
-def test_the_example_gives_accelerate_s_losses(tmp_path: Path, precision: str, processes: int) -> None:
-    expected = run_example("accelerate", precision, processes, tmp_path)
+def test_the_example_gives_accelerate_s_losses(
+    accelerate_losses: Callable[[str, int], list[float]], tmp_path: Path, precision: str, processes: int
+) -> None:
+    expected = accelerate_losses(precision, processes)
     losses = run_example("cadence.accelerate", precision, processes, tmp_path)
     if processes == 1 and precision == "no":
         assert losses == expected  # bitwise: the same kernels in the same order
