@@ -13,6 +13,7 @@ from .lr_monitor import LearningRateMonitor
 from .mixed_precision import MixedPrecision
 from .model_summary import ModelSummary
 from .preemption import Preemption
+from .profiler import Profiler
 from .progress import RichProgressBar
 from .tensorboard import TensorBoardLogger
 from .throughput import ThroughputMonitor
@@ -31,6 +32,7 @@ __all__ = [
     "MixedPrecision",
     "ModelSummary",
     "Preemption",
+    "Profiler",
     "RichProgressBar",
     "TensorBoardLogger",
     "ThroughputMonitor",
