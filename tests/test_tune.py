@@ -135,6 +135,15 @@ def test_other_ranks_draw_no_plot(tmp_path: Path) -> None:
     assert result.plot is None and not list(tmp_path.iterdir())
 
 
+def test_without_matplotlib_there_is_no_plot_and_lr_find_says_how_to_get_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an install without cadence[plot] looks like
+    result = lr_find(FakeEngine(project_dir=tmp_path), SGDStep(0), shuffled(), num_steps=20)
+    assert result.plot is None and not list(tmp_path.iterdir())
+    assert 'no plot: pip install "cadence[plot]" for one.' in capsys.readouterr().out
+
+
 class NaNAfter(SGDStep):
     def __init__(self, calls: int) -> None:
         super().__init__(0)
@@ -270,6 +279,29 @@ def test_batch_size_find_stops_at_the_dataset_length() -> None:
     assert result.size == 50 and result.trials[-1] == (50, True)
     with pytest.raises(ValueError, match=r"batch_size_find\(start=64\) is larger than the dataset \(50 samples\)"):
         batch_size_find(FakeEngine(), OOMAbove(limit=10**6), regression(samples=50), start=64)
+
+
+class FailsAbove(MLPStep):
+    """Trains for real up to ``limit`` samples a batch, then fails with an error that is not out-of-memory."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def training_step(self, batch: Any) -> torch.Tensor:
+        if len(batch[0]) > self.limit:
+            raise ValueError("a bug in the step")
+        return super().training_step(batch)
+
+
+def test_a_finder_that_raises_still_puts_the_step_back() -> None:
+    step = FailsAbove(limit=8)
+    weights = parameters(step.model)
+    with pytest.raises(ValueError, match="a bug in the step"):
+        batch_size_find(FakeEngine(), step, regression(samples=100))
+    assert step.batch_sizes == [1, 1, 2, 2, 4, 4, 8, 8]  # it trained before it failed
+    assert_bitwise_equal(parameters(step.model), weights)
+    assert step.optimizer.state_dict()["state"] == {}
 
 
 @pytest.mark.slow
