@@ -45,17 +45,19 @@ class Profiler(Callback):
     Each recorded window goes to ``on_trace_ready(prof)``. The default writes it with
     ``torch.profiler.tensorboard_trace_handler`` into ``project_dir/profiler`` as ``rank{r}.<time>.pt.trace.json``:
     a Chrome trace that Perfetto (ui.perfetto.dev) and ``chrome://tracing`` open, and the file the TensorBoard
-    profiler plugin reads (``pip install torch-tb-profiler``; ``tensorboard --logdir project_dir/profiler``). Every
-    event is a range named ``Event.BATCH_END``, with one range per callback hook inside it
-    (``Checkpoint.on_batch_end``), so the trace shows what each callback costs at each event.
+    profiler plugin reads (``pip install torch-tb-profiler``; ``tensorboard --logdir project_dir`` shows it as the
+    run ``profiler``). Every event is a range named ``Event.BATCH_END``, with one range per callback hook inside it
+    (``Checkpoint.on_batch_end``), so the trace shows what each callback costs at each event (the Profiler's own
+    hooks, which start and stop the window, get none).
 
     When ``fit()`` ends, the table of the last window's top ``row_limit`` operators (by their own time on the
     device when CUDA was profiled, on the CPU otherwise) is printed; ``profiler.table`` keeps it.
 
     Only the main process profiles unless ``all_ranks=True`` (each rank then writes its own ``rank{r}`` file).
 
-    Outside a window it costs one call of ``schedule`` per batch: no profiler runs, and events are dispatched
-    without the named ranges (``Engine.trace_events`` is set only while the profiler runs).
+    Outside a window it costs one call of its ``BATCH_END`` hook and of ``schedule`` per batch (measured: 0.3-0.8 µs,
+    against some 370 µs for a tiny MLP's step on a CPU): no profiler runs, and events are dispatched without the
+    named ranges (``Engine.trace_events`` is set only while the profiler runs).
     """
 
     def __init__(

@@ -72,16 +72,28 @@ class BatchSizeResult:
     """Each batch size tried, in order, and whether it ran (``False``: out of memory)."""
 
 
+def _host_copy(value: Any) -> Any:
+    """``value`` with every tensor copied to the CPU (dicts, lists and tuples walked; the rest deep-copied)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: _host_copy(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_host_copy(item) for item in value)
+    return copy.deepcopy(value)
+
+
 class _Snapshot:
-    """Everything a finder's training changes, copied, so it can be put back bitwise."""
+    """Everything a finder's training changes, copied, so it can be put back bitwise. The copies live in host
+    memory: on the device they would take the memory ``batch_size_find`` measures."""
 
     def __init__(self, step: TrainingStep) -> None:
         model = step.model
-        self.model_state = {name: value.detach().clone() for name, value in model.state_dict().items()}
-        self.grads = [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
+        self.model_state = _host_copy(model.state_dict())
+        self.grads = [None if p.grad is None else _host_copy(p.grad) for p in model.parameters()]
         self.modes = [module.training for module in model.modules()]
         self.device = _device_of(model)
-        self.optimizer_state = copy.deepcopy(step.optimizer.state_dict())
+        self.optimizer_state = _host_copy(step.optimizer.state_dict())
         self.rng = capture_rng_states()
 
     def restore(self, step: TrainingStep) -> None:
@@ -90,7 +102,7 @@ class _Snapshot:
             model.to(self.device)  # before the optimizer's state, which load_state_dict moves to the parameters
         model.load_state_dict(self.model_state)
         for parameter, grad in zip(model.parameters(), self.grads, strict=True):
-            parameter.grad = grad
+            parameter.grad = None if grad is None else grad.to(parameter.device)
         for module, training in zip(model.modules(), self.modes, strict=True):
             module.training = training
         step.optimizer.load_state_dict(self.optimizer_state)
