@@ -245,21 +245,22 @@ def test_the_default_oom_test_knows_torch_s_errors_and_messages() -> None:
     assert not is_out_of_memory(ValueError("out of memory"))
 
 
-class OOMAbove(MLPStep):
-    """Trains for real, and raises torch's out-of-memory error for a batch larger than ``limit``."""
+class FailsAbove(MLPStep):
+    """Trains for real up to ``limit`` samples a batch; above, raises torch's out-of-memory error (or ``error``)."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, error: Exception | None = None) -> None:
         super().__init__()
         self.limit = limit
+        self.error = error
 
     def training_step(self, batch: Any) -> torch.Tensor:
         if len(batch[0]) > self.limit:
-            raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (batch of {len(batch[0])}).")
+            raise self.error or torch.cuda.OutOfMemoryError(f"CUDA out of memory (batch of {len(batch[0])}).")
         return super().training_step(batch)
 
 
 def test_batch_size_find_trains_each_size_and_leaves_the_step_untouched() -> None:
-    step = OOMAbove(limit=37)
+    step = FailsAbove(limit=37)
     weights = parameters(step.model)
     optimizer, scheduler = step.optimizer.state_dict(), step.scheduler.state_dict()
     torch.manual_seed(3)
@@ -275,27 +276,14 @@ def test_batch_size_find_trains_each_size_and_leaves_the_step_untouched() -> Non
 
 
 def test_batch_size_find_stops_at_the_dataset_length() -> None:
-    result = batch_size_find(FakeEngine(), OOMAbove(limit=10**6), regression(samples=50))
+    result = batch_size_find(FakeEngine(), FailsAbove(limit=10**6), regression(samples=50))
     assert result.size == 50 and result.trials[-1] == (50, True)
     with pytest.raises(ValueError, match=r"batch_size_find\(start=64\) is larger than the dataset \(50 samples\)"):
-        batch_size_find(FakeEngine(), OOMAbove(limit=10**6), regression(samples=50), start=64)
-
-
-class FailsAbove(MLPStep):
-    """Trains for real up to ``limit`` samples a batch, then fails with an error that is not out-of-memory."""
-
-    def __init__(self, limit: int) -> None:
-        super().__init__()
-        self.limit = limit
-
-    def training_step(self, batch: Any) -> torch.Tensor:
-        if len(batch[0]) > self.limit:
-            raise ValueError("a bug in the step")
-        return super().training_step(batch)
+        batch_size_find(FakeEngine(), FailsAbove(limit=10**6), regression(samples=50), start=64)
 
 
 def test_a_finder_that_raises_still_puts_the_step_back() -> None:
-    step = FailsAbove(limit=8)
+    step = FailsAbove(limit=8, error=ValueError("a bug in the step"))
     weights = parameters(step.model)
     with pytest.raises(ValueError, match="a bug in the step"):
         batch_size_find(FakeEngine(), step, regression(samples=100))

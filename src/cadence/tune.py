@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader
 
 from cadence.checkpoint.rng import capture_rng_states, restore_rng_states
 from cadence.data import make_batch_mover
-from cadence.step import TrainingStep
+from cadence.step import TrainingStep, check_training_step
 from cadence.validators import integer, is_number, optional_integer
 from cadence.wrappers import PreparedDataLoader, PreparedOptimizer
 
@@ -121,14 +121,7 @@ def _check_inputs(owner: str, step: Any, data: Any) -> None:
             f"{owner}() got a dataloader that engine.prepare() returned: iterating it would fire the training events "
             "and move its position. Pass the plain DataLoader (the one you give fit())."
         )
-    if not isinstance(step, TrainingStep):
-        raise TypeError(
-            f"{owner}() takes a cadence.TrainingStep; got {type(step).__name__}. Subclass TrainingStep, set "
-            "self.model and self.optimizer in __init__, and define training_step(batch)."
-        )
-    for name in ("model", "optimizer"):
-        if getattr(step, name, None) is None:
-            raise ValueError(f"{type(step).__name__} has no `{name}`: set `self.{name} = ...` in its __init__.")
+    check_training_step(owner, step)
 
 
 def _loss_of(output: Any) -> torch.Tensor:
