@@ -53,6 +53,10 @@ class Profiler(Callback):
     When ``fit()`` ends, the table of the last window's top ``row_limit`` operators (by their own time on the
     device when CUDA was profiled, on the CPU otherwise) is printed; ``profiler.table`` keeps it.
 
+    It profiles ``fit()`` (which fires ``FIT_START`` and ``FIT_END``, where a window cut short is closed). In a loop of
+    your own, run ``torch.profiler.profile`` yourself and call ``engine.trace_events(record_function)`` inside it for
+    the same named ranges.
+
     Only the main process profiles unless ``all_ranks=True`` (each rank then writes its own ``rank{r}`` file).
 
     Outside a window it costs one call of its ``BATCH_END`` hook and of ``schedule`` per batch (measured: 0.3-0.8 µs,

@@ -208,7 +208,8 @@ def lr_find(
     The model trains on ``engine.device`` under ``engine.autocast()``, without the engine's events (no callback
     runs: no gradient accumulation, clipping or fp16 loss scaling) and is put back afterwards with its optimizer
     and RNGs (see ``cadence.tune``), so ``fit()`` then runs as if ``lr_find`` never had. To use the
-    suggestion, set it on the optimizer's groups before ``fit()``.
+    suggestion, set it on the optimizer's groups before ``fit()``, and build a scheduler after that (a scheduler keeps
+    the rates its optimizer had when it was built as its ``base_lrs``).
     """
     _check_inputs("lr_find", step, dataloader)
     num_steps = _check_lr_arguments(min_lr, max_lr, num_steps)

@@ -76,6 +76,16 @@ def test_default_window_writes_one_trace_of_batches_2_to_4(tmp_path: Path, capfd
     assert len(rows) - 2 == 10  # row_limit=10 operators between the rulers
 
 
+def test_a_real_engine_profiles_its_fit(tmp_path: Path) -> None:
+    engine = cadence.Engine(
+        project_dir=tmp_path, callbacks=[Profiler(), Listener()], progress_bar=False, model_summary=False
+    )
+    engine.fit(NamedBatchStep(), tiny_dataloader(batches=6), max_epochs=1)
+    (trace,) = traces(tmp_path)
+    assert batches(trace) == [2, 3, 4]
+    assert {"aten::addmm", "Event.BATCH_START", "Listener.on_before_optimizer_step"} <= names(trace)
+
+
 def test_the_trace_nests_each_hook_inside_its_event(tmp_path: Path) -> None:
     fit(Profiler(), tmp_path)
     (trace,) = traces(tmp_path)
