@@ -6,32 +6,37 @@ VENV := .venv
 PYTHON := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 SYSTEM_PYTHON ?= python3
+# Every folder of code, for every lint and format check (make lint and make test-fast check the same ones).
+CODE := src callbacks frontends tests examples benchmarks
+# The package's folders. The editable install is strict (docs/architecture.md, Packaging): a tree of links to each
+# file, so adding, removing or renaming a file, which changes its folder's time, installs again.
+PACKAGE_FOLDERS := $(shell find src/cadence callbacks frontends -name __pycache__ -prune -o -type d -print)
 
-.PHONY: demo test test-fast lint bench clean
+.PHONY: demo test test-fast lint check-code bench clean
 
-$(INSTALLED): pyproject.toml constraints.txt
+$(INSTALLED): pyproject.toml constraints.txt $(PACKAGE_FOLDERS)
 	$(SYSTEM_PYTHON) -m venv $(VENV)
-	$(PYTHON) -m pip install --quiet --constraint constraints.txt --editable ".[dev]"
+	$(PYTHON) -m pip install --quiet --constraint constraints.txt --editable ".[dev]" --config-settings editable_mode=strict
 	touch $(INSTALLED)
 
 demo: $(INSTALLED)
 	$(PYTHON) examples/quickstart.py
 
-lint: $(INSTALLED)
-	$(VENV)/bin/ruff check src callbacks frontends tests examples benchmarks
-	$(VENV)/bin/ruff format --check src callbacks frontends tests examples benchmarks
+check-code: $(INSTALLED)
+	$(VENV)/bin/ruff check $(CODE)
+	$(VENV)/bin/ruff format --check $(CODE)
+
+lint: check-code
 	$(VENV)/bin/mypy
 
 test: lint
 	$(PYTHON) -m pytest -q
 
-test-fast: $(INSTALLED)
-	$(VENV)/bin/ruff check src callbacks tests examples benchmarks
-	$(VENV)/bin/ruff format --check src callbacks tests examples benchmarks
+test-fast: check-code
 	$(PYTHON) -m pytest -q -m "not slow"
 
 bench: $(INSTALLED)
-	$(PYTHON) -m pip install --quiet --constraint constraints.txt --editable ".[dev,bench]"
+	$(PYTHON) -m pip install --quiet --constraint constraints.txt --editable ".[dev,bench]" --config-settings editable_mode=strict
 	$(PYTHON) benchmarks/overhead.py
 	$(PYTHON) benchmarks/overhead.py --instructions
 	$(PYTHON) benchmarks/checkpoint.py

@@ -11,6 +11,7 @@ from .flops import measure_flops
 from .logger import Logger
 from .lr_monitor import LearningRateMonitor
 from .mixed_precision import MixedPrecision
+from .mlflow_logger import MLflowLogger
 from .model_summary import ModelSummary
 from .preemption import Preemption
 from .profiler import Profiler
@@ -18,6 +19,7 @@ from .progress import RichProgressBar
 from .tensorboard import TensorBoardLogger
 from .throughput import ThroughputMonitor
 from .timer import Timer
+from .wandb_logger import WandbLogger
 
 __all__ = [
     "EMA",
@@ -29,6 +31,7 @@ __all__ = [
     "GradientClipping",
     "LearningRateMonitor",
     "Logger",
+    "MLflowLogger",
     "MixedPrecision",
     "ModelSummary",
     "Preemption",
@@ -37,6 +40,7 @@ __all__ = [
     "TensorBoardLogger",
     "ThroughputMonitor",
     "Timer",
+    "WandbLogger",
     "clip_gradients",
     "measure_flops",
 ]

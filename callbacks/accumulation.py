@@ -143,8 +143,9 @@ class GradientAccumulation(Callback):
         if engine.world_size == 1:
             return items
         total = torch.as_tensor(items, device=engine.device, dtype=torch.float64)
-        # DDP averages gradients over ranks; dividing by total / world_size turns that mean into sum / total.
-        return engine.reduce(total, op="sum") / engine.world_size
+        # DDP and FSDP average gradients over the data-parallel replicas (every rank, unless ranks share one);
+        # dividing by total / replicas turns that mean into sum / total.
+        return engine.reduce(total, op="sum") / engine.data_parallel_size
 
     def state_dict(self) -> dict[str, Any]:
         items = self._items.item() if isinstance(self._items, torch.Tensor) else self._items

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import csv
+import json
 import os
 import tempfile
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 from cadence.checkpoint.commit import fsync_path
 
@@ -32,12 +33,20 @@ class CSVLogger(Logger):
     the restored step, under their header, and appends after them: rows of steps the resumed run replays are
     dropped, so no step appears twice. Every rewrite goes to a temporary file that replaces the old one only once
     it is complete, so a crash never loses the rows already written.
+
+    Hyperparameters (``engine.log_hyperparams``) go to ``hparams.json`` beside the file, one flat JSON object,
+    rewritten the same atomic way whenever more are logged. A fresh run keeps an earlier run's ``hparams.json`` as
+    ``hparams.N.json``; a resumed run adds its hyperparameters to the file's, a later value replacing an earlier.
     """
 
     def __init__(self, filename: str = "metrics.csv", flush_every_n_rows: int = 50) -> None:
         super().__init__(flush_every_n_rows)
         self.filename = filename
         self.path: Path | None = None
+        self.hparams_path: Path | None = None
+        """``hparams.json`` beside ``path``, from ``setup`` on."""
+        self._hyperparams: dict[str, Any] | None = None  # logged, not yet in hparams.json
+        self._kept_hyperparams: dict[str, Any] = {}  # a resumed run's file's, which the new ones are added to
         self._written_columns: list[str] = []
         self._unwritten: list[dict[str, Any]] = []
         self._claimed = False
@@ -46,6 +55,7 @@ class CSVLogger(Logger):
     def setup(self, engine: Engine) -> None:
         super().setup(engine)
         self.path = engine.project_dir / self.filename
+        self.hparams_path = self.path.with_name("hparams.json")
         self._checkpoints = engine.checkpoints
 
     def on_fit_start(self, engine: Engine) -> None:
@@ -56,44 +66,55 @@ class CSVLogger(Logger):
     def _claim(self) -> None:
         """Before a fresh run's first row: keep an earlier run's file under the next free ``name.N.csv`` (never
         overwrite it), and refuse a file this logger did not write. A resumed run claimed its file at the load."""
-        if self._claimed or self.path is None:
+        if self._claimed or self.path is None or self.hparams_path is None:
             return
         self._claimed = True
-        if not self.path.exists():
-            return
-        columns, _ = _read_csv(self.path)
-        if columns and "step" not in columns:
-            raise ValueError(
-                f"{self.path} exists and was not written by CSVLogger (it has no 'step' column); cadence never "
-                "replaces a file it did not write. Move it aside, or pass CSVLogger(filename=...) to log elsewhere."
-            )
-        kept = next(
-            candidate
-            for number in range(1, 1_000_000)
-            if not (candidate := self.path.with_name(f"{self.path.stem}.{number}{self.path.suffix}")).exists()
-        )
-        os.rename(self.path, kept)
-        warnings.warn(self._kept_message(self.path.name, kept.name), UserWarning, stacklevel=2)
+        if self.path.exists():
+            columns, _ = _read_csv(self.path)
+            if columns and "step" not in columns:
+                raise ValueError(
+                    f"{self.path} exists and was not written by CSVLogger (it has no 'step' column); cadence never "
+                    "replaces a file it did not write. Move it aside, or pass CSVLogger(filename=...) to log "
+                    "elsewhere."
+                )
+        if self.hparams_path.exists():
+            _read_hyperparams(self.hparams_path, resumed=False)  # refuses a file this logger did not write
+        kept = [(path.name, _keep_aside(path)) for path in (self.path, self.hparams_path) if path.exists()]
+        if kept:
+            names = " and ".join(name for name, _ in kept)
+            aside = " and ".join(aside.name for _, aside in kept)
+            warnings.warn(self._kept_message(names, aside), UserWarning, stacklevel=2)
 
     def _kept_message(self, name: str, kept: str) -> str:
+        holds = "hold" if " and " in name else "holds"
         checkpoints = self._checkpoints
         if checkpoints is not None and not checkpoints.numbered():
             # Nothing to resume: a script already passing resume='latest' would be told to pass it.
             return (
-                f"CSVLogger: {name} holds an earlier run's metrics, and that run left no checkpoint in "
+                f"CSVLogger: {name} {holds} an earlier run's metrics, and that run left no checkpoint in "
                 f"{checkpoints.root} to resume from (it ended before its first save); kept as {kept}, and this "
                 f"run starts a new {name}."
             )
         return (
-            f"CSVLogger: {name} holds an earlier run's metrics; kept as {kept}, and this run starts a new "
+            f"CSVLogger: {name} {holds} an earlier run's metrics; kept as {kept}, and this run starts a new "
             f"{name}. To continue the earlier run's file, resume it: fit(..., resume='latest')."
         )
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         self._unwritten.append({"step": step, **metrics})
 
+    def write_hyperparams(self, params: dict[str, str | int | float | bool]) -> None:
+        self._hyperparams = params
+
     def persist(self) -> None:
-        if not self._unwritten or self.path is None:
+        if self.path is None:
+            return
+        if self._hyperparams is not None and self.hparams_path is not None:
+            self._claim()
+            merged = {**self._kept_hyperparams, **self._hyperparams}
+            _write_atomically(self.hparams_path, lambda handle: json.dump(merged, handle, indent=2))
+            self._hyperparams = None
+        if not self._unwritten:
             return
         self._claim()
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -110,6 +131,8 @@ class CSVLogger(Logger):
 
     def resume(self, step: int) -> None:
         self._claimed = True
+        if self.hparams_path is not None and self.hparams_path.exists():
+            self._kept_hyperparams = _read_hyperparams(self.hparams_path, resumed=True)
         if self.path is None or not self.path.exists():
             return
         columns, rows = _read_logged_rows(self.path)
@@ -151,23 +174,67 @@ def _step_of(row: dict[str, Any], path: Path) -> int:
         ) from None
 
 
+def _read_hyperparams(path: Path, resumed: bool) -> dict[str, Any]:
+    """The hyperparameters of an ``hparams.json`` CSVLogger wrote; anything else is refused before it is changed
+    (replaced by a ``resumed`` run, else kept aside)."""
+    try:
+        params = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError):
+        params = None
+    if not isinstance(params, dict) or not all(
+        value is None or isinstance(value, (str, int, float, bool)) for value in params.values()
+    ):
+        if resumed:
+            fix = "the resumed run would replace it. Move it aside (the resumed run then writes a new one) or fix it"
+        else:
+            fix = (
+                "cadence never moves a file it did not write. Move it aside, or pass CSVLogger(filename=...) in "
+                "another directory (hparams.json goes beside it)"
+            )
+        raise ValueError(
+            f"{path} is not a flat JSON object of hyperparameters: it was not written by CSVLogger, or was damaged, "
+            f"and {fix}, then {'resume' if resumed else 'start'} again."
+        )
+    return params
+
+
+def _keep_aside(path: Path) -> Path:
+    """Rename ``path`` to the first free ``name.N.suffix`` beside it (never over a file), and return that name."""
+    kept = next(
+        candidate
+        for number in range(1, 1_000_000)
+        if not (candidate := path.with_name(f"{path.stem}.{number}{path.suffix}")).exists()
+    )
+    os.rename(path, kept)
+    return kept
+
+
 def _merged(first: list[str], second: Iterable[str]) -> list[str]:
     """``first``, then each name of ``second`` not seen yet, once (``second`` runs over every buffered row)."""
     return list(dict.fromkeys([*first, *second]))
 
 
 def _replace_atomically(path: Path, columns: list[str], rows: Iterable[dict[str, Any]]) -> None:
-    """Write ``rows`` under ``columns`` to a temporary file beside ``path``, fsync it, then rename it over
-    ``path``: a crash at any moment leaves either the old file or the new one, whole."""
+    """Write ``rows`` under ``columns`` to ``path`` atomically (``_write_atomically``)."""
+
+    def write_rows(handle: TextIO) -> None:
+        writer = csv.DictWriter(handle, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+
+    _write_atomically(path, write_rows)
+
+
+def _write_atomically(path: Path, write: Callable[[TextIO], None]) -> None:
+    """Have ``write`` fill a temporary file beside ``path``, fsync it, then rename it over ``path``: a crash at
+    any moment leaves either the old file or the new one, whole."""
     path.parent.mkdir(parents=True, exist_ok=True)
     descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         # mkstemp creates the file readable by its owner only: give it the mode the file had, or a log file's usual.
         os.chmod(temporary, path.stat().st_mode & 0o777 if path.exists() else 0o644)
         with os.fdopen(descriptor, "w", newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=columns)
-            writer.writeheader()
-            writer.writerows(rows)
+            write(handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temporary, path)

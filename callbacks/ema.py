@@ -5,33 +5,17 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from cadence import Callback
 from cadence.checkpoint.checks import check_state_fields
-from cadence.compat import foreach_copy_, foreach_lerp_, local_shard
+from cadence.compat import foreach_copy_, foreach_lerp_
 from cadence.validators import integer, is_number
 
 if TYPE_CHECKING:
     from cadence import Engine
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor, gathered from every rank's shard (a collective) when it is sharded."""
-    full_tensor = getattr(tensor, "full_tensor", None)
-    return tensor.detach() if full_tensor is None else cast(torch.Tensor, full_tensor())
-
-
-def _shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``full`` as ``like`` is laid out, cut locally (no communication)."""
-    if getattr(like, "device_mesh", None) is None:
-        return full
-    from torch.distributed.tensor import distribute_tensor  # only sharded runs pay for the import
-
-    mesh, placements = like.device_mesh, like.placements  # type: ignore[attr-defined]
-    return distribute_tensor(full.to(local_shard(like).device), mesh, placements, src_data_rank=None).to_local()
 
 
 class EMA(Callback):
@@ -116,8 +100,9 @@ class EMA(Callback):
             return
         shadow, params = self._owned_by(state.optimizer)
         if shadow:
-            weights = [local_shard(p).float() for p in params]  # .float() of an fp32 tensor is the tensor itself
-            foreach_lerp_([local_shard(s) for s in shadow], weights, 1.0 - self.decay)
+            local = engine.strategy.local_tensor
+            weights = [local(p).float() for p in params]  # .float() of an fp32 tensor is the tensor itself
+            foreach_lerp_([local(s) for s in shadow], weights, 1.0 - self.decay)
 
     def _owned_by(self, optimizer: torch.optim.Optimizer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         if id(optimizer) not in self._by_optimizer:
@@ -148,19 +133,20 @@ class EMA(Callback):
     def _swap_in(self, engine: Engine) -> bool:
         if self._shadow is None or self._trained is not None:
             return False
-        live = [local_shard(p) for p in self._params]
+        local = engine.strategy.local_tensor
+        live = [local(p) for p in self._params]
         self._trained = [weight.clone() for weight in live]
-        foreach_copy_(live, [local_shard(s) for s in self._shadow])
-        _reshard(engine, self._params)
+        foreach_copy_(live, [local(s) for s in self._shadow])
+        _reshard(engine)
         return True
 
     @torch.no_grad()
     def _swap_out(self, engine: Engine) -> None:
         if self._trained is None:
             return
-        foreach_copy_([local_shard(p) for p in self._params], self._trained)
+        foreach_copy_([engine.strategy.local_tensor(p) for p in self._params], self._trained)
         self._trained = None
-        _reshard(engine, self._params)
+        _reshard(engine)
 
     def on_validation_start(self, engine: Engine) -> None:
         self._swap_in(engine)
@@ -176,11 +162,11 @@ class EMA(Callback):
     # --- checkpoints ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The full average, by parameter; every rank calls it (it gathers FSDP shards)."""
-        if self._engine is not None:
-            self._swap_out(self._engine)  # a checkpoint holds the trained weights as the model's
-        if self._shadow is None:
+        if self._engine is None or self._shadow is None:
             return {}
-        return {"weights": {name: _full(s) for name, s in zip(self._names, self._shadow, strict=True)}}
+        self._swap_out(self._engine)  # a checkpoint holds the trained weights as the model's
+        full = self._engine.strategy.full_tensor
+        return {"weights": {name: full(s) for name, s in zip(self._names, self._shadow, strict=True)}}
 
     @torch.no_grad()
     def check_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -200,8 +186,9 @@ class EMA(Callback):
         self._trained = None  # the loaded checkpoint's weights are the trained ones now
         self._shadow = None
         if saved is not None and engine is not None:
+            strategy = engine.strategy
             for shadow, name in zip(self._start(engine), self._names, strict=True):
-                local_shard(shadow).copy_(_shard_like(saved[name], shadow))
+                strategy.local_tensor(shadow).copy_(strategy.shard_like(saved[name], shadow))
 
 
 def _check_saved(saved: dict[str, torch.Tensor], params: dict[str, torch.Tensor]) -> None:
@@ -219,14 +206,8 @@ def _check_saved(saved: dict[str, torch.Tensor], params: dict[str, torch.Tensor]
             )
 
 
-def _reshard(engine: Engine, params: list[torch.Tensor]) -> None:
+def _reshard(engine: Engine) -> None:
     """FSDP keeps the root module's gathered weights after a forward without backward (validation), and would
     reuse them: drop every gathered copy, so the next forward gathers the weights just swapped."""
-    if not any(hasattr(param, "device_mesh") for param in params):
-        return
-    from torch.distributed.fsdp import FSDPModule  # only sharded runs pay for the import
-
     for model in engine.models:
-        for module in engine.unwrap_model(model).modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
+        engine.strategy.reshard(engine.unwrap_model(model))

@@ -12,8 +12,7 @@ import torch
 
 from cadence import Callback
 from cadence.checkpoint.checks import check_state_fields, check_state_items
-from cadence.compat import foreach_max_abs, local_shard
-from cadence.precision import GradScalerPrecision
+from cadence.compat import foreach_max_abs
 from cadence.validators import integer
 
 if TYPE_CHECKING:
@@ -117,10 +116,10 @@ class FiniteCheck(Callback):
         """On the device: [1.0 if anything is non-finite else 0.0, the pending losses' mean (0 if non-finite)]."""
         device = engine.device
         bad = torch.as_tensor(self._loss_bad, device=device)
-        if not isinstance(engine.precision, GradScalerPrecision):
+        if not engine.precision.uses_scaler:
             grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
             # A sharded (DTensor) gradient is checked shard by shard: the rank reduction makes the verdict global.
-            local = [local_shard(g) for g in grads]
+            local = [engine.strategy.local_tensor(g) for g in grads]
             bad = bad | nonfinite_gradients(local, device)
         loss = torch.as_tensor(self._loss_sum, device=device) / max(self._loss_count, 1)
         return torch.stack([bad.float(), torch.where(torch.isfinite(loss), loss, 0.0)])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from cadence import Callback
+from cadence.checkpoint.checks import refuse_state
 
 if TYPE_CHECKING:
     from cadence import Engine
@@ -51,9 +53,14 @@ class Logger(Callback):
     alike on every rank too. While ``fit()`` handles an exception, perhaps raised on one rank alone, no collective
     is made: the rows are written, those whose loss was not averaged yet without it.
 
-    A backend implements ``write(step, metrics)`` and, where it needs them, ``persist()``, ``resume(step)`` and
-    ``close()``; ``self.project_dir`` is the engine's. In a hand-written loop (no ``fit()``), call ``flush()``
-    and ``close()`` at the end, as ``fit()`` does; with several processes, ``flush(every_rank=True)`` on every rank.
+    Hyperparameters (``engine.log_hyperparams``, merged in ``state.hyperparams``) reach the backend through
+    ``write_hyperparams`` at the next of those writes: at ``FIT_START`` (after a resume, so a backend knows which
+    run they belong to), at once during ``fit()``, or at the next flush of a hand-written loop.
+
+    A backend implements ``write(step, metrics)`` and, where it needs them, ``write_hyperparams(params)``,
+    ``persist()``, ``resume(step)`` and ``close()``; ``self.project_dir`` is the engine's. In a hand-written loop
+    (no ``fit()``), call ``flush()`` and ``close()`` at the end, as ``fit()`` does; with several processes,
+    ``flush(every_rank=True)`` on every rank.
     """
 
     def __init__(self, flush_every_n_rows: int = 50) -> None:
@@ -65,6 +72,8 @@ class Logger(Callback):
         self._engine: Engine | None = None
         self._pending: list[tuple[int, dict[str, Any]]] = []
         self._fit_ended = False  # the backend was closed at FIT_END: a later flush closes it again after writing
+        self._fit_running = False  # between FIT_START and FIT_END: hyperparameters are written as they come
+        self._hyperparams_pending = False
         # Kept alike on every rank, so that every rank reaches each flush's all-reduce at the same row with as many
         # losses: the rows made since the last flush, and the losses of rows not yet averaged over the ranks.
         self._rows_since_flush = 0
@@ -82,6 +91,10 @@ class Logger(Callback):
         are. Rows come in the order they were made; a step can have two rows (training, then validation)."""
         raise NotImplementedError(f"{type(self).__name__} must implement write(step, metrics) to be a Logger.")
 
+    def write_hyperparams(self, params: dict[str, str | int | float | bool]) -> None:
+        """Store the run's hyperparameters: every one logged so far (``state.hyperparams``, flattened), each time
+        some are logged. A backend that keeps none ignores them."""
+
     def persist(self) -> None:
         """Push the rows ``write`` received so far to storage; called after each batch of writes."""
 
@@ -95,6 +108,7 @@ class Logger(Callback):
     def setup(self, engine: Engine) -> None:
         self._engine = engine
         self.project_dir = engine.project_dir if engine.is_main_process else None
+        self._hyperparams_pending = bool(engine.state.hyperparams)  # logged before this logger was attached
 
     def state_dict(self) -> dict[str, Any]:
         # Every save asks for this, on every rank, before it snapshots. A background save commits, and fires
@@ -136,6 +150,13 @@ class Logger(Callback):
 
     def on_fit_start(self, engine: Engine) -> None:
         self._fit_ended = False
+        self._fit_running = True
+        self._write_ready()  # hyperparameters logged before fit(): the resume, if any, is done
+
+    def on_log_hyperparams(self, engine: Engine) -> None:
+        self._hyperparams_pending = True
+        if self._fit_running:
+            self._write_ready()
 
     def on_before_backward(self, engine: Engine) -> None:
         # Before, not after: a refused mix of losses never reaches the gradients.
@@ -216,6 +237,7 @@ class Logger(Callback):
         self._flush_together(engine)
 
     def on_fit_end(self, engine: Engine) -> None:
+        self._fit_running = False
         self._flush_together(engine)
         if self.project_dir is not None:
             self.close()
@@ -315,8 +337,11 @@ class Logger(Callback):
         ready = len(self._pending)
         if not drop_unaveraged:
             ready = next((index for index, (_, row) in enumerate(self._pending) if _unaveraged(row)), ready)
-        if not ready:
+        hyperparams = self._take_hyperparams()
+        if not ready and hyperparams is None:
             return
+        if hyperparams is not None:
+            self.write_hyperparams(hyperparams)
         rows, self._pending = self._pending[:ready], self._pending[ready:]
         plain = plain_rows([_with_average(row) for _, row in rows])
         for (step, _), metrics in zip(rows, plain, strict=True):
@@ -326,6 +351,29 @@ class Logger(Callback):
             # Rows that came after FIT_END closed the backend (a save at FIT_END, run after the loggers) reopened
             # it to be written; leave it closed as fit() did.
             self.close()
+
+    def _take_hyperparams(self) -> dict[str, str | int | float | bool] | None:
+        if not self._hyperparams_pending or self.project_dir is None or self._engine is None:
+            return None
+        self._hyperparams_pending = False
+        return dict(self._engine.state.hyperparams)
+
+
+def missing_package(logger: str, package: str, error: ImportError) -> ImportError:
+    """The error for a tracker logger built without its package: names the extra that installs it."""
+    return ImportError(
+        f"{logger} needs the {package} package, which is not installed ({error}). Install it with "
+        f'`pip install "cadence[{package}]"`, or log with CSVLogger instead.'
+    )
+
+
+def check_run_id(logger: Logger, state_dict: dict[str, Any], pattern: re.Pattern[str], what: str) -> None:
+    """Refuse (``CheckpointCorrupted``) a tracker logger's checkpoint state whose ``run_id``, the run a resume
+    continues, does not match ``pattern`` (``what`` names it: "an MLflow run id"); ``None`` (no run was started before
+    the save) passes."""
+    run_id = state_dict.get("run_id")
+    if run_id is not None and not (isinstance(run_id, str) and pattern.fullmatch(run_id)):
+        refuse_state(f"callback {logger.state_key!r}", f"its run_id {run_id!r} is not {what}")
 
 
 @dataclass(eq=False, slots=True)

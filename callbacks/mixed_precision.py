@@ -49,23 +49,9 @@ class MixedPrecision(Callback):
         self.plugin: Precision | None = None
 
     def setup(self, engine: Engine) -> None:
-        self._check_alone(engine)
-        self.plugin = self._build(engine.device.type)
-        engine.set_precision(self.plugin)
-
-    def _check_alone(self, engine: Engine) -> None:
-        # An engine has one precision: a second one would silently replace the first (fp32 would undo bf16).
-        others = [cb for cb in engine.callbacks if isinstance(cb, MixedPrecision) and cb is not self]
-        if others:
-            raise ValueError(
-                f"Engine got two MixedPrecision callbacks ({others[0].precision_name!r} and "
-                f"{self.precision_name!r}); keep one."
-            )
-        if type(engine.precision) is not Precision:
-            raise ValueError(
-                f"The engine already has a {engine.precision.name!r} precision (installed with "
-                f"engine.set_precision), which MixedPrecision({self.precision_name!r}) would replace; keep one."
-            )
+        plugin = self._build(engine.device.type)
+        engine.set_precision(plugin)  # refuses a second precision (``cadence.precision.check_one_precision``)
+        self.plugin = plugin
 
     def _build(self, device_type: str) -> Precision:
         if self.precision_name == "fp16":

@@ -29,6 +29,9 @@ class TensorBoardLogger(Logger):
     deleted: a new event file starts with a purge marker (``SummaryWriter(purge_step=...)``) that makes
     TensorBoard discard the older files' events from that step on when it reads the directory.
 
+    Hyperparameters (``engine.log_hyperparams``) go to the same directory as TensorBoard's hparams plugin summary
+    (the HPARAMS tab), all logged so far each time some are logged.
+
     Needs the ``tensorboard`` package: ``pip install "cadence[tensorboard]"``.
     """
 
@@ -65,6 +68,16 @@ class TensorBoardLogger(Logger):
                 continue
             writer.add_scalar(name, value, global_step=step)
             self._last_steps[name] = step
+
+    def write_hyperparams(self, params: dict[str, str | int | float | bool]) -> None:
+        from torch.utils.tensorboard.summary import hparams
+
+        # The plugin's three summaries (experiment, session start, session end), as SummaryWriter.add_hparams makes
+        # them, but into this run's own event file rather than a new subdirectory per call.
+        file_writer = self._open().file_writer
+        if file_writer is not None:
+            for summary in hparams(params, {}):
+                file_writer.add_summary(summary)
 
     def persist(self) -> None:
         if self._writer is not None:

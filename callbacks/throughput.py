@@ -156,7 +156,8 @@ class ThroughputMonitor(Callback):
         if engine.world_size > 1:
             packet = engine.reduce(packet, op="sum")
         seconds, batches, samples, items = packet.tolist()  # the one host sync per log
-        seconds /= engine.world_size  # every rank timed the same window: their mean
+        # Every rank timed the same window; the sum counted each data-parallel replica once: their mean.
+        seconds /= engine.data_parallel_size
         if seconds <= 0:
             return
         metrics = {"throughput/samples_per_sec": samples / seconds, "throughput/batches_per_sec": batches / seconds}

@@ -98,3 +98,24 @@ class SecondsPerBatch(cadence.Callback):
 
     def on_batch_start(self, engine: cadence.Engine) -> None:
         self.clock.now += self.seconds[engine.rank] if isinstance(self.seconds, tuple) else self.seconds
+
+
+def tiny_gpt2(layers: int = 2, vocab: int = 64, positions: int = 8) -> Any:
+    """``transformers``' GPT-2 built from a config, small enough for CPU tests: tied input and output embeddings,
+    no dropout (so one process and several ranks compute alike), seeded."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=layers,
+        n_embd=32,
+        n_head=2,
+        vocab_size=vocab,
+        n_positions=positions,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return GPT2LMHeadModel(config)

@@ -30,7 +30,6 @@ accelerate = pytest.importorskip("accelerate")
 
 SCRIPTS = Path(accelerate.__file__).parent / "test_utils" / "scripts"
 DOCS = Path(__file__).parents[1] / "docs" / "accelerate.md"
-ROOT = Path(__file__).parents[1]
 
 
 @dataclass(frozen=True)
@@ -186,7 +185,6 @@ def run_checks(script: str, target: str, processes: int, checks: list[Check], di
     # Accelerate's own launcher starts one process on a CPU machine; torchrun (cadence launch) starts N.
     command = [sys.executable, "-m", "cadence.cli", "launch", "--standalone", "--nproc-per-node", str(processes)]
     environment = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
-    environment["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), environment.get("PYTHONPATH", "")])
     try:
         finished = subprocess.run(
             [*command, str(driver), str(checked), names, str(directory), SETUP[script], target],

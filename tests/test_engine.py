@@ -674,6 +674,56 @@ def test_release_all_is_refused_during_a_pass_and_changes_nothing() -> None:
     assert len(eng.models) == len(eng.optimizers) == len(eng.dataloaders) == 1
 
 
+def test_release_dataloader_forgets_one_loader_so_checkpoints_hold_the_others(tmp_path: Path) -> None:
+    eng = engine(project_dir=tmp_path)
+    model = make_model()
+    eng.prepare(model, make_optimizer(model))
+    kept, released = eng.prepare(loader(), loader(samples=8))
+    eng.release_dataloader(released)
+    assert eng.dataloaders == (kept,) and len(eng.models) == len(eng.optimizers) == 1
+    saved = eng.save_state(tmp_path / "after")
+    again = engine(project_dir=tmp_path)
+    other = make_model(seed=1)
+    again.prepare(other, make_optimizer(other), loader())
+    again.load_state(saved)  # one dataloader saved, one prepared
+    assert all(torch.equal(a, b) for a, b in zip(other.state_dict().values(), model.state_dict().values(), strict=True))
+
+
+def test_release_dataloader_refuses_a_loader_this_engine_does_not_hold() -> None:
+    eng = engine()
+    prepared = eng.prepare(loader())
+    for foreign in (engine().prepare(loader()), loader()):
+        with pytest.raises(ValueError, match=r"release_dataloader\(\) takes a dataloader this engine's prepare\(\)"):
+            eng.release_dataloader(foreign)
+    assert eng.dataloaders == (prepared,)
+    eng.release_dataloader(prepared)
+    with pytest.raises(ValueError, match=r"PreparedDataLoader, which it did not prepare or released already"):
+        eng.release_dataloader(prepared)
+
+
+def test_release_dataloader_is_refused_for_a_loader_the_running_fit_uses(tmp_path: Path) -> None:
+    class ReleaseTraining(cadence.Callback):
+        def on_batch_end(self, engine: cadence.Engine) -> None:
+            engine.release_dataloader(engine.dataloaders[0])
+
+    eng = engine(project_dir=tmp_path, callbacks=[ReleaseTraining()])
+    with pytest.raises(RuntimeError, match=r"release_dataloader\(\) was called during fit\(\) on a dataloader fit"):
+        eng.fit(RegressionStep(), loader(), max_steps=2)
+    assert len(eng.dataloaders) == 1
+
+
+def test_a_fit_loader_released_after_fit_is_prepared_afresh_by_the_next_fit(tmp_path: Path) -> None:
+    eng = engine(project_dir=tmp_path)
+    step = RegressionStep()
+    data = loader()
+    eng.fit(step, data, max_epochs=1)
+    (first,) = eng.dataloaders
+    eng.release_dataloader(first)
+    eng.fit(step, data, max_epochs=2)
+    (second,) = eng.dataloaders  # checkpoints hold the loader this fit() trains with
+    assert second is not first and eng.state.epoch == 1
+
+
 @pytest.mark.slow
 def test_release_all_stops_the_workers_of_the_released_loaders() -> None:
     eng = engine()

@@ -301,6 +301,25 @@ def test_without_gathering_each_rank_keeps_its_own_samples_without_the_padding(r
     assert predicted.tolist() == own
 
 
+@pytest.mark.parametrize(
+    ("rank", "own", "both"),
+    [
+        (1, [0, 1, 4, 5, 8, 9, 12], [0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12]),
+        (2, [2, 3, 6, 7, 10, 11], [2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 0]),
+    ],
+)
+def test_tensor_parallel_ranks_predict_and_test_their_replica_s_samples(
+    rank: int, own: list[int], both: list[int]
+) -> None:
+    # 4 ranks as 2 replicas of 2 tensor-parallel ranks (0-1, 2-3): the data is split in 2, as over 2 ranks.
+    fake = FakeEngine(rank=rank, world_size=4, tensor_parallel_size=2)
+    assert fake.predict(Evaluated(predict=lambda v: v.long()), ids(13), gather=False).tolist() == own
+    # Gathered, each replica's batch once (FakeEngine's replicas all hold this one's), less the padding: 13 rows.
+    assert fake.predict(Evaluated(predict=lambda v: [int(i) for i in v]), ids(13)) == both
+    assert fake.predict(Evaluated(predict=lambda v: v.long()), ids(13)).tolist() == both
+    assert fake.test(Evaluated(lambda v: {"id": v.mean()}), ids(13)) == {"test/id": sum(own) / len(own)}
+
+
 def test_a_shuffling_dataloader_warns_that_predictions_are_not_in_the_dataset_s_order() -> None:
     with pytest.warns(UserWarning, match=r"this dataloader shuffles \(shuffle=True\): they are not in the dataset"):
         predicted = engine().predict(Evaluated(predict=lambda v: v), ids(8, shuffle=True))

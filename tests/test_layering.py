@@ -1,14 +1,19 @@
 """The layers docs/architecture.md draws, checked on the real files: core (src/cadence) <- callbacks/ <- frontends/.
 
 The core never imports a callback or a front end (one named exception: the default summary and bar), callbacks
-use only the core's public names and never a front end, and the only links in src/cadence lead to those two
-folders, so no core module can hide behind one.
+use only the core's public names and never a front end, and pyproject.toml installs each of those folders under
+its name (``cadence.callbacks``, ``cadence.<front end>``) and every package folder, so no module is left out of a
+wheel.
 """
 
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CORE = ROOT / "src" / "cadence"
@@ -46,25 +51,13 @@ def _imports(path: Path, module: str) -> list[tuple[str, str | None]]:
     return found
 
 
-def _real_core_files() -> list[Path]:
-    """The core's own .py files: links (to callbacks/ and frontends/) are not walked into."""
-    files: list[Path] = []
-    pending = [CORE]
-    while pending:
-        folder = pending.pop()
-        for entry in sorted(folder.iterdir()):
-            if entry.is_symlink():
-                continue
-            if entry.is_dir():
-                pending.append(entry)
-            elif entry.suffix == ".py":
-                files.append(entry)
-    return files
+def _core_files() -> list[Path]:
+    return sorted(CORE.rglob("*.py"))
 
 
 def _front_ends() -> list[Path]:
-    """Each front end: a module (``frontends/<name>.py``) or a package (``frontends/<name>/``)."""
-    return sorted(path for path in FRONTENDS.iterdir() if path.suffix == ".py" or (path / "__init__.py").is_file())
+    """Each front end: a package, ``frontends/<name>/`` (a package folder is what pyproject.toml can map)."""
+    return sorted(path for path in FRONTENDS.iterdir() if (path / "__init__.py").is_file())
 
 
 def _front_end_modules() -> set[str]:
@@ -75,22 +68,46 @@ def _is_within(module: str, package: str) -> bool:
     return module == package or module.startswith(package + ".")
 
 
-def test_every_link_in_the_core_leads_to_callbacks_or_a_front_end() -> None:
-    links = sorted(path for path in CORE.rglob("*") if path.is_symlink())
-    assert links, "src/cadence should link to callbacks/ and frontends/"
-    for link in links:
-        target = link.resolve()
-        assert target == CALLBACKS or target.parent == FRONTENDS, f"{link} -> {target}"
-    for front_end in _front_ends():
-        exposed = CORE / front_end.name
-        assert exposed.is_symlink() and exposed.resolve() == front_end, (
-            f"{front_end.name} is not installed: `ln -s ../../frontends/{front_end.name} {exposed.relative_to(ROOT)}`"
-        )
+def _setuptools() -> dict[str, Any]:
+    if sys.version_info < (3, 11):
+        tomllib = pytest.importorskip("tomli")
+    else:
+        import tomllib
+    setuptools: dict[str, Any] = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    return setuptools
+
+
+def _installed_packages() -> dict[str, Path]:
+    """Each package folder of the three layers under the name it is installed as."""
+    roots = {"cadence": CORE, "cadence.callbacks": CALLBACKS}
+    roots |= {f"cadence.{path.name}": path for path in _front_ends()}
+    found = {}
+    for name, root in roots.items():
+        for init in root.rglob("__init__.py"):
+            found[".".join([name, *init.parent.relative_to(root).parts])] = init.parent
+    return found
+
+
+def test_pyproject_installs_every_package_folder_under_its_name() -> None:
+    """A front end or a package folder missing from pyproject.toml would be missing from wheels (and the import
+    hook of an editable install); a loose module in frontends/ could not be mapped at all."""
+    setuptools = _setuptools()
+    mapped = {name: ROOT / folder for name, folder in setuptools["package-dir"].items()}
+    assert mapped == {
+        "": CORE.parent,
+        "cadence.callbacks": CALLBACKS,
+        **{f"cadence.{path.name}": path for path in _front_ends()},
+    }, "map each front end: [tool.setuptools.package-dir] 'cadence.<name>' = 'frontends/<name>'"
+    packages = _installed_packages()
+    assert {"cadence.accelerate.utils", "cadence.defaults", "cadence.checkpoint"} <= set(packages)
+    assert sorted(setuptools["packages"]) == sorted(packages), "list every package folder in [tool.setuptools]"
+    loose = sorted(path.name for path in FRONTENDS.iterdir() if path.suffix == ".py")
+    assert loose == [], f"front ends are packages: move {loose} to frontends/<name>/__init__.py"
 
 
 def test_the_core_imports_no_callback_and_no_front_end() -> None:
     upward = ["cadence.callbacks", *_front_end_modules()]
-    files = _real_core_files()
+    files = _core_files()
     assert CORE / "loop.py" in files and CORE / "callbacks" not in files
     edges = set()
     for path in files:
@@ -146,3 +163,49 @@ def test_strategies_never_import_the_checkpoint_layer_that_drives_them() -> None
         if _is_within(module, "cadence.checkpoint") or _is_within(f"{module}.{name}", "cadence.checkpoint")
     }
     assert edges == set()
+
+
+def _engine_private_uses(source: str) -> list[str]:
+    """``engine._x`` (also ``self._engine._x``, ``getattr(engine, "_x")``): a private Engine member reached from
+    outside engine.py. Any name ending in ``engine`` counts as the engine; dunders are Python's, not Engine's."""
+
+    def names_engine(node: ast.expr) -> bool:
+        name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+        return name.lower().endswith("engine")
+
+    def private(name: str) -> bool:
+        return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and private(node.attr) and names_engine(node.value):
+            found.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in {"getattr", "setattr"}:
+            target, *rest = node.args
+            if rest and isinstance(rest[0], ast.Constant) and private(str(rest[0].value)) and names_engine(target):
+                found.append((node.lineno, ast.unparse(node)))
+    return [f"{line}: {text}" for line, text in sorted(found)]
+
+
+def test_no_module_outside_engine_py_touches_the_engines_private_members() -> None:
+    """The loop, evaluation, checkpoints, callbacks and front ends use Engine's public members (``cadence.loop``
+    owns the loaders fit() reuses; ``release_dataloader`` is public), so Engine's private fields can change freely."""
+    files = [path for path in _core_files() if path != CORE / "engine.py"]
+    files += [*sorted(CALLBACKS.rglob("*.py")), *sorted(FRONTENDS.rglob("*.py"))]
+    found = [f"{path.relative_to(ROOT)}:{use}" for path in files for use in _engine_private_uses(path.read_text())]
+    assert found == []
+
+
+def test_the_private_member_scan_sees_each_form() -> None:
+    source = (
+        "def f(engine, run):\n"
+        "    engine._fit_loaders = []\n"
+        "    run.engine._release(1)\n"
+        "    getattr(self._engine, '_models')\n"
+        "    engine.__class__, engine.state._step, run._cache\n"
+    )
+    assert _engine_private_uses(source) == [
+        "2: engine._fit_loaders",
+        "3: run.engine._release",
+        "4: getattr(self._engine, '_models')",
+    ]

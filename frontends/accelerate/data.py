@@ -34,6 +34,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from cadence.data import ResumableBatchSampler, to_stateful
+from cadence.validators import is_integer
 from cadence.wrappers import PreparedDataLoader
 
 ShuffleMode = Literal["seedable", "draw", "stream", "generator"]
@@ -206,7 +207,7 @@ def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
     cadence's ``load_state`` already puts a prepared loader back where the checkpoint stopped, in the same epoch
     and order, so the call that follows it in an Accelerate script (skipping the batches the checkpoint had done)
     returns the loader as it is. Anything else is refused rather than guessed."""
-    if not isinstance(num_batches, int) or isinstance(num_batches, bool) or num_batches < 0:
+    if not is_integer(num_batches) or num_batches < 0:
         raise ValueError(f"skip_first_batches(num_batches={num_batches!r}): num_batches must be an integer >= 0.")
     if num_batches == 0:
         return dataloader

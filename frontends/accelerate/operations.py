@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from cadence.validators import is_integer
+
 __all__ = [
     "DistributedOperationException",
     "broadcast",
@@ -163,7 +165,7 @@ def _broadcast_one(tensor: torch.Tensor, src: int) -> torch.Tensor:
 
 def _check_process(name: str, index: object) -> int:
     size = _world_size()
-    if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < size:
+    if not is_integer(index) or not 0 <= index < size:
         raise ValueError(f"{name}={index!r} must be a process index from 0 to {size - 1} (num_processes - 1).")
     return index
 

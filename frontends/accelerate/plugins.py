@@ -9,6 +9,7 @@ from datetime import timedelta
 from typing import Any, NoReturn
 
 from cadence.strategies.distributed import DEFAULT_TIMEOUT
+from cadence.validators import is_integer
 
 
 @dataclass
@@ -119,7 +120,7 @@ def _check_int(owner: str, name: str, value: object, minimum: int | None, none_m
     if value is None and none_means is not None:
         return
     or_none = f", or None {none_means}" if none_means is not None else ""
-    if not isinstance(value, int) or isinstance(value, bool):
+    if not is_integer(value):
         raise TypeError(f"{owner}({name}={value!r}): {name} must be an integer{or_none}, not a {type(value).__name__}.")
     if minimum is not None and value < minimum:
         raise ValueError(f"{owner}({name}={value!r}): {name} must be at least {minimum}{or_none}.")

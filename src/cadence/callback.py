@@ -125,6 +125,9 @@ class Callback:
     def on_predict_end(self, engine: Engine) -> None:
         """See ``Event.PREDICT_END``."""
 
+    def on_log_hyperparams(self, engine: Engine) -> None:
+        """See ``Event.LOG_HYPERPARAMS``."""
+
     def on_save_state(self, engine: Engine) -> None:
         """See ``Event.SAVE_STATE``."""
 

@@ -127,3 +127,13 @@ def foreach_copy_(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tenso
 def version_counter(tensor: torch.Tensor) -> int:
     """A count torch raises at every in-place change of ``tensor`` (``Tensor._version``, what autograd checks)."""
     return int(tensor._version)
+
+
+def activation_checkpoint(module: nn.Module) -> None:
+    """Recompute ``module``'s activations in backward instead of keeping them, in place: torch's composable
+    ``checkpoint`` (``torch.distributed._composable``) hooks the module itself, so unlike ``checkpoint_wrapper``
+    it adds no ``_checkpoint_wrapped_module.`` segment to parameter and state-dict names, and composes with
+    ``fully_shard``."""
+    from torch.distributed._composable.checkpoint_activation import checkpoint
+
+    checkpoint(module)

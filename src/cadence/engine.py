@@ -18,12 +18,13 @@ from torch.utils.data import DataLoader
 from cadence.callback import Callback, Dispatcher, EventTracer
 from cadence.checkpoint.background import CheckpointSaves, PendingCheckpoint
 from cadence.checkpoint.engine_state import load_engine_state
-from cadence.checkpoint.export import save_weights
+from cadence.checkpoint.export import model_configs, save_weights
 from cadence.checkpoint.layout import CheckpointDirectory
 from cadence.compile import CompileSetting, check_compile_sources, compile_options, compile_prepared, split_compiled
 from cadence.data import batches_per_epoch, check_shardable, draw_seed, make_batch_mover, to_stateful
 from cadence.evaluation import run_predict, run_test
 from cadence.event import Event
+from cadence.hyperparams import flatten_hyperparams
 from cadence.inputs import (
     PREPARABLE,
     check_callbacks,
@@ -36,8 +37,8 @@ from cadence.inputs import (
     unmark_prepared,
     warn_if_prepared_elsewhere,
 )
-from cadence.loop import Plan, set_up_fit
-from cadence.precision import Precision
+from cadence.loop import FitLoaders, Plan, set_up_fit
+from cadence.precision import Precision, check_one_precision
 from cadence.schedule import Schedule, steps_in_run
 from cadence.state import State
 from cadence.step import TrainingStep
@@ -53,7 +54,8 @@ class Engine:
     Args:
         accelerator: ``"auto"`` (CUDA, then MPS, then CPU), ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"mps"``.
         strategy: ``"auto"`` (DDP under torchrun with ``WORLD_SIZE > 1``, else one device), ``"single"``,
-            ``"ddp"``, ``"fsdp"``, or a ``cadence.strategies.Strategy`` instance.
+            ``"ddp"``, ``"fsdp"``, or a ``cadence.strategies.Strategy`` instance (``FSDPStrategy(...)``,
+            ``ModelParallelStrategy(...)`` for FSDP x tensor parallelism).
         callbacks: features, run in the order given at every event.
         seed: seeds python, numpy and torch, and the prepared dataloaders' shuffling.
         project_dir: where logs and checkpoints go (``project_dir/checkpoints/checkpoint_{n}``).
@@ -92,13 +94,13 @@ class Engine:
         self.progress_bar = progress_bar
         self.model_summary = model_summary
         self._precision = Precision()
+        self._precision_set = False
         self._dispatcher = Dispatcher()
         self._models: list[nn.Module] = []
         self._optimizers: list[PreparedOptimizer] = []
         self._schedulers: list[PreparedScheduler] = []
         self._dataloaders: list[PreparedDataLoader] = []
-        self._fit_loaders: list[tuple[Any, PreparedDataLoader]] = []
-        """The (given, prepared) dataloaders of the last ``fit()``, which the next ``fit()`` reuses or releases."""
+        self._fit_loaders = FitLoaders()
         self._fitting = False
         self._registered: list[Any] = []
         self.checkpoint_total_limit = checkpoint_total_limit
@@ -131,6 +133,22 @@ class Engine:
     def world_size(self) -> int:
         """How many processes train together (1 without torchrun)."""
         return self.strategy.world_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """Which shard of every global batch this process reads: its rank, unless ranks share a model replica
+        (``ModelParallelStrategy``: the tensor-parallel ranks of a replica read the same batch)."""
+        return self.strategy.data_parallel_rank
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many shards a global batch is split into: the world size, unless ranks share a model replica."""
+        return self.strategy.data_parallel_size
+
+    @property
+    def device_mesh(self) -> Any:
+        """The strategy's ``DeviceMesh`` when it has several dimensions (``ModelParallelStrategy``), else None."""
+        return self.strategy.device_mesh
 
     @property
     def is_main_process(self) -> bool:
@@ -175,17 +193,8 @@ class Engine:
 
     def set_precision(self, precision: Precision) -> None:
         """Install a precision plugin (the ``MixedPrecision`` callback does, in its ``setup``)."""
-        if self._models:
-            raise RuntimeError(
-                "The precision must be chosen before any model is prepared: pass the MixedPrecision callback "
-                "to Engine(callbacks=[...]) instead of installing it later."
-            )
-        if type(self._precision) is not Precision and type(precision) is not Precision:
-            raise RuntimeError(
-                f"A {self._precision.name} precision is already installed; an engine has one precision. "
-                "Keep a single MixedPrecision callback."
-            )
-        self._precision = precision
+        check_one_precision(self._precision if self._precision_set else None, precision, bool(self._models))
+        self._precision, self._precision_set = precision, True
         self.strategy.configure_precision(precision)
 
     def add_callback(self, callback: Callback) -> None:
@@ -269,19 +278,32 @@ class Engine:
         return prepared
 
     def _prepare_dataloader(self, loader: DataLoader[Any]) -> PreparedDataLoader:
-        if self.world_size > 1:
+        shards = self.data_parallel_size
+        if shards > 1:
             check_shardable(loader)
-        # Every rank must shuffle with the same seed: the order is global and each rank takes its slice.
+        # Every rank must shuffle with the same seed: the order is global and each data shard takes its slice.
         seed = self.seed if self.seed is not None else self.strategy.broadcast_object(draw_seed(loader))
-        stateful = to_stateful(loader, seed, rank=self.rank, world_size=self.world_size)
+        stateful = to_stateful(loader, seed, rank=self.data_parallel_rank, world_size=shards)
         prepared = PreparedDataLoader(stateful, self, self._move_batch, seed_chosen=self.seed is not None)
         self._dataloaders.append(prepared)
         return prepared
 
-    def _release_dataloader(self, loader: PreparedDataLoader) -> None:
-        """Stop saving and restoring ``loader`` with the engine (a dataloader an earlier ``fit()`` used), and stop
-        the worker processes it keeps (``persistent_workers``) now rather than when the garbage collector finds it."""
+    def release_dataloader(self, loader: PreparedDataLoader) -> None:
+        """Stop saving and restoring ``loader`` (what ``prepare`` returned) with this engine's checkpoints, and stop
+        the worker processes it keeps (``persistent_workers``) now rather than when the garbage collector finds it;
+        everything else prepared stays. Refused for a loader the running ``fit()`` trains or validates with."""
+        if not any(prepared is loader for prepared in self._dataloaders):
+            raise ValueError(
+                f"engine.release_dataloader() takes a dataloader this engine's prepare() returned; got "
+                f"{type(loader).__name__}, which it did not prepare or released already. Nothing was released."
+            )
+        if self._fitting and self._fit_loaders.holds(loader):
+            raise RuntimeError(
+                "engine.release_dataloader() was called during fit() on a dataloader fit() is using: its position "
+                "would no longer be saved. Release it after fit() returns."
+            )
         self._dataloaders = [prepared for prepared in self._dataloaders if prepared is not loader]
+        self._fit_loaders.forget(loader)
         if not loader.in_pass:
             loader.close()
 
@@ -300,7 +322,8 @@ class Engine:
         for own in [self.unwrap_model(model) for model in self._models] + [o.optimizer for o in self._optimizers]:
             unmark_prepared(own, self)  # another engine (or this one again) may prepare them without a warning
         loaders = self._dataloaders
-        self._models, self._optimizers, self._schedulers, self._dataloaders, self._fit_loaders = [], [], [], [], []
+        self._models, self._optimizers, self._schedulers, self._dataloaders = [], [], [], []
+        self._fit_loaders = FitLoaders()
         for loader in loaders:
             loader.close()
 
@@ -462,7 +485,8 @@ class Engine:
         self.close()
 
     def reduce(self, tensor: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
-        """``tensor`` reduced across ranks with ``op``: ``"mean"``, ``"sum"``, ``"max"`` or ``"min"``."""
+        """``tensor`` reduced across ranks with ``op``: ``"mean"``, ``"sum"``, ``"max"`` or ``"min"``. Ranks that share
+        a model replica (``ModelParallelStrategy``'s tensor-parallel ranks, which read the same batch) count once."""
         if op not in ("mean", "sum", "max", "min"):
             raise ValueError(f"Unknown reduce op {op!r}; use 'mean', 'sum', 'max' or 'min'.")
         return self.strategy.all_reduce(tensor, op)
@@ -532,12 +556,15 @@ class Engine:
     ) -> list[Path]:
         """Export the unwrapped model's weights on the main process: ``model.safetensors`` or shards with
         ``model.safetensors.index.json``; ``safe_serialization=False`` writes ``pytorch_model.bin``. Tied
-        weights are written once. Returns the files written (empty on other ranks)."""
+        weights are written once. A ``transformers`` model's ``config.json`` (and ``generation_config.json``) go
+        beside them, for ``from_pretrained(save_directory)``. Returns the files written (empty on other ranks)."""
         # Every rank takes part (FSDP gathers the full weights from their shards); the main rank writes.
-        state_dict = self.strategy.model_state_dict(self.unwrap_model(model))
+        module = self.unwrap_model(model)
+        state_dict = self.strategy.model_state_dict(module)
         if not self.is_main_process:
             return []
-        return save_weights(state_dict, save_directory, max_shard_size, safe_serialization)
+        configs = model_configs(module, state_dict)
+        return save_weights(state_dict, save_directory, max_shard_size, safe_serialization, configs)
 
     # --- metrics -------------------------------------------------------------------------------------------
     def log(self, name: str, value: Any) -> None:
@@ -548,6 +575,15 @@ class Engine:
         """``engine.log(name, value)`` for every item of ``metrics``. Tensors are kept as they are (no device sync);
         loggers read them when they write."""
         self.state.metrics.update(metrics)
+
+    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
+        """Record the run's hyperparameters for every attached logger (``Event.LOG_HYPERPARAMS``). A nested mapping
+        is flattened, its names joined with ``/`` (``{"optim": {"lr": 0.1}}`` is ``optim/lr``); values other than
+        ``str``, ``int``, ``float`` and ``bool`` are stored as their ``str()``. Calls merge into
+        ``state.hyperparams``, a later value replacing an earlier one. Call it on every process, or on the main one
+        (the loggers write there), before ``fit()`` or during it; a resumed run logs them again."""
+        self.state.hyperparams.update(flatten_hyperparams(params))
+        self.fire(Event.LOG_HYPERPARAMS)
 
     def estimated_steps(
         self,
@@ -561,7 +597,7 @@ class Engine:
         and caps the total by ``max_steps``. Steps skipped at run time (fp16 overflow, ``FiniteCheck``) cannot be
         foreseen: each one leaves the schedule one step short of its end."""
         loader = dataloader.loader if isinstance(dataloader, PreparedDataLoader) else dataloader
-        steps = batches_per_epoch(loader, self.world_size)
+        steps = batches_per_epoch(loader, self.data_parallel_size)
         if steps is not None:
             for callback in self.callbacks:
                 steps = callback.steps_per_epoch(steps)
@@ -605,7 +641,7 @@ class Engine:
         plan = Plan(max_epochs, max_steps, min_epochs, min_steps, val_every_n_steps, val_every_n_epochs, val_batches)
         self._fitting = True
         try:
-            return set_up_fit(self, step, train_dataloader, val_dataloader, resume, plan).run()
+            return set_up_fit(self, self._fit_loaders, step, train_dataloader, val_dataloader, resume, plan).run()
         finally:
             self._fitting = False
 

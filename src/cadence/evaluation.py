@@ -62,7 +62,7 @@ def run_test(engine: Engine, step: TrainingStep, dataloader: DataLoader[Any] | P
         empty="test()'s dataloader yielded no batch: check that its dataset is not empty and that drop_last does not "
         "drop every sample.",
     )
-    means = ValidationMeans(engine.rank, engine.world_size, source)
+    means = ValidationMeans(engine.data_parallel_rank, engine.data_parallel_size, source)
     results: dict[str, float] = {}
 
     def on_batch(batch: Any, loader: PreparedDataLoader) -> bool:
@@ -167,7 +167,7 @@ def _pass_with_events(
     """``kind.start``, the batches, ``finish`` (the collectives), ``kind.end``; ``kind.end`` also follows a failure,
     with ``state.exception`` set, so a callback can undo what it did at ``kind.start`` (EMA puts the weights back)."""
     state = engine.state
-    state.eval_batch_idx, state.eval_num_batches = -1, batches_per_epoch(loader.loader, engine.world_size)
+    state.eval_batch_idx, state.eval_num_batches = -1, batches_per_epoch(loader.loader, engine.data_parallel_size)
     try:
         engine.fire(kind.start)
         # no_grad rather than inference_mode: tensors a model caches during the pass (rotary tables, masks) stay
@@ -223,7 +223,7 @@ def _pass_loader(
     with torch.random.fork_rng(devices=[]):
         loader: PreparedDataLoader = engine.prepare(dataloader)
     loader.drives_training = False
-    return loader, lambda: engine._release_dataloader(loader)
+    return loader, lambda: engine.release_dataloader(loader)
 
 
 def _warn_if_shuffled(loader: PreparedDataLoader) -> None:

@@ -26,6 +26,7 @@ the same places in both::
     EXCEPTION                                          # fit() only, when it raises: before FIT_END
     FIT_END                                            # fit() only, once FIT_PREPARED fired, also after an exception
     save_state() -> SAVE_STATE, load_state() -> LOAD_STATE  # after the checkpoint is committed / restored
+    log_hyperparams(params) -> LOG_HYPERPARAMS         # whenever called, in or out of fit()
 
     test(step, dataloader)                             # prepares step.model (if not yet) and its own loader copy
         TEST_START                                     # every prepared model in eval mode, no grad from here
@@ -180,6 +181,12 @@ class Event(str, Enum):
         "predict_end",
         "``engine.predict()``'s pass is over (the outputs are gathered after it). When it raised, ``state.exception`` "
         "is set here and the error is re-raised after. The models return to the modes they had after it.",
+    )
+
+    LOG_HYPERPARAMS = (
+        "log_hyperparams",
+        "``engine.log_hyperparams(params)`` merged ``params`` into ``state.hyperparams``; fires on the processes "
+        "that called it, whenever they did (before ``fit()`` too). Loggers write them at their next flush.",
     )
 
     SAVE_STATE = (

@@ -21,8 +21,8 @@ When each event fires, read top to bottom (``cadence.Event`` says what each guar
     EXCEPTION when something raised; FIT_END always
 
 A stop (``state.stop``) takes effect after the batch it was asked in, at once or, below ``min_steps`` /
-``min_epochs``, when they are reached. The loaders a previous ``fit()`` prepared are tracked in private engine
-fields, because only ``fit()`` reuses or releases them."""
+``min_epochs``, when they are reached. The loaders a previous ``fit()`` prepared are tracked here (``FitLoaders``,
+one per engine), because only ``fit()`` reuses or releases them; the loop uses only the engine's public members."""
 
 from __future__ import annotations
 
@@ -51,6 +51,45 @@ if TYPE_CHECKING:
     from cadence.callback import Callback
     from cadence.engine import Engine
     from cadence.wrappers import PreparedDataLoader, PreparedOptimizer, PreparedScheduler
+
+
+class FitLoaders:
+    """The dataloaders the last ``fit()`` on one engine prepared, each beside the one it was given. The next
+    ``fit()`` given the same loader continues the prepared one (where the first stopped) and releases those it does
+    not use, so checkpoints hold only the running ``fit()``'s loaders. The engine forgets one it releases."""
+
+    def __init__(self) -> None:
+        self._pairs: list[tuple[Any, PreparedDataLoader]] = []
+
+    def prepare(
+        self,
+        engine: Engine,
+        train: DataLoader[Any] | PreparedDataLoader,
+        val: DataLoader[Any] | PreparedDataLoader | None,
+    ) -> tuple[PreparedDataLoader, PreparedDataLoader | None]:
+        """The prepared training and validation loaders: an earlier ``fit()``'s for a loader given again."""
+        earlier = self._pairs
+
+        def prepared(source: Any) -> PreparedDataLoader:
+            for given, loader in earlier:
+                if given is source:
+                    return loader
+            result: PreparedDataLoader = engine.prepare(source)
+            return result
+
+        train_loader = prepared(train)
+        val_loader = prepared(val) if val is not None else None
+        self._pairs = [(train, train_loader)] + ([(val, val_loader)] if val_loader is not None else [])
+        for _, loader in earlier:
+            if not self.holds(loader):
+                engine.release_dataloader(loader)
+        return train_loader, val_loader
+
+    def holds(self, loader: PreparedDataLoader) -> bool:
+        return any(prepared is loader for _, prepared in self._pairs)
+
+    def forget(self, loader: PreparedDataLoader) -> None:
+        self._pairs = [(given, prepared) for given, prepared in self._pairs if prepared is not loader]
 
 
 @dataclass(frozen=True)
@@ -87,6 +126,7 @@ class Plan:
 
 def set_up_fit(
     engine: Engine,
+    loaders: FitLoaders,
     step: TrainingStep,
     train_dataloader: DataLoader[Any] | PreparedDataLoader,
     val_dataloader: DataLoader[Any] | PreparedDataLoader | None,
@@ -102,7 +142,7 @@ def set_up_fit(
         raise missing_validation_step(step)
     defaults = _default_callbacks(engine)  # resolved before prepare() changes anything
     model, optimizer, scheduler = _prepare_step(engine, step)
-    train_loader, val_loader = _prepare_loaders(engine, train_dataloader, val_dataloader)
+    train_loader, val_loader = loaders.prepare(engine, train_dataloader, val_dataloader)
     for callback in defaults:
         engine.add_callback(callback)
     state = engine.state
@@ -279,7 +319,7 @@ class FitRun:
         if loader is None:
             raise RuntimeError("fit() cannot validate without a val_dataloader")  # callers check first
         engine.fire(Event.VALIDATION_START)
-        means = ValidationMeans(engine.rank, engine.world_size)
+        means = ValidationMeans(engine.data_parallel_rank, engine.data_parallel_size)
         limit, read = self.plan.val_batches, 0
         batches = iter(loader)
         try:
@@ -393,30 +433,6 @@ def _limits(max_epochs: int | None, max_steps: int | None) -> str:
     return " / ".join(limits)
 
 
-def _prepare_loaders(
-    engine: Engine, train: DataLoader[Any] | PreparedDataLoader, val: DataLoader[Any] | PreparedDataLoader | None
-) -> tuple[PreparedDataLoader, PreparedDataLoader | None]:
-    """The prepared training and validation loaders. A loader given to an earlier ``fit()`` on this engine is the
-    one prepared then (so a second ``fit()`` continues where the first stopped); one that earlier ``fit()`` prepared
-    and this one does not use is released, so checkpoints hold only the loaders of the running ``fit()``."""
-    earlier = engine._fit_loaders
-
-    def prepared(source: Any) -> PreparedDataLoader:
-        for given, loader in earlier:
-            if given is source:
-                return loader
-        result: PreparedDataLoader = engine.prepare(source)
-        return result
-
-    train_loader = prepared(train)
-    val_loader = prepared(val) if val is not None else None
-    for _, loader in earlier:
-        if loader is not train_loader and loader is not val_loader:
-            engine._release_dataloader(loader)
-    engine._fit_loaders = [(train, train_loader)] + ([(val, val_loader)] if val_loader is not None else [])
-    return train_loader, val_loader
-
-
 def _prepared_then_resume(engine: Engine, resume: str | Path | None) -> None:
     """``FIT_PREPARED``, then the resume. ``FIT_END`` follows even when a hook or the resume raises here (callbacks
     may hold something since ``FIT_PREPARED``: Preemption's signal handlers), with ``state.exception`` set but no
@@ -495,7 +511,7 @@ def _default_callbacks(engine: Engine) -> list[Callback]:
         return []
     try:
         # The core's one import above itself, lazy and in this one place: the defaults are concrete callbacks,
-        # which only a front end may name (cadence.defaults is frontends/defaults.py).
+        # which only a front end may name (cadence.defaults is frontends/defaults/).
         from cadence.defaults import default_model_summary, default_progress_bar
     except ImportError as error:
         off = ", ".join(name for name, on in (("model_summary=False", summary), ("progress_bar=False", bar)) if on)

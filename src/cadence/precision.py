@@ -35,6 +35,11 @@ class Precision:
     name = "fp32"
     wraps_forward = False
     """True when the prepared model's forward must run under ``forward_context()``."""
+    param_dtype: torch.dtype | None = None
+    """The dtype the forward computes in (``None``: each parameter's own); a strategy with its own mixed precision
+    (FSDP2's ``MixedPrecisionPolicy``) casts parameters to it."""
+    uses_scaler = False
+    """True when the loss is scaled and gradients unscaled (fp16): gradients must stay in the parameters' dtype."""
 
     def forward_context(self) -> AbstractContextManager[Any]:
         return nullcontext()
@@ -86,6 +91,7 @@ class AutocastPrecision(Precision):
         check_autocast(device_type, dtype)
         self.device_type = device_type
         self.dtype = dtype
+        self.param_dtype = dtype
         self.name = _DTYPE_NAMES.get(dtype, str(dtype))
 
     def forward_context(self) -> AbstractContextManager[Any]:
@@ -97,6 +103,8 @@ class AutocastPrecision(Precision):
 
 class GradScalerPrecision(AutocastPrecision):
     """fp16 autocast with dynamic loss scaling (``torch.amp.GradScaler``): an overflow skips the step."""
+
+    uses_scaler = True
 
     def __init__(self, device_type: str, init_scale: float = 2.0**16, growth_interval: int = 2000) -> None:
         super().__init__(device_type, torch.float16)
@@ -138,6 +146,22 @@ class GradScalerPrecision(AutocastPrecision):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         check_scaler_state(state_dict, "the grad scaler")
         self.scaler.load_state_dict(state_dict)
+
+
+def check_one_precision(installed: Precision | None, new: Precision, models_prepared: bool) -> None:
+    """The rule ``engine.set_precision`` keeps, and with it every ``MixedPrecision``: an engine has one precision,
+    chosen before any model is prepared (a strategy wraps the model for it). ``installed``: the one set before."""
+    if installed is not None:
+        raise ValueError(
+            f"The engine already has a {installed.name!r} precision, which a second one ({new.name!r}) would "
+            "replace: an engine has one precision. Keep a single MixedPrecision callback (or engine.set_precision "
+            "call)."
+        )
+    if models_prepared:
+        raise RuntimeError(
+            "The precision must be chosen before any model is prepared: pass the MixedPrecision callback "
+            "to Engine(callbacks=[...]) instead of installing it later."
+        )
 
 
 def check_scaler_state(state_dict: Any, owner: str) -> None:

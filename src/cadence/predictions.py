@@ -133,11 +133,12 @@ class Predictions:
             if every_rank:
                 # One collective per leaf, on the backend's device (NCCL gathers CUDA tensors only).
                 gathered = engine.gather(local.to(engine.device)).to(local.device)
-                local = gathered[_interleaved(self._rows, engine.world_size).to(local.device)]
+                local = gathered[_interleaved(self._rows, engine.data_parallel_size).to(local.device)]
         else:
             local = [value for part in parts for value in part]
             if every_rank:
-                ranks = engine.strategy.all_gather_object(parts)
+                every = engine.strategy.all_gather_object(parts)
+                ranks = [every[rank] for rank in engine.strategy.replica_leaders]  # ranks of one replica agree
                 local = [value for batch in range(len(parts)) for rank in ranks for value in rank[batch]]
         return local[: len(local) - self._extra_rows(every_rank)]
 
@@ -147,7 +148,7 @@ class Predictions:
         if every_rank or not self._padding:
             return self._padding
         engine, last = self._engine, self._rows[-1]
-        return last - real_samples(last, self._padding, engine.rank, engine.world_size)
+        return last - real_samples(last, self._padding, engine.data_parallel_rank, engine.data_parallel_size)
 
 
 def _leaves(output: Any, where: str) -> list[tuple[str, Leaf]]:

@@ -155,6 +155,15 @@ class State:
         ),
     )
 
+    hyperparams: dict[str, str | int | float | bool] = field(
+        default_factory=dict,
+        metadata=_doc(
+            "The run's hyperparameters, flattened (nested names joined with ``/``). Written by "
+            "``engine.log_hyperparams``, before ``Event.LOG_HYPERPARAMS``; not saved in checkpoints (a resumed "
+            "script logs them again)."
+        ),
+    )
+
     max_steps: int | None = field(
         default=None,
         metadata=_doc("The run's step limit, when ``fit()`` was given one. Written by ``fit()``."),

@@ -75,6 +75,17 @@ def test_item_count_is_summed_across_ranks() -> None:
     assert float(fake.state.grad_divisor) == 6.0  # type: ignore[arg-type]
 
 
+def test_item_count_counts_each_data_parallel_replica_once_under_tensor_parallelism() -> None:
+    # 4 ranks as 2 replicas of 2 tensor-parallel ranks: FSDP averages gradients over the 2 replicas, whose items are
+    # the global count; the tensor-parallel ranks of a replica saw the same ones.
+    fake = FakeEngine(callbacks=[GradientAccumulation(1)], rank=3, world_size=4, tensor_parallel_size=2)
+    start_batch(fake, 0, 1)
+    fake.state.num_items = 6
+    fake.fire(Event.BEFORE_BACKWARD)
+    fake.fire(Event.AFTER_BACKWARD)
+    assert float(fake.state.grad_divisor) == 6.0  # type: ignore[arg-type]
+
+
 def test_mixing_item_mode_and_mean_mode_in_a_window_is_refused() -> None:
     fake = FakeEngine(callbacks=[GradientAccumulation(2)])
     start_batch(fake, 0, 4)

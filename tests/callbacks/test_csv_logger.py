@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 from pathlib import Path
 from typing import Any
 
@@ -298,3 +299,89 @@ def test_a_run_killed_before_its_first_checkpoint_is_not_told_to_resume(tmp_path
     Engine(accelerator="cpu", project_dir=tmp_path, progress_bar=False).save_state()  # now there is one
     with pytest.warns(UserWarning, match=r"kept as metrics\.2\.csv, .* resume it: fit\(\.\.\., resume='latest'\)"):
         FakeEngine(callbacks=[CSVLogger()], project_dir=str(tmp_path)).run(steps=1)
+
+
+# --- hyperparameters ------------------------------------------------------------------------------------------
+def read_json(path: Path) -> Any:
+    return json.loads(path.read_text())
+
+
+def test_hyperparameters_go_to_hparams_json_at_fit_start_and_when_more_are_logged(tmp_path: Path) -> None:
+    class LogsMore(RegressionStep):
+        def __init__(self, engine: Engine) -> None:
+            super().__init__()
+            self.engine = engine
+
+        def training_step(self, batch: Any) -> torch.Tensor:
+            if self.engine.state.step == 0:
+                # fit() started: hparams.json already holds what was logged before it
+                assert read_json(tmp_path / "hparams.json") == {"lr": 0.01, "model/width": 8, "tags": "['a', 'b']"}
+                self.engine.log_hyperparams({"batch_size": 4})
+                assert read_json(tmp_path / "hparams.json")["batch_size"] == 4  # written at once
+            return super().training_step(batch)
+
+    engine = Engine(accelerator="cpu", project_dir=tmp_path, callbacks=[CSVLogger()], progress_bar=False)
+    engine.log_hyperparams({"lr": 0.01, "model": {"width": 8}, "tags": ["a", "b"]})
+    assert not (tmp_path / "hparams.json").exists()  # a resume may still come: written at FIT_START
+    engine.fit(LogsMore(engine), loader(), max_steps=2)
+    assert read_json(tmp_path / "hparams.json") == {
+        "lr": 0.01,
+        "model/width": 8,
+        "tags": "['a', 'b']",
+        "batch_size": 4,
+    }
+
+
+def test_other_ranks_write_no_hyperparameters(tmp_path: Path) -> None:
+    fake = FakeEngine(callbacks=[CSVLogger()], rank=1, world_size=2, project_dir=str(tmp_path))
+    fake.log_hyperparams({"lr": 0.1})
+    fake.run(steps=1)
+    assert not (tmp_path / "hparams.json").exists()
+
+
+def test_a_logger_attached_after_the_hyperparameters_were_logged_writes_them(tmp_path: Path) -> None:
+    fake = FakeEngine(project_dir=str(tmp_path))
+    fake.log_hyperparams({"lr": 0.1})
+    fake.add_callback(CSVLogger())
+    fake.run(steps=1)
+    assert read_json(tmp_path / "hparams.json") == {"lr": 0.1}
+
+
+def test_a_fresh_run_keeps_the_earlier_runs_hparams_json(tmp_path: Path) -> None:
+    first = FakeEngine(callbacks=[CSVLogger()], project_dir=str(tmp_path))
+    first.log_hyperparams({"lr": 0.1})
+    first.run(steps=1)
+    second = FakeEngine(callbacks=[CSVLogger()], project_dir=str(tmp_path))
+    second.log_hyperparams({"lr": 0.2})
+    with pytest.warns(UserWarning, match=r"metrics.csv and hparams.json hold .* kept as metrics.1.csv and hparams.1"):
+        second.run(steps=1)
+    assert read_json(tmp_path / "hparams.1.json") == {"lr": 0.1}
+    assert read_json(tmp_path / "hparams.json") == {"lr": 0.2}
+
+
+def test_a_resumed_run_adds_its_hyperparameters_to_the_files(tmp_path: Path) -> None:
+    (tmp_path / "hparams.json").write_text(json.dumps({"lr": 0.1, "seed": 1}))
+    resumed = FakeEngine(callbacks=[CSVLogger()], project_dir=str(tmp_path))
+    resumed.log_hyperparams({"lr": 0.2, "resumed": True})
+    resumed.fire(Event.LOAD_STATE)
+    resumed.run(steps=1)
+    assert read_json(tmp_path / "hparams.json") == {"lr": 0.2, "seed": 1, "resumed": True}
+
+
+@pytest.mark.parametrize("content", ["not json", "[1, 2]", '{"lr": {"nested": 1}}'])
+def test_a_resume_refuses_an_hparams_json_the_logger_did_not_write(tmp_path: Path, content: str) -> None:
+    (tmp_path / "hparams.json").write_text(content)
+    resumed = FakeEngine(callbacks=[CSVLogger()], project_dir=str(tmp_path))
+    with pytest.raises(ValueError, match=r"not a flat JSON object .* Move it aside"):
+        resumed.fire(Event.LOAD_STATE)
+    assert (tmp_path / "hparams.json").read_text() == content
+
+
+def test_a_fresh_run_refuses_an_hparams_json_the_logger_did_not_write_before_training(tmp_path: Path) -> None:
+    (tmp_path / "hparams.json").write_text('{"model": {"layers": 4}}')
+    fake = FakeEngine(callbacks=[CSVLogger()], project_dir=str(tmp_path))
+    with pytest.raises(ValueError, match=r"not a flat JSON object .* never moves a file it did not write"):
+        fake.run(steps=1)
+    assert fake.state.step == 0
+    assert (tmp_path / "hparams.json").read_text() == '{"model": {"layers": 4}}'
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["hparams.json"]

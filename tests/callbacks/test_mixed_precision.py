@@ -12,7 +12,7 @@ from torch import nn
 import cadence
 from cadence.callbacks import MixedPrecision
 from cadence.checkpoint.errors import CheckpointCorrupted
-from cadence.precision import GradScalerPrecision, Precision
+from cadence.precision import AutocastPrecision, GradScalerPrecision, Precision
 from cadence.testing import FakeEngine, FakeStrategy, TinyStep, tiny_dataloader
 from tests.helpers import RegressionStep, assert_bitwise_equal, loader, make_model, make_optimizer, parameters
 
@@ -140,17 +140,22 @@ def test_two_mixed_precision_callbacks_get_one_message_saying_keep_one() -> None
         cadence.Engine(accelerator="cpu", callbacks=[MixedPrecision("bf16"), MixedPrecision("fp16")])
 
 
+SECOND = (
+    r"^The engine already has a '{first}' precision, which a second one \('{second}'\) would replace: "
+    r"an engine has one precision\. Keep a single MixedPrecision callback"
+)
+
+
 @pytest.mark.parametrize(("first", "second"), [("bf16", "fp16"), ("bf16", "fp32"), ("fp32", "bf16")])
 def test_a_second_mixed_precision_under_another_state_key_is_refused_too(first: Any, second: Any) -> None:
     # ("bf16", "fp32") used to pass silently, the fp32 plugin replacing bf16.
-    message = rf"^Engine got two MixedPrecision callbacks \('{first}' and '{second}'\); keep one\.$"
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=SECOND.format(first=first, second=second)):
         cadence.Engine(accelerator="cpu", callbacks=[MixedPrecision(first), RenamedMixedPrecision(second)])
 
 
 def test_adding_a_second_one_later_keeps_the_first_precision() -> None:
     engine = cadence.Engine(accelerator="cpu", callbacks=[MixedPrecision("bf16")])
-    with pytest.raises(ValueError, match=r"\('bf16' and 'fp32'\); keep one"):
+    with pytest.raises(ValueError, match=SECOND.format(first="bf16", second="fp32")):
         engine.add_callback(RenamedMixedPrecision("fp32"))
     assert engine.precision.name == "bf16"
 
@@ -158,9 +163,27 @@ def test_adding_a_second_one_later_keeps_the_first_precision() -> None:
 def test_a_precision_installed_by_hand_is_not_replaced() -> None:
     engine = cadence.Engine(accelerator="cpu")
     engine.set_precision(GradScalerPrecision("cpu"))
-    with pytest.raises(ValueError, match=r"already has a 'fp16' precision.*MixedPrecision\('fp32'\) would replace"):
+    with pytest.raises(ValueError, match=SECOND.format(first="fp16", second="fp32")):
         engine.add_callback(MixedPrecision("fp32"))
     assert isinstance(engine.precision, GradScalerPrecision)
+
+
+def test_set_precision_by_hand_is_held_to_the_same_rule() -> None:
+    # Before, the engine's own check let full precision replace bf16 here, and the strategy follow it.
+    engine = cadence.Engine(accelerator="cpu")
+    engine.set_precision(AutocastPrecision("cpu", torch.bfloat16))
+    with pytest.raises(ValueError, match=SECOND.format(first="bf16", second="fp32")):
+        engine.set_precision(Precision())
+    assert engine.precision.param_dtype == torch.bfloat16
+
+
+def test_a_precision_says_what_a_strategy_needs_to_know() -> None:
+    assert (Precision().param_dtype, Precision().uses_scaler) == (None, False)
+    assert (
+        AutocastPrecision("cpu", torch.bfloat16).param_dtype,
+        AutocastPrecision("cpu", torch.bfloat16).uses_scaler,
+    ) == (torch.bfloat16, False)
+    assert (GradScalerPrecision("cpu").param_dtype, GradScalerPrecision("cpu").uses_scaler) == (torch.float16, True)
 
 
 # --- resuming in another precision -------------------------------------------------------------------------------

@@ -218,3 +218,27 @@ def test_a_new_event_file_waits_for_a_second_no_older_file_has(tmp_path: Path) -
     started = time.monotonic()
     wait_until_newer_than_event_files(tmp_path)
     assert time.monotonic() - started < 0.5
+
+
+def test_hyperparameters_are_the_hparams_plugins_summary(tmp_path: Path) -> None:
+    accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    plugin_data = pytest.importorskip("tensorboard.plugins.hparams.plugin_data_pb2")
+    engine = Engine(
+        accelerator="cpu",
+        project_dir=tmp_path,
+        callbacks=[TensorBoardLogger()],
+        progress_bar=False,
+        model_summary=False,
+    )
+    engine.log_hyperparams({"lr": 0.5, "model": {"width": 8, "act": "tanh"}, "bias": True})
+    engine.fit(TinyStep(), loader(), max_steps=2)
+    events = accumulator.EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    contents = events.PluginTagToContent("hparams")
+    start = plugin_data.HParamsPluginData.FromString(contents["_hparams_/session_start_info"]).session_start_info
+    values = {name: value.WhichOneof("kind") for name, value in start.hparams.items()}
+    # torch's hparams() tests int before bool, so a bool is stored as the number 1 or 0.
+    assert values == {"lr": "number_value", "model/width": "number_value", "model/act": "string_value",
+                      "bias": "number_value"}  # fmt: skip
+    assert start.hparams["lr"].number_value == 0.5 and start.hparams["model/act"].string_value == "tanh"
+    assert start.hparams["bias"].number_value == 1

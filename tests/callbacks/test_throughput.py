@@ -177,6 +177,20 @@ def test_rank_counts_are_summed_and_mfu_divides_by_every_devices_peak() -> None:
     assert results[2] == {SAMPLES: 16.0, BATCHES: 4.0, "throughput/flops_per_sec": 4000.0, "throughput/mfu": 0.25}
 
 
+def test_tensor_parallel_ranks_count_their_replica_once() -> None:
+    # 4 ranks as 2 replicas of 2 tensor-parallel ranks, each replica reading 4 samples a batch: the job trains 2
+    # replicas' batches per step, in the time every rank measured, on the peak of all 4 devices.
+    logs = Logs()
+    callback = monitor(Clock(tick=0.5), flops_per_batch=1000.0, peak_flops=8000.0)
+    FakeEngine([callback, logs], rank=3, world_size=4, tensor_parallel_size=2).run(steps=2)
+    assert logs.logged[-1] == {
+        SAMPLES: 16.0,
+        BATCHES: 4.0,
+        "throughput/flops_per_sec": 4000.0,
+        "throughput/mfu": 0.125,
+    }
+
+
 def test_one_sum_reduction_per_log_and_none_between_logs() -> None:
     engine = FakeEngine([monitor(Clock(), log_every_n_steps=3)], world_size=2)
     reductions: list[str] = []

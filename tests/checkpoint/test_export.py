@@ -972,9 +972,10 @@ def test_an_export_clears_the_temporaries_a_killed_export_left_and_nothing_else(
         ".model.safetensors.index.json.partial",
         "model-00001-of-00003.cadence-old.safetensors",  # a second name no index reads
         "model.safetensors.index.cadence-old.json",
+        ".config.json.partial",  # a transformers model's export writes its config there first
     ]
     kept = [
-        ".config.json.partial",
+        ".tokenizer.json.partial",
         "model.safetensors.partial",
         ".notes.partial",
         "model-00001-of-00003.txt",

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from cadence.checkpoint.engine_state import EngineSave, begin_engine_save, save_engine_state
 from cadence.checkpoint.snapshot import HostBuffers, below_this_thread
 from cadence.event import Event
+from cadence.validators import boolean
 
 if TYPE_CHECKING:
     from cadence.engine import Engine
@@ -100,10 +101,7 @@ class CheckpointSaves:
         self.in_flight: _Completion | None = None
 
     def save(self, engine: Engine, path: Path | None, blocking: bool) -> Path | PendingCheckpoint:
-        if not isinstance(blocking, bool):
-            raise TypeError(
-                f"save_state(blocking=...) must be True or False; got {type(blocking).__name__} {blocking!r}."
-            )
+        boolean("save_state", "blocking", blocking)
         self.wait(engine)
         # A strategy that cannot save in the background refuses before anything is claimed or written.
         collectives = None if blocking else engine.strategy.background_collectives()

@@ -15,6 +15,7 @@ import torch
 from cadence.checkpoint.codec import decode
 from cadence.checkpoint.errors import CheckpointCorrupted, CheckpointError
 from cadence.checkpoint.state_document import _describe, _is
+from cadence.validators import is_number
 
 if TYPE_CHECKING:
     from cadence.callback import Callback
@@ -146,6 +147,6 @@ def learning_rate_note(optimizers: Sequence[torch.optim.Optimizer], entries: Seq
 def _plain_number(value: Any) -> float | None:
     if isinstance(value, torch.Tensor):
         return float(value.item()) if value.numel() == 1 else None
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
+    if is_number(value):
         return float(value)
     return None

@@ -1,10 +1,12 @@
 """Model export in the format other tools read: ``model.safetensors`` or shards with
 ``model.safetensors.index.json`` (``{"metadata": {"total_size": ...}, "weight_map": {...}}``), or
-``pytorch_model.bin`` read back with ``torch.load(weights_only=True)``."""
+``pytorch_model.bin`` read back with ``torch.load(weights_only=True)``; for a ``transformers`` model, its
+``config.json`` and ``generation_config.json`` beside them, so ``from_pretrained(directory)`` loads it."""
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import errno
 import functools
 import json
@@ -27,6 +29,7 @@ from cadence.checkpoint.errors import CheckpointError
 from cadence.checkpoint.format import deduplicate, split_by_size, write_safetensors
 from cadence.compat import compiled_module_type, uncompile
 from cadence.strategies.matching import mismatch
+from cadence.validators import is_integer
 from cadence.wrappers import PreparedModule
 
 SAFE_WEIGHTS = "model.safetensors"
@@ -36,6 +39,9 @@ PICKLE_INDEX = "pytorch_model.bin.index.json"
 _ENTRIES = (SAFE_WEIGHTS, SAFE_INDEX, PICKLE_WEIGHTS, PICKLE_INDEX)
 """Where loading looks for an export, in the order it prefers them: transformers' ``from_pretrained`` order, so that
 cadence and transformers load the same export from a directory that holds two."""
+CONFIG = "config.json"
+GENERATION_CONFIG = "generation_config.json"
+_CONFIGS = (CONFIG, GENERATION_CONFIG)
 _SHARD = re.compile(r"(model|pytorch_model)-\d{5}-of-\d{5}\.(safetensors|bin)")
 _TEMPORARY = re.compile(r"\.(.+)\.partial")
 _ASIDE = ".cadence-old"
@@ -47,7 +53,7 @@ _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2*
 
 def parse_size(size: int | str) -> int:
     """``1GB`` (10^9 bytes), ``500MiB`` (2^20), or a number of bytes."""
-    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+    if is_integer(size) and size > 0:
         return size
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)\s*", str(size).upper())
     parsed = 0 if match is None else int(float(match.group(1)) * _UNITS[match.group(2)])
@@ -71,7 +77,7 @@ def _is_export_file(name: str) -> bool:
 
 def _is_temporary(name: str) -> bool:
     match = _TEMPORARY.fullmatch(name)
-    return match is not None and _is_export_file(match.group(1))
+    return match is not None and (_is_export_file(match.group(1)) or match.group(1) in _CONFIGS)
 
 
 def _is_aside(name: str) -> bool:
@@ -101,13 +107,15 @@ def save_weights(
     save_directory: str | Path,
     max_shard_size: int | str = "1GB",
     safe_serialization: bool = True,
+    configs: Mapping[str, str] | None = None,
 ) -> list[Path]:
-    """Write ``state_dict`` to ``save_directory`` (tied tensors once); returns the files written.
+    """Write ``state_dict`` to ``save_directory`` (tied tensors once), and ``configs`` (``model_configs``: file name
+    to JSON text) beside it; returns the files written.
 
     Runs the steps of ``plan_export``, so the directory loads as the earlier export or as this one, whole, at every
     instant, even if the process dies. Only cadence's export names are written or removed; other files stay.
     """
-    plan = plan_export(state_dict, save_directory, max_shard_size, safe_serialization)
+    plan = plan_export(state_dict, save_directory, max_shard_size, safe_serialization, configs)
     try:
         for step in plan.steps:
             step.run()
@@ -125,6 +133,7 @@ def plan_export(
     save_directory: str | Path,
     max_shard_size: int | str = "1GB",
     safe_serialization: bool = True,
+    configs: Mapping[str, str] | None = None,
 ) -> ExportPlan:
     """Check the arguments and the directory, changing nothing, and list the steps that write the export there.
 
@@ -138,6 +147,10 @@ def plan_export(
       once the new one is in place, and the files it read after that;
     - the directory is fsynced between changes whose order matters, so that a power cut keeps the order too.
 
+    The config files go in last, once the weights they describe are served: one already there with the same text
+    is left as it is, one with another text is refused (cadence cannot tell it from one the user wrote), so a kill
+    leaves no config beside weights it does not describe.
+
     A killed export's leftovers (temporaries, second names, old shards) are removed by the next export.
     """
     directory = Path(save_directory)
@@ -145,6 +158,7 @@ def plan_export(
         raise NotADirectoryError(f"save_model() needs a directory; {directory} is a file.")
     files, entry = _export_files(state_dict, parse_size(max_shard_size), safe_serialization)
     _check_replaceable(directory, files)
+    new_configs = _new_configs(directory, configs or {})
     served = _served(directory)
     reads = _reads(directory, served)
     leftovers = _leftovers(directory, reads)
@@ -156,15 +170,63 @@ def plan_export(
     steps = [
         *([] if directory.is_dir() else [_step(f"create {directory}", _make_directory, directory)]),
         *_removing(directory, leftovers, durable=False),  # never read: they would only fill the disk
-        *_writing(directory, files),
+        *_writing(directory, {**files, **new_configs}),
         *_removing(directory, shadowed),
         *_setting_aside(directory, served, taken),
         *_renaming(directory, [name for name in files if name != entry]),
         *_renaming(directory, [entry]),  # the switch, unless the served entry comes before it in _ENTRIES
         *_removing(directory, retired),  # then this is the switch
+        *_renaming(directory, list(new_configs)),  # describing the weights now served
         *_removing(directory, sorted(stale)),
     ]
-    return ExportPlan(steps, [directory / name for name in files])
+    return ExportPlan(steps, [directory / name for name in [*files, *new_configs]])
+
+
+def _new_configs(directory: Path, configs: Mapping[str, str]) -> dict[str, Callable[[Path], object]]:
+    """The config files to write: those not in ``directory`` yet. Raises, changing nothing, for one there with
+    another text, or a name there that is not a file."""
+    writers: dict[str, Callable[[Path], object]] = {}
+    for name, text in configs.items():
+        path = directory / name
+        if path.is_file() and path.read_bytes() == text.encode():
+            continue
+        if path.exists() or path.is_symlink():
+            raise FileExistsError(
+                f"{path} is already there and differs from this model's {name}; save_model() never replaces a "
+                "config it cannot tell from one you wrote. Remove it (an older export's, of another model) or "
+                "export to another directory."
+            )
+        writers[name] = functools.partial(_write_text, text)
+    return writers
+
+
+def _write_text(text: str, path: Path) -> None:
+    path.write_bytes(text.encode())
+
+
+def _model_class(module: nn.Module) -> type:
+    """The model's own class: ``fully_shard`` makes the module an instance of a class it defines in torch
+    (``FSDPGPT2LMHeadModel``) deriving from it."""
+    return next((cls for cls in type(module).__mro__ if not cls.__module__.startswith("torch.")), type(module))
+
+
+def model_configs(module: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """The JSON files ``from_pretrained`` reads beside the weights, as ``save_pretrained`` writes them, for a model
+    with a ``transformers`` config (``to_json_string``); a plain module has none. The config records the model's
+    class (``architectures``) and the dtype of the weights written, on a copy: the user's model is not changed."""
+    configs: dict[str, str] = {}
+    config: Any = getattr(module, "config", None)
+    if callable(getattr(config, "to_json_string", None)):
+        config = copy.deepcopy(config)
+        config.architectures = [_model_class(module).__name__]
+        floating = [tensor.dtype for tensor in state_dict.values() if tensor.is_floating_point()]
+        if floating:
+            config.dtype = str(floating[0]).removeprefix("torch.")
+        configs[CONFIG] = config.to_json_string(use_diff=True)
+    generation: Any = getattr(module, "generation_config", None)
+    if callable(getattr(generation, "to_json_string", None)):
+        configs[GENERATION_CONFIG] = generation.to_json_string(use_diff=True)
+    return configs
 
 
 def _export_files(
@@ -385,7 +447,7 @@ def _read_file(path: Path) -> dict[str, torch.Tensor]:
 def _parse_device(prefix: str, target: object) -> torch.device:
     if isinstance(target, torch.device):
         return target
-    if isinstance(target, int) and not isinstance(target, bool) and target >= 0:
+    if is_integer(target) and target >= 0:
         return torch.device("cuda", target)
     if isinstance(target, str):
         try:

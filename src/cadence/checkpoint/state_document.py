@@ -24,6 +24,7 @@ import torch
 from cadence.checkpoint.codec import encode
 from cadence.checkpoint.errors import CheckpointCorrupted
 from cadence.strategies.storage import MODEL_LAYOUTS, OPTIMIZER_LAYOUTS
+from cadence.validators import is_number
 
 if TYPE_CHECKING:
     from cadence.checkpoint.files import CheckpointWriter
@@ -245,7 +246,7 @@ def recorded_score(directory: Path, monitor: str) -> float | None:
     for state in callbacks.values() if isinstance(callbacks, dict) else ():
         record = state.get(SCORE_KEY) if isinstance(state, dict) else None
         if isinstance(record, dict) and record.get("monitor") == monitor:
-            value = record.get("value")
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value):
+            value: Any = record.get("value")  # JSON: a number, or anything a hand edit left
+            if is_number(value) and not math.isnan(value):
                 return float(value)
     return None

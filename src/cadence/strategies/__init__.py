@@ -1,9 +1,11 @@
-"""Backends: one device, DDP, FSDP2. ``resolve_strategy`` turns the Engine's arguments into one of them."""
+"""Backends: one device, DDP, FSDP2, FSDP2 x tensor parallelism (``ModelParallelStrategy``). ``resolve_strategy``
+turns the Engine's arguments into one of them."""
 
 from __future__ import annotations
 
 import os
 from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -12,7 +14,19 @@ from cadence.strategies.distributed import DEFAULT_TIMEOUT, torchrun_world_size
 from cadence.strategies.environment import adopt_slurm_environment
 from cadence.strategies.single import SingleDevice
 
-__all__ = ["ReduceOp", "SingleDevice", "Strategy", "resolve_device", "resolve_strategy"]
+if TYPE_CHECKING:
+    from cadence.strategies.fsdp import FSDPStrategy
+    from cadence.strategies.model_parallel import ModelParallelStrategy
+
+__all__ = [
+    "FSDPStrategy",
+    "ModelParallelStrategy",
+    "ReduceOp",
+    "SingleDevice",
+    "Strategy",
+    "resolve_device",
+    "resolve_strategy",
+]
 
 
 def resolve_device(accelerator: str | torch.device) -> torch.device:
@@ -63,3 +77,16 @@ def resolve_strategy(
     raise ValueError(
         f"Unknown strategy {strategy!r}. Use 'auto', 'single', 'ddp' or 'fsdp', or pass a cadence Strategy instance."
     )
+
+
+def __getattr__(name: str) -> Any:
+    # FSDP's modules cost a noticeable import; only a run that names FSDPStrategy pays for them.
+    if name == "FSDPStrategy":
+        from cadence.strategies.fsdp import FSDPStrategy
+
+        return FSDPStrategy
+    if name == "ModelParallelStrategy":  # and torch.distributed.tensor.parallel with it
+        from cadence.strategies.model_parallel import ModelParallelStrategy
+
+        return ModelParallelStrategy
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -15,6 +15,8 @@ from cadence.strategies.checkpoint_state import Apply
 from cadence.strategies.optimizer_state import indexed_optimizer_state, named_optimizer_state
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
     from cadence.strategies.storage import TensorSink, TensorSource
 
 ReduceOp = Literal["mean", "sum", "max", "min"]
@@ -49,6 +51,28 @@ class Strategy(ABC):
     def world_size(self) -> int:
         return 1
 
+    @property
+    def data_parallel_rank(self) -> int:
+        """This rank's data shard: which slice of every global batch it reads (its rank, unless ranks share a
+        replica, as tensor-parallel ranks do)."""
+        return self.rank
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many data shards a global batch is split into (the world size, unless ranks share a replica)."""
+        return self.world_size
+
+    @property
+    def replica_leaders(self) -> list[int]:
+        """The rank that speaks for each data shard, in data-parallel rank order (every rank, unless ranks share a
+        replica): an object gathered from every rank, taken at these, holds each shard's once."""
+        return list(range(self.world_size))
+
+    @property
+    def device_mesh(self) -> DeviceMesh | None:
+        """The mesh a strategy with several parallel dimensions trains on (None: one dimension, all ranks)."""
+        return None
+
     def configure_precision(self, precision: Any) -> None:  # noqa: B027 - most strategies need no cue
         """Called when a precision plugin is installed, before any model is prepared; a strategy with its own
         mixed precision (FSDP2's ``MixedPrecisionPolicy``) takes its cue here."""
@@ -60,6 +84,26 @@ class Strategy(ABC):
     def unwrap_module(self, module: nn.Module) -> nn.Module:
         """The user's module inside whatever ``setup_module`` wrapped it in."""
         return module
+
+    # --- tensors as this strategy lays them out: callbacks go through these, never through the tensor's type.
+    def local_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a parameter, gradient or state tensor, as a plain tensor sharing its memory (in place
+        changes reach ``tensor``); the tensor itself where every rank holds it whole."""
+        return tensor
+
+    def full_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The whole of ``tensor``, detached: gathered from every rank's part (a collective: call it on every rank)
+        where it is sharded."""
+        return tensor.detach()
+
+    def shard_like(self, full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """This rank's part of ``full`` as ``like`` is laid out (what ``local_tensor(like)`` holds), cut locally
+        from the whole tensor every rank holds: no communication."""
+        return full
+
+    def reshard(self, module: nn.Module) -> None:  # noqa: B027 - only a sharding strategy gathers weights
+        """Drop whatever full weights ``module`` keeps gathered from an earlier forward, so the next forward
+        gathers them again (after a callback changed the local parts, e.g. swapped averaged weights in)."""
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:  # noqa: B027 - most strategies need none
         """Called by ``engine.prepare`` for every optimizer, after the models prepared before it: a strategy whose

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any, cast
 
@@ -16,20 +16,37 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
 
+from cadence.compat import activation_checkpoint
 from cadence.strategies.distributed import DEFAULT_TIMEOUT, DistributedStrategy
-from cadence.strategies.fsdp_checkpoint import save_sharded_model, save_sharded_optimizer
+from cadence.strategies.fsdp_checkpoint import save_sharded_model, save_sharded_optimizer, tied_names
 
 if TYPE_CHECKING:
     from datetime import timedelta
 
+    from cadence.precision import Precision
     from cadence.strategies.storage import TensorSink
 
 
+ShardPolicy = type[nn.Module] | tuple[type[nn.Module], ...] | list[type[nn.Module]] | Callable[[nn.Module], bool]
+"""Which submodules ``fully_shard`` wraps before the root: module classes (``GPT2Block``), or a predicate."""
+
+
 class FSDPStrategy(DistributedStrategy):
-    """Shards each child module that holds parameters, then the root, over a 1-D mesh of all ranks.
+    """FSDP2 over a 1-D mesh of all ranks: the chosen submodules are sharded one by one (each gathers its weights
+    for its own forward and backward only), then the root with whatever is left.
+
+    ``shard`` chooses them: module classes, or a predicate on a module; by default each block of the model's
+    largest ``nn.ModuleList`` (its transformer blocks, as torchtitan wraps them), else each child that holds
+    parameters. A module whose parameter is tied to one outside it (GPT-2's input and output embeddings) is left
+    to its nearest chosen ancestor or the root, so the tied weight is sharded once. ``activation_checkpointing``
+    recomputes each chosen module's activations in backward instead of keeping them (torch's composable
+    ``checkpoint``, which adds no prefix to parameter names, so checkpoints are the same with or without it).
+    ``cpu_offload`` keeps the shards, their gradients and the optimizer state on the CPU between uses.
+    ``mixed_precision`` overrides the policy that otherwise follows the engine's precision: bf16 (no loss scaling)
+    all-gathers and computes parameters in bf16 and reduces gradients in fp32.
 
     ``fully_shard`` replaces the module's parameters with sharded ones, so optimizers must be built on them:
     ``engine.prepare(model, optimizer)`` re-points an optimizer made earlier (``prepare_optimizer``).
@@ -38,36 +55,89 @@ class FSDPStrategy(DistributedStrategy):
     through ``load_model_state_dict`` / ``load_optimizer_state_dict``. A background save snapshots every rank's
     own shards to host memory on the training thread and writes them with DCP on the save's thread, over a gloo
     group of its own: the files are the same as a blocking save's.
+
+    The tensor helpers (``local_tensor``, ``full_tensor``, ``shard_like``, ``reshard``) serve any DTensor, on a
+    mesh of any number of dimensions.
     """
 
     name = "fsdp"
-    mixed_precision: MixedPrecisionPolicy | None = None
-    """Set from ``MixedPrecision("bf16")``: parameters are all-gathered and computed in bf16, gradients reduced
-    in fp32, which halves the all-gather traffic that autocast alone would leave in fp32."""
 
-    def __init__(self, device_type: str, timeout: timedelta = DEFAULT_TIMEOUT) -> None:
+    def __init__(
+        self,
+        device_type: str | None = None,
+        timeout: timedelta = DEFAULT_TIMEOUT,
+        *,
+        shard: ShardPolicy | None = None,
+        reshard_after_forward: bool = True,
+        cpu_offload: bool = False,
+        activation_checkpointing: bool = False,
+        mixed_precision: MixedPrecisionPolicy | None = None,
+    ) -> None:
+        self._select = shard_selector(shard)  # checked before the process group is joined
+        for flag, value in (
+            ("reshard_after_forward", reshard_after_forward),
+            ("cpu_offload", cpu_offload),
+            ("activation_checkpointing", activation_checkpointing),
+        ):
+            if not isinstance(value, bool):
+                raise TypeError(f"FSDPStrategy({flag}=...) takes True or False; got {value!r}.")
+        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecisionPolicy):
+            raise TypeError(
+                "FSDPStrategy(mixed_precision=...) takes a torch.distributed.fsdp.MixedPrecisionPolicy, or None to "
+                f"follow the engine's precision (MixedPrecision('bf16')); got {mixed_precision!r}."
+            )
+        if device_type is None:
+            from cadence.strategies import resolve_device
+
+            device_type = resolve_device("auto").type
         super().__init__(device_type, timeout)
+        self.reshard_after_forward = reshard_after_forward
+        self.cpu_offload = cpu_offload
+        self.activation_checkpointing = activation_checkpointing
+        self._policy = mixed_precision
+        self._explicit_policy = mixed_precision is not None
         self._replaced: dict[int, nn.Parameter] = {}
         """``id(parameter before fully_shard) -> its sharded replacement``, for optimizers built before."""
-        """The gloo group of background saves (``background_collectives``), created at the first."""
 
-    def configure_precision(self, precision: Any) -> None:
-        if getattr(precision, "dtype", None) == torch.bfloat16 and not hasattr(precision, "scaler"):
-            self.mixed_precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    @property
+    def mixed_precision(self) -> MixedPrecisionPolicy | None:
+        """The policy ``fully_shard`` gets: the one passed in, else the engine precision's (None: full)."""
+        return self._policy
+
+    def configure_precision(self, precision: Precision) -> None:
+        if self._explicit_policy:
+            return
+        dtype = precision.param_dtype
+        # Under loss scaling the parameters stay fp32 (autocast casts per op): the scaler unscales fp32 gradients.
+        if dtype is None or precision.uses_scaler:
+            self._policy = None
+        else:
+            self._policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         mesh = init_device_mesh(self.device.type, (self.world_size,))
         before = dict(module.named_parameters())
         module = module.to(self.device)
-        policy = self.mixed_precision or MixedPrecisionPolicy()
-        for child in module.children():
-            if any(True for _ in child.parameters()):
-                fully_shard(child, mesh=mesh, mp_policy=policy)
-        fully_shard(module, mesh=mesh, mp_policy=policy)
+        options: dict[str, Any] = {
+            "mesh": mesh,
+            "mp_policy": self._policy or MixedPrecisionPolicy(),
+            "reshard_after_forward": self.reshard_after_forward,
+        }
+        if self.cpu_offload:
+            options["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
+        for block in shard_targets(module, self._select):
+            if self.activation_checkpointing:
+                activation_checkpoint(block)
+            fully_shard(block, **options)
+        fully_shard(module, **options)
+        self._remember_replaced(before, module)
+        return module
+
+    def _remember_replaced(self, before: dict[str, nn.Parameter], module: nn.Module) -> None:
+        """Note which of ``module``'s parameters (``before`` sharding, by name) sharding replaced."""
         for name, parameter in module.named_parameters():
             if name in before and before[name] is not parameter:
                 self._replaced[id(before[name])] = parameter
-        return module
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         if not self._replaced:
@@ -90,8 +160,32 @@ class FSDPStrategy(DistributedStrategy):
         norm = torch.nn.utils.clip_grad_norm_(list(parameters), max_norm, norm_type=norm_type)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
+    def local_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+    def full_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.full_tensor().detach() if isinstance(tensor, DTensor) else tensor.detach()
+
+    def shard_like(self, full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        if not isinstance(like, DTensor):
+            return full
+        local = like.to_local()
+        # src_data_rank=None: every rank holds ``full`` already, so each cuts its own part with no communication.
+        placed = distribute_tensor(full.to(local.device), like.device_mesh, like.placements, src_data_rank=None)
+        return placed.to_local()
+
+    def reshard(self, module: nn.Module) -> None:
+        for submodule in module.modules():
+            if isinstance(submodule, FSDPModule):
+                submodule.reshard()
+
     def model_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
-        return cast(dict[str, torch.Tensor], get_model_state_dict(module, options=_FULL))
+        full = cast(dict[str, torch.Tensor], get_model_state_dict(module, options=_FULL))
+        # Gathering makes a tied weight two equal tensors: point every name at one, so it is stored once.
+        for name, first in tied_names(module).items():
+            if name in full and first in full:
+                full[name] = full[first]
+        return full
 
     def load_model_state_dict(self, module: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
         set_model_state_dict(module, cast(dict[str, Any], state_dict), options=_FULL)
@@ -159,3 +253,60 @@ def _without_gradient_sync(module: nn.Module) -> Iterator[None]:
         yield
     finally:
         module.set_requires_gradient_sync(True)
+
+
+def shard_selector(shard: ShardPolicy | None) -> Callable[[nn.Module], bool] | None:
+    """``shard`` as a predicate on modules (``None``: the default choice, made per model by ``shard_targets``)."""
+    if shard is None:
+        return None
+    classes = (shard,) if isinstance(shard, type) else shard
+    if isinstance(classes, tuple | list) and classes and all(_is_module_class(c) for c in classes):
+        chosen = tuple(classes)
+        return lambda module: isinstance(module, chosen)
+    if callable(shard) and not isinstance(shard, type | nn.Module):
+        return shard
+    raise TypeError(
+        "FSDPStrategy(shard=...) takes nn.Module subclasses (e.g. shard=GPT2Block or shard=(Block, Embedding)) "
+        f"or a function of a module returning True for those to shard; got {shard!r}."
+    )
+
+
+def _is_module_class(candidate: object) -> bool:
+    return isinstance(candidate, type) and issubclass(candidate, nn.Module)
+
+
+def _default_blocks(root: nn.Module) -> set[int]:
+    """The blocks of the ``nn.ModuleList`` holding the most parameters, else each child holding any."""
+    lists = [m for m in root.modules() if isinstance(m, nn.ModuleList) and any(True for _ in m.parameters())]
+    if lists:
+        largest = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
+        return {id(block) for block in largest}
+    return {id(child) for child in root.children()}
+
+
+def shard_targets(root: nn.Module, select: Callable[[nn.Module], bool] | None) -> list[nn.Module]:
+    """The submodules to ``fully_shard`` before ``root``, innermost first: those ``select`` picks (the default
+    blocks when None) that hold parameters, except any holding a parameter tied to one outside it (two FSDP groups
+    cannot both manage one parameter: it is left to an enclosing target, or the root)."""
+    default = _default_blocks(root) if select is None else set()
+    groups: dict[int, list[str]] = {}
+    for name, parameter in root.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(parameter), []).append(name)
+    tied = [names for names in groups.values() if len(names) > 1]
+    chosen: list[tuple[int, nn.Module]] = []
+    for prefix, module in root.named_modules():
+        if module is root or not (id(module) in default if select is None else select(module)):
+            continue
+        if not any(True for _ in module.parameters()) or _splits_a_tie(prefix, tied):
+            continue
+        chosen.append((prefix.count(".") + 1, module))
+    # Deepest first (fully_shard needs a module's sharded submodules done before it), in model order otherwise.
+    return [module for _, module in sorted(chosen, key=lambda pair: -pair[0])]
+
+
+def _splits_a_tie(prefix: str, tied: list[list[str]]) -> bool:
+    for names in tied:
+        inside = [name.startswith(prefix + ".") for name in names]
+        if any(inside) and not all(inside):
+            return True
+    return False

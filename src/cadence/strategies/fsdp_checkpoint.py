@@ -75,6 +75,25 @@ def _hold(writer: TensorSink, name: str, key: str, value: torch.Tensor) -> torch
     return sharded_like(held, value)
 
 
+def tied_names(module: nn.Module) -> dict[str, str]:
+    """Each parameter name that shares its parameter with an earlier name (tied weights), with that first name."""
+    first: dict[int, str] = {}
+    tied: dict[str, str] = {}
+    for name, parameter in module.named_parameters(remove_duplicate=False):
+        if id(parameter) in first:
+            tied[name] = first[id(parameter)]
+        else:
+            first[id(parameter)] = name
+    return tied
+
+
+def _untied_state(module: nn.Module) -> dict[str, Any]:
+    """The module's sharded state dict with each tied weight under its first name only: DCP's safetensors files
+    cannot hold one tensor twice, and loading it once fills every name that shares it."""
+    tied = tied_names(module)
+    return {key: value for key, value in get_model_state_dict(module).items() if key not in tied}
+
+
 def saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """Each saved tensor's full (unsharded) shape, read from the shards' headers."""
     metadata: Any = _reader(path).read_metadata()
@@ -83,14 +102,15 @@ def saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:
 
 def load_model_shards(module: nn.Module, path: Path) -> None:
     """Fill ``module`` from shards saved by any number of ranks (resharded to this run's layout)."""
-    state = get_model_state_dict(module)
+    state = _untied_state(module)
     _load(state, path)
+    state.update({name: state[first] for name, first in tied_names(module).items() if first in state})
     set_model_state_dict(module, state)
 
 
 def model_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
     """The full shape of every entry ``save_sharded_model`` writes for ``module``."""
-    return {key: tuple(value.shape) for key, value in get_model_state_dict(module).items()}
+    return {key: tuple(value.shape) for key, value in _untied_state(module).items()}
 
 
 def _optimizer_shards(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -139,9 +159,9 @@ def save_sharded_model(
     main rank lists them in the manifest (DCP returns only once every rank's files are written) and returns the
     state.json entry. Under a snapshot the shards are copied now and written when the writer starts."""
     shards = _shard_directory("model", index)
-    state = _held(writer, shards, get_model_state_dict(module))
+    state = _held(writer, shards, _untied_state(module))
     writer.write_tree(shards, functools.partial(_save, state, group=group), record=main)
-    return {"format": SHARDED_MODEL, "aliases": {}, "grads": False}
+    return {"format": SHARDED_MODEL, "aliases": tied_names(module), "grads": False}
 
 
 def read_sharded_model(module: nn.Module, reader: TensorSource, index: int) -> Callable[[], None]:

@@ -1,7 +1,8 @@
 """``FakeEngine``: the real engine and dispatcher on a tiny CPU model, with no processes.
 
 It can pretend to be rank ``r`` of ``w``: its strategy answers rank and world-size questions as that rank would,
-and its collectives behave as if every rank held the same tensor.
+and its collectives behave as if every rank held the same tensor. With ``tensor_parallel_size=t`` it pretends that
+ranks share model replicas in groups of ``t`` (``ModelParallelStrategy``): a sum then counts each replica once.
 """
 
 from __future__ import annotations
@@ -26,15 +27,22 @@ from cadence.strategies.base import ReduceOp, Strategy
 
 
 class FakeStrategy(Strategy):
-    """CPU, no process group; pretends to be ``rank`` of ``world_size`` where every rank holds the same data."""
+    """CPU, no process group; pretends to be ``rank`` of ``world_size`` where every rank holds the same data, the
+    ranks sharing model replicas in groups of ``tensor_parallel_size`` (adjacent ranks, as on a 2-D mesh)."""
 
     name = "fake"
 
-    def __init__(self, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(self, rank: int = 0, world_size: int = 1, tensor_parallel_size: int = 1) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"FakeStrategy needs 0 <= rank < world_size; got rank={rank}, world_size={world_size}.")
+        if tensor_parallel_size < 1 or world_size % tensor_parallel_size:
+            raise ValueError(
+                f"FakeStrategy needs a tensor_parallel_size that divides world_size={world_size}; "
+                f"got {tensor_parallel_size}."
+            )
         self._rank = rank
         self._world_size = world_size
+        self._tensor_parallel_size = tensor_parallel_size
         self.no_sync_entered = 0
         """How many times gradient sync was skipped (``no_backward_sync`` entered)."""
 
@@ -54,15 +62,27 @@ class FakeStrategy(Strategy):
     def world_size(self) -> int:
         return self._world_size
 
+    @property
+    def data_parallel_rank(self) -> int:
+        return self._rank // self._tensor_parallel_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self._world_size // self._tensor_parallel_size
+
+    @property
+    def replica_leaders(self) -> list[int]:
+        return list(range(0, self._world_size, self._tensor_parallel_size))
+
     def no_backward_sync(self, module: nn.Module) -> AbstractContextManager[Any]:
         self.no_sync_entered += 1
         return nullcontext()
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        return torch.stack([tensor] * self._world_size)
+        return torch.stack([tensor] * self.data_parallel_size)
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
-        return tensor * self._world_size if op == "sum" else tensor.clone()
+        return tensor * self.data_parallel_size if op == "sum" else tensor.clone()
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         return obj
@@ -123,10 +143,13 @@ class FakeEngine(Engine):
         *,
         rank: int = 0,
         world_size: int = 1,
+        tensor_parallel_size: int = 1,
         seed: int | None = None,
         project_dir: str | Path | None = None,
     ) -> None:
-        strategy = FakeStrategy(rank, world_size)  # checks rank and world_size before a directory is made
+        strategy = FakeStrategy(
+            rank, world_size, tensor_parallel_size
+        )  # checks rank and world_size before a directory is made
         owns_directory = project_dir is None
         directory = tempfile.mkdtemp(prefix="cadence-fake-engine-") if project_dir is None else project_dir
         try:

@@ -1,0 +1,274 @@
+"""``MLflowLogger``: the rows of a ``Logger`` as an MLflow run's metrics, the hyperparameters as its params."""
+
+from __future__ import annotations
+
+import numbers
+import re
+import time
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .logger import Logger, check_run_id, missing_package
+
+if TYPE_CHECKING:
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
+
+    from cadence import Engine
+
+CHECKPOINT_TAG = "cadence.checkpoint"
+"""The run's tag naming its last committed checkpoint."""
+STORE_DIRECTORY = "mlflow"
+"""The default tracking store's directory in ``project_dir``: ``mlflow.db`` (SQLite) and ``artifacts/``."""
+
+# What MLflow accepts as a metric name; another is left out with a warning, as MLflow would refuse the whole batch.
+_METRIC_NAME = re.compile(r"[\w\-. :/]+")
+_RUN_ID = re.compile(r"[0-9A-Za-z_\-]{1,64}")
+_BATCH = {"metrics": 1000, "params": 100}  # MLflow's limits per log_batch request
+
+
+class MLflowLogger(Logger):
+    """Logs the rows of a ``Logger`` (``epoch``, ``loss``, ``lr``, logged metrics, ``val/`` and ``test/`` metrics) to
+    one MLflow run: each number a metric point at ``state.step``, the hyperparameters (``engine.log_hyperparams``) as
+    the run's params, and the path of the last committed checkpoint as its ``cadence.checkpoint`` tag (set at every
+    save, so a killed run names the checkpoint to resume from). The run ends ``FINISHED``, or ``FAILED`` when
+    ``fit()`` raised. Main process only.
+
+    The tracking store: ``tracking_uri`` (a server, ``http://host:5000``; a database), or by default an embedded
+    SQLite store in ``project_dir/mlflow`` (``mlflow.db``, artifacts beside it): nothing to start; browse it with
+    ``mlflow ui --backend-store-uri sqlite:///<project_dir>/mlflow/mlflow.db``.
+
+    A resumed run (``fit(resume=...)``) continues the MLflow run its checkpoint names (its id is the logger's
+    checkpoint state). MLflow cannot delete a metric point, so the points the killed run logged after the
+    checkpoint stay, and each metric goes on from the step after its last point: the steps the resumed run replays
+    are not logged again (an exact resume replays the same values), and no step has two points. A checkpoint whose
+    run is not in the store (another ``tracking_uri``, a moved ``project_dir``) starts a new run, with a warning.
+    A hyperparameter logged again with another value keeps its first value, with a warning: MLflow refuses to
+    change a param.
+
+    Numbers only: a metric that is a list (a tensor of several elements) or not a number, or whose name MLflow
+    refuses, is left out with one warning. Needs the ``mlflow`` package: ``pip install "cadence[mlflow]"``.
+    """
+
+    def __init__(
+        self,
+        experiment_name: str = "cadence",
+        run_name: str | None = None,
+        tracking_uri: str | None = None,
+        tags: dict[str, str] | None = None,
+        flush_every_n_rows: int = 50,
+    ) -> None:
+        super().__init__(flush_every_n_rows)
+        self._client_class = _mlflow_client_class()
+        self.experiment_name = experiment_name
+        self.run_name = run_name
+        self.tracking_uri = tracking_uri
+        """The store's URI; the default one's from ``setup`` on."""
+        self.tags = dict(tags or {})
+        self.run_id: str | None = None
+        """The MLflow run's id, once the run is created (at ``FIT_START``) or restored from a checkpoint."""
+        self._client: MlflowClient | None = None
+        self._artifacts: Path | None = None  # the default store's artifact directory
+        self._running = False  # the run is open: created or continued, not yet terminated by close()
+        self._last_steps: dict[str, int] = {}  # each metric's last logged step: a point at or before it is skipped
+        self._read_last_steps = False  # a resume: the store knows the last steps, read when the run is continued
+        self._metrics: list[Metric] = []
+        self._params: dict[str, str] = {}
+        self._refused: set[str] = set()
+
+    def setup(self, engine: Engine) -> None:
+        super().setup(engine)
+        if self.project_dir is None or self.tracking_uri is not None:
+            return
+        store = Path(self.project_dir).resolve() / STORE_DIRECTORY
+        if store.exists() and not store.is_dir():
+            raise ValueError(
+                f"MLflowLogger's default store {store} is a file, not a directory: move the file aside, or pass "
+                "MLflowLogger(tracking_uri=...) to log elsewhere."
+            )
+        self.tracking_uri = f"sqlite:///{store / 'mlflow.db'}"
+        self._artifacts = store / "artifacts"
+
+    # --- checkpoint state ----------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        if self.project_dir is not None:
+            # A resumed run continues this one. A save after FIT_END must not reopen the finished run.
+            state["run_id"] = self.run_id if self.run_id is not None else self._open_run()
+        return state
+
+    def check_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().check_state_dict(state_dict)
+        check_run_id(self, state_dict, _RUN_ID, "an MLflow run id")
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        if state_dict.get("run_id") is not None:
+            self.run_id = state_dict["run_id"]
+            self._running = False  # continued (and its last steps read) when it is next written to
+
+    # --- the backend ---------------------------------------------------------------------------------------------
+    def write(self, step: int, metrics: dict[str, Any]) -> None:
+        if not self._running or self._read_last_steps:
+            self._open_run()
+        last_steps = self._last_steps
+        timestamp = int(time.time() * 1000)
+        for name, value in metrics.items():
+            if step <= last_steps.get(name, -1):
+                continue  # epoch in a step's training and validation rows; a step the killed run logged
+            if not isinstance(value, numbers.Real) or not _METRIC_NAME.fullmatch(name):
+                self._refuse(name, value)
+                continue
+            self._metrics.append(_metric(name, float(value), timestamp, step))
+            last_steps[name] = step
+
+    def write_hyperparams(self, params: dict[str, str | int | float | bool]) -> None:
+        self._params.update((name, _param_value(value)) for name, value in params.items())
+
+    def persist(self) -> None:
+        if not self._metrics and not self._params:
+            return
+        from mlflow.entities import Param
+
+        client = self._connect()
+        run_id = self._open_run()
+        params = [Param(name, value) for name, value in self._unchanged_params(client, run_id)]
+        for start in range(0, len(params), _BATCH["params"]):
+            client.log_batch(run_id, params=params[start : start + _BATCH["params"]])
+        self._params = {}
+        for start in range(0, len(self._metrics), _BATCH["metrics"]):
+            client.log_batch(run_id, metrics=self._metrics[start : start + _BATCH["metrics"]])
+        self._metrics = []
+
+    def resume(self, step: int) -> None:
+        self._read_last_steps = True  # each metric goes on after its last point in the store
+
+    def close(self) -> None:
+        if self._running and self._client is not None and self.run_id is not None:
+            failed = self._engine is not None and self._engine.state.exception is not None
+            self._client.set_terminated(self.run_id, "FAILED" if failed else "FINISHED")
+        self._running = False
+
+    def on_save_state(self, engine: Engine) -> None:
+        super().on_save_state(engine)
+        checkpoint = engine.state.checkpoint_dir
+        if self.project_dir is not None and checkpoint is not None:
+            # Tagged at every commit, not only at the end: a killed run then names the checkpoint to resume from.
+            client = self._connect()
+            client.set_tag(self.run_id or self._open_run(), CHECKPOINT_TAG, str(Path(checkpoint).resolve()))
+
+    # --- the run -------------------------------------------------------------------------------------------------
+    def _connect(self) -> MlflowClient:
+        if self._client is None:
+            if self._artifacts is not None:
+                self._artifacts.parent.mkdir(parents=True, exist_ok=True)  # SQLite creates the file, not its directory
+            self._client = self._client_class(self.tracking_uri)
+        return self._client
+
+    def _open_run(self) -> str:
+        """The run's id: a new run, or the checkpoint's, continued (status RUNNING, its last steps read)."""
+        client = self._connect()
+        if self.run_id is not None and (not self._running or self._read_last_steps):
+            self._continue(client, self.run_id)
+        run_id = self.run_id
+        if run_id is None:
+            run = client.create_run(self._experiment_id(client), run_name=self.run_name, tags=self.tags)
+            run_id = self.run_id = run.info.run_id
+            self._last_steps, self._read_last_steps = {}, False
+        self._running = True
+        return run_id
+
+    def _continue(self, client: MlflowClient, run_id: str) -> None:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            run = client.get_run(run_id)
+        except MlflowException as error:
+            if error.error_code != "RESOURCE_DOES_NOT_EXIST":
+                raise
+            run = None
+        if run is None or run.info.lifecycle_stage == "deleted":
+            warnings.warn(
+                f"MLflowLogger: the checkpoint's MLflow run {run_id} is not in the store {self.tracking_uri} "
+                "(it was deleted, or logged to another tracking_uri or project_dir); this resumed run logs into a "
+                "new MLflow run. Pass MLflowLogger(tracking_uri=...) of the store that holds it to continue it.",
+                UserWarning,
+                stacklevel=2,
+            )
+            self.run_id, self._last_steps, self._read_last_steps = None, {}, False
+            return
+        client.update_run(run_id, status="RUNNING")
+        if self._read_last_steps:
+            self._read_last_steps = False
+            self._last_steps = {
+                name: max(point.step for point in client.get_metric_history(run_id, name)) for name in run.data.metrics
+            }
+
+    def _experiment_id(self, client: MlflowClient) -> str:
+        from mlflow.exceptions import MlflowException
+
+        experiment = client.get_experiment_by_name(self.experiment_name)
+        if experiment is not None:
+            return str(experiment.experiment_id)
+        artifacts = None if self._artifacts is None else self._artifacts.as_uri()
+        try:
+            return client.create_experiment(self.experiment_name, artifact_location=artifacts)
+        except MlflowException:
+            # Another process created it between the lookup and the creation: use theirs.
+            experiment = client.get_experiment_by_name(self.experiment_name)
+            if experiment is None:
+                raise
+            return str(experiment.experiment_id)
+
+    def _unchanged_params(self, client: MlflowClient, run_id: str) -> list[tuple[str, str]]:
+        """The pending params, less those the run holds with another value (MLflow refuses to change a param)."""
+        if not self._params:
+            return []
+        logged = client.get_run(run_id).data.params
+        changed = sorted(name for name, value in self._params.items() if logged.get(name, value) != value)
+        if changed:
+            warnings.warn(
+                f"MLflowLogger: the MLflow run {run_id} holds other values for the hyperparameter(s) "
+                f"{', '.join(changed)} ({', '.join(f'{n}={logged[n]!r}' for n in changed)}); MLflow cannot change a "
+                "param, so they keep those values. Start a fresh run (no resume) to log new ones.",
+                UserWarning,
+                stacklevel=2,
+            )
+        return [(name, value) for name, value in self._params.items() if name not in changed]
+
+    def _refuse(self, name: str, value: Any) -> None:
+        if name in self._refused:
+            return
+        self._refused.add(name)
+        if not _METRIC_NAME.fullmatch(name):
+            reason = "a name MLflow refuses (letters, digits, _ - . : / and spaces only)"
+        else:
+            reason = f"a list of {len(value)} values" if isinstance(value, list) else f"a {type(value).__name__}"
+        warnings.warn(
+            f"MLflowLogger logs numbers under names MLflow accepts; metric {name!r} is {reason}, so it is left out of "
+            "MLflow (CSVLogger keeps it). Log a number (e.g. tensor.mean()) under such a name to see it there.",
+            UserWarning,
+            stacklevel=2,
+        )
+
+
+def _metric(name: str, value: float, timestamp: int, step: int) -> Metric:
+    from mlflow.entities import Metric
+
+    return Metric(name, value, timestamp, step)
+
+
+def _param_value(value: str | int | float | bool) -> str:
+    from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH
+
+    text = str(value)
+    return text if len(text) <= MAX_PARAM_VAL_LENGTH else text[: MAX_PARAM_VAL_LENGTH - 3] + "..."
+
+
+def _mlflow_client_class() -> type[MlflowClient]:
+    try:
+        from mlflow.tracking import MlflowClient
+    except ImportError as error:
+        raise missing_package("MLflowLogger", "mlflow", error) from error
+    return MlflowClient

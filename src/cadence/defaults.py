@@ -1,1 +1,0 @@
-../../frontends/defaults.py

@@ -1,0 +1,205 @@
+"""WandbLogger in offline mode (no network): the run's files, history at each step, config, the checkpoint in the
+summary, a resumed run under the same id with no step twice, the main process only, refused checkpoint state, the
+missing package; and that importing cadence.callbacks imports neither wandb nor mlflow.
+
+The run files are read back as W&B writes them: ``run-<id>.wandb``, a log of ``wandb_internal_pb2.Record``s in
+LevelDB's log format (32 KiB blocks of records with a 7-byte header; a record split across blocks comes in parts).
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import struct
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cadence import Engine, Event
+from cadence.callbacks import Checkpoint, CSVLogger, WandbLogger
+from cadence.callbacks.wandb_logger import CHECKPOINT_KEY
+from cadence.checkpoint.errors import CheckpointCorrupted
+from cadence.testing import FakeEngine
+from tests.callbacks.test_csv_logger import FailingStep
+from tests.helpers import loader
+
+needs_wandb = pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason='needs "cadence[wandb]"')
+
+BLOCK, HEADER = 32768, 7
+FULL, LAST = 1, 4
+
+
+@pytest.fixture(autouse=True)
+def _offline_and_private(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # Nothing may try to log in or write outside tmp_path.
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
+        monkeypatch.setenv(name, str(tmp_path / "wandb-home"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _end_the_service() -> Iterator[None]:
+    yield
+    if "wandb" in sys.modules:
+        sys.modules["wandb"].teardown()  # wandb-core, started by the first wandb.init, must not outlive the tests
+
+
+def records(path: Path) -> Iterator[Any]:
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    offset, parts = HEADER, []
+    while offset + HEADER <= len(data):
+        room = BLOCK - offset % BLOCK
+        if room < HEADER:  # a block's tail too short for a header is padding
+            offset += room
+            continue
+        _, length, kind = struct.unpack_from("<IHB", data, offset)
+        parts.append(data[offset + HEADER : offset + HEADER + length])
+        offset += HEADER + length
+        if kind in (FULL, LAST):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(b"".join(parts))
+            parts = []
+            yield record
+
+
+def read_run(directory: Path) -> dict[str, Any]:
+    """One offline run directory: its id, resumed flag, history rows (user keys), config, summary, exit code."""
+    (path,) = directory.glob("run-*.wandb")
+    run: dict[str, Any] = {"history": [], "config": {}, "summary": {}}
+    for record in records(path):
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            run["id"], run["resumed"] = record.run.run_id, record.run.resume
+            updates = record.run.config.update
+        elif kind == "config":
+            updates = record.config.update
+        elif kind == "history":
+            items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            run["history"].append({k: v for k, v in items.items() if not k.startswith("_") or k == "_step"})
+            continue
+        elif kind == "summary":
+            updated = ((item.key, json.loads(item.value_json)) for item in record.summary.update)
+            run["summary"].update((key, value) for key, value in updated if key and not key.startswith("_"))
+            continue
+        elif kind == "exit":
+            run["exit_code"] = record.exit.exit_code
+            continue
+        else:
+            continue
+        run["config"].update((item.key, json.loads(item.value_json)) for item in updates if item.key != "_wandb")
+    return run
+
+
+def offline_runs(project: Path) -> list[dict[str, Any]]:
+    return [read_run(directory) for directory in sorted((project / "wandb").glob("offline-run-*"))]
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def train(project: Path, fail_at: int | None, resume: str | None = None) -> None:
+    callbacks = [Checkpoint(every_n_steps=4), CSVLogger(), WandbLogger(project="cadence-tests", mode="offline")]
+    engine = Engine(accelerator="cpu", project_dir=project, callbacks=callbacks, progress_bar=False)
+    engine.log_hyperparams({"lr": 0.01, "model": {"width": 8}, "sizes": [4, 8]})
+    engine.fit(FailingStep(engine, fail_at), loader(), max_epochs=3, val_dataloader=loader(), resume=resume)
+
+
+@needs_wandb
+@pytest.mark.slow
+def test_a_resumed_offline_run_keeps_its_id_and_logs_each_step_once(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match="node lost"):
+        train(tmp_path, fail_at=11)  # last checkpoint at step 8; steps 9 and 10 were logged
+    train(tmp_path, fail_at=None, resume="latest")
+    # The last directory: Checkpoint's save at the end of fit(), after the logger finished the run, reopened it.
+    killed, resumed, final_save = offline_runs(tmp_path)
+    assert resumed["id"] == final_save["id"] == killed["id"] and not killed["resumed"]
+    assert resumed["resumed"] and final_save["resumed"]
+    assert killed["exit_code"] == 1 and resumed["exit_code"] == final_save["exit_code"] == 0
+    assert [row["_step"] for row in killed["history"]] == list(range(1, 11))
+    assert [row["_step"] for row in resumed["history"]] == list(range(9, 16))  # from the step after the checkpoint
+
+    # One history row per step, holding the step's training and validation metrics; values as CSVLogger's.
+    expected: dict[int, dict[str, float]] = {}
+    for row in read_csv(tmp_path / "metrics.csv"):
+        expected.setdefault(int(row["step"]), {}).update((k, float(v)) for k, v in row.items() if v and k != "step")
+    for run in (killed, resumed):
+        for row in run["history"]:
+            assert {k: v for k, v in row.items() if k != "_step"} == expected[row["_step"]]
+    config = {"lr": 0.01, "model/width": 8, "sizes": "[4, 8]"}
+    assert killed["config"] == resumed["config"] == config
+    checkpoints = (tmp_path / "checkpoints").resolve()
+    assert killed["summary"] == {CHECKPOINT_KEY: str(checkpoints / "checkpoint_1")}
+    assert resumed["summary"] == {CHECKPOINT_KEY: str(checkpoints / "checkpoint_2")}
+    assert final_save["summary"] == {CHECKPOINT_KEY: str(checkpoints / "checkpoint_3")}
+    assert final_save["history"] == [] and final_save["config"] == {}
+
+
+@needs_wandb
+@pytest.mark.slow
+def test_state_dict_names_the_run_and_a_new_logger_continues_it(tmp_path: Path) -> None:
+    first = WandbLogger(mode="offline", flush_every_n_rows=1)
+    FakeEngine(callbacks=[first], project_dir=tmp_path).run(steps=3)
+    state = first.state_dict()
+    assert state["run_id"] == first.run_id is not None
+
+    second = WandbLogger(mode="offline", flush_every_n_rows=1)
+    resumed = FakeEngine(callbacks=[second], project_dir=tmp_path)
+    second.check_state_dict(state)
+    second.load_state_dict(state)
+    resumed.state.step = 2
+    resumed.fire(Event.LOAD_STATE)
+    resumed.log_hyperparams({"seed": 3})
+    resumed.run(steps=2)
+    runs = offline_runs(tmp_path)
+    assert [run["id"] for run in runs] == [first.run_id, first.run_id]
+    assert [[row["_step"] for row in run["history"]] for run in runs] == [[1, 2, 3], [3, 4]]
+    assert runs[1]["config"] == {"seed": 3}
+
+
+@needs_wandb
+def test_other_ranks_log_nothing(tmp_path: Path) -> None:
+    logger = WandbLogger(mode="offline")
+    fake = FakeEngine(callbacks=[logger], rank=1, world_size=2, project_dir=tmp_path)
+    fake.log_hyperparams({"lr": 0.1})
+    fake.run(steps=2)
+    assert logger.state_dict() == {} and logger.run_id is None
+    assert not (tmp_path / "wandb").exists()
+
+
+@needs_wandb
+@pytest.mark.parametrize("run_id", [7, "", "a/b", "x" * 129])
+def test_a_checkpoint_state_with_a_bad_run_id_is_refused(run_id: Any) -> None:
+    logger = WandbLogger(mode="offline")
+    with pytest.raises(CheckpointCorrupted, match=r"'WandbLogger' is malformed: its run_id .* is not a W&B run id"):
+        logger.check_state_dict({"run_id": run_id})
+    logger.check_state_dict({"run_id": "1x2y3z4w"})
+
+
+@needs_wandb
+def test_a_mode_wandb_does_not_know_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"mode=.* must be 'online', 'offline', 'disabled' or None; got 'ofline'"):
+        WandbLogger(mode="ofline")  # type: ignore[arg-type]
+
+
+def test_without_the_package_the_error_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb now raises ImportError
+    with pytest.raises(ImportError, match=r'needs the wandb package.*pip install "cadence\[wandb\]"'):
+        WandbLogger()
+
+
+@pytest.mark.slow
+def test_importing_the_callbacks_imports_no_tracker() -> None:
+    code = "import sys, cadence.callbacks; print(sorted({'mlflow', 'wandb'} & set(sys.modules)))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
