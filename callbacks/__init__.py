@@ -14,6 +14,7 @@ from .mixed_precision import MixedPrecision
 from .mlflow_logger import MLflowLogger
 from .model_summary import ModelSummary
 from .preemption import Preemption
+from .profiler import Profiler
 from .progress import RichProgressBar
 from .tensorboard import TensorBoardLogger
 from .throughput import ThroughputMonitor
@@ -34,6 +35,7 @@ __all__ = [
     "MixedPrecision",
     "ModelSummary",
     "Preemption",
+    "Profiler",
     "RichProgressBar",
     "TensorBoardLogger",
     "ThroughputMonitor",

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import difflib
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from cadence.errors import CadenceWarning
@@ -15,6 +16,10 @@ if TYPE_CHECKING:
     from cadence.engine import Engine
 
 HOOK_NAMES = frozenset(event.hook_name for event in Event)
+
+EventTracer = Callable[[str], AbstractContextManager[object]]
+"""Opens a named range: ``tracer("Event.BATCH_END")`` around an event's whole dispatch, and
+``tracer("Checkpoint.on_batch_end")`` around each callback's hook inside it (``Engine.trace_events``)."""
 
 
 class Callback:
@@ -159,10 +164,14 @@ def _state_key_collision(existing: Callback, callback: Callback) -> str:
 class Dispatcher:
     """Calls callbacks in the order given, except that those which save checkpoints (``saves_checkpoints``) come
     after all the others, in their own given order. Which callbacks override which hook is computed once, at attach
-    time, so an event nobody listens to costs one dictionary lookup."""
+    time, so an event nobody listens to costs one dictionary lookup.
+
+    With a tracer set (``trace``), each event's hooks are indexed as one traced call instead; without one the index
+    holds the bare hooks, so tracing costs nothing while it is off."""
 
     def __init__(self) -> None:
         self._callbacks: list[Callback] = []
+        self._tracer: EventTracer | None = None
         self._hooks: dict[Event, tuple[Any, ...]] = {event: () for event in Event}
 
     @property
@@ -190,16 +199,50 @@ class Dispatcher:
         self._callbacks.remove(callback)
         self._index_hooks()
 
+    def trace(self, tracer: EventTracer | None) -> None:
+        """Open ``tracer``'s named ranges around every event from now on (``None``: stop)."""
+        if tracer is not None and not callable(tracer):
+            raise TypeError(
+                f"trace_events() takes a callable that opens a named range (such as torch.profiler.record_function) "
+                f"or None; got {type(tracer).__name__}."
+            )
+        self._tracer = tracer
+        self._index_hooks()
+
     def _index_hooks(self) -> None:
-        self._hooks = {
+        listeners = {
             event: tuple(
-                getattr(callback, event.hook_name)
+                callback
                 for callback in self._callbacks
                 if getattr(type(callback), event.hook_name) is not getattr(Callback, event.hook_name)
             )
             for event in Event
         }
+        tracer = self._tracer
+        if tracer is None:
+            self._hooks = {
+                event: tuple(getattr(callback, event.hook_name) for callback in callbacks)
+                for event, callbacks in listeners.items()
+            }
+        else:
+            # Events nobody listens to are traced too: the trace then shows every point of the loop.
+            self._hooks = {event: (_traced(event, callbacks, tracer),) for event, callbacks in listeners.items()}
 
     def fire(self, event: Event, engine: Engine) -> None:
         for hook in self._hooks[event]:
             hook(engine)
+
+
+def _traced(event: Event, callbacks: tuple[Callback, ...], tracer: EventTracer) -> Callable[[Engine], None]:
+    named = tuple(
+        (f"{type(callback).__name__}.{event.hook_name}", getattr(callback, event.hook_name)) for callback in callbacks
+    )
+    event_name = f"Event.{event.name}"
+
+    def fire_traced(engine: Engine) -> None:
+        with tracer(event_name):
+            for name, hook in named:
+                with tracer(name):
+                    hook(engine)
+
+    return fire_traced

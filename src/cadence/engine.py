@@ -15,7 +15,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
-from cadence.callback import Callback, Dispatcher
+from cadence.callback import Callback, Dispatcher, EventTracer
 from cadence.checkpoint.background import CheckpointSaves, PendingCheckpoint
 from cadence.checkpoint.engine_state import load_engine_state
 from cadence.checkpoint.export import model_configs, save_weights
@@ -215,6 +215,13 @@ class Engine:
         ``fit()`` fire every event at its documented point (``cadence.event``); a hand-written loop never needs
         to, and a callback must not (firing from inside a hook re-enters the dispatch)."""
         self._dispatcher.fire(event, self)
+
+    def trace_events(self, tracer: EventTracer | None) -> None:
+        """Open a named range around every event's dispatch, and around each callback's hook inside it, from now
+        on: ``tracer(name)`` returns the context manager (``torch.profiler.record_function`` makes the ranges
+        show in a profiler trace; the ``Profiler`` callback sets it for its window). ``None`` stops tracing; while
+        no tracer is set, events cost exactly what they cost without one."""
+        self._dispatcher.trace(tracer)
 
     def is_training(self) -> bool:
         """True when no model is prepared yet or a prepared model is in training mode."""

@@ -46,7 +46,7 @@ from cadence.event import Event
 from cadence.metrics import ValidationMeans, batch_samples
 from cadence.stacklevel import user_stacklevel
 from cadence.state import State
-from cadence.step import TrainingStep, missing_validation_step
+from cadence.step import TrainingStep, check_training_step, missing_validation_step
 from cadence.validators import optional_integer
 
 if TYPE_CHECKING:
@@ -462,14 +462,7 @@ def _resume(engine: Engine, resume: str | Path) -> None:
 
 
 def _prepare_step(engine: Engine, step: TrainingStep) -> tuple[nn.Module, PreparedOptimizer, Any]:
-    if not isinstance(step, TrainingStep):
-        raise TypeError(
-            f"fit() takes a cadence.TrainingStep; got {type(step).__name__}. Subclass TrainingStep, set "
-            "self.model and self.optimizer in __init__, and define training_step(batch)."
-        )
-    for name in ("model", "optimizer"):
-        if getattr(step, name, None) is None:
-            raise ValueError(f"{type(step).__name__} has no `{name}`: set `self.{name} = ...` in its __init__.")
+    check_training_step("fit", step)
     _check_fit_scheduler(step.scheduler)
     objects = [step.model, step.optimizer] + ([step.scheduler] if step.scheduler is not None else [])
     prepared = engine.prepare(*objects)

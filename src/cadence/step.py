@@ -52,6 +52,19 @@ class TrainingStep:
         raise NotImplementedError(missing_step(self, "predict_step"))
 
 
+def check_training_step(owner: str, step: Any) -> None:
+    """Refuse what ``owner`` (``fit``, ``lr_find`` ...) cannot train: not a ``TrainingStep``, or one without its
+    ``model`` or ``optimizer``."""
+    if not isinstance(step, TrainingStep):
+        raise TypeError(
+            f"{owner}() takes a cadence.TrainingStep; got {type(step).__name__}. Subclass TrainingStep, set "
+            "self.model and self.optimizer in __init__, and define training_step(batch)."
+        )
+    for name in ("model", "optimizer"):
+        if getattr(step, name, None) is None:
+            raise ValueError(f"{type(step).__name__} has no `{name}`: set `self.{name} = ...` in its __init__.")
+
+
 def missing_step(step: TrainingStep, method: str) -> str:
     """Why ``engine.test()`` (``method="test_step"``) or ``engine.predict()`` cannot run ``step``, with the fix."""
     name = type(step).__name__
