@@ -131,6 +131,8 @@ def test_the_plot_is_a_new_png_and_never_replaces_a_file(tmp_path: Path) -> None
     assert first.plot == tmp_path / "lr_find-1.png" and second.plot == tmp_path / "lr_find-2.png"
     assert mine.read_bytes() == b"my own picture"
     assert first.plot.read_bytes().startswith(PNG) and second.plot.read_bytes().startswith(PNG)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["lr_find-1.png", "lr_find-2.png", "lr_find.png"]
+    assert first.plot.stat().st_mode == mine.stat().st_mode  # an ordinary new file, not a temporary's owner-only one
 
 
 @pytest.mark.parametrize("rank", [0, 1])

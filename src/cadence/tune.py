@@ -19,7 +19,7 @@ import gc
 import importlib.util
 import math
 import os
-import tempfile
+import uuid
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -371,9 +371,10 @@ def _write_new(directory: Path, stem: str, write: Callable[[Any], None]) -> Path
     the name is claimed with an exclusive create, so an existing file (ours or not) is never replaced, and only once
     the picture is whole, so a failed write leaves no empty claimed file."""
     directory.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{stem}-", suffix=".png.tmp", dir=directory)
+    # A name of our own, opened like any new file (mkstemp's would make the PNG owner-only).
+    temporary = directory / f".{stem}-{uuid.uuid4().hex}.png.tmp"
     try:
-        with os.fdopen(handle, "wb") as file:
+        with temporary.open("xb") as file:
             write(file)
         for number in range(10_000):
             path = directory / (f"{stem}.png" if number == 0 else f"{stem}-{number}.png")
@@ -381,14 +382,17 @@ def _write_new(directory: Path, stem: str, write: Callable[[Any], None]) -> Path
                 path.open("xb").close()
             except FileExistsError:
                 continue
-            os.replace(temporary, path)  # onto the empty file just claimed, so ours
+            try:
+                os.replace(temporary, path)  # onto the empty file just claimed, so ours
+            except OSError:
+                path.unlink()
+                raise
             return path
         raise FileExistsError(
             f"{directory} holds {stem}.png to {stem}-9999.png: remove some or use another project_dir."
         )
     finally:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
+        temporary.unlink(missing_ok=True)
 
 
 def is_out_of_memory(error: BaseException) -> bool:
