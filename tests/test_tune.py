@@ -3,6 +3,8 @@ error; and the promise of both, that a fit() after them is bitwise the fit() wit
 
 from __future__ import annotations
 
+import os
+import stat
 import subprocess
 import sys
 import textwrap
@@ -12,11 +14,12 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorDataset
 
 import cadence
+from cadence.errors import CadenceWarning
 from cadence.testing import FakeEngine
-from cadence.tune import batch_size_find, is_out_of_memory, lr_find, search_batch_size, suggest
+from cadence.tune import _captures_cuda_rng, batch_size_find, is_out_of_memory, lr_find, search_batch_size, suggest
 from tests.helpers import assert_bitwise_equal, assert_same_state, parameters
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -128,11 +131,47 @@ def test_the_plot_is_a_new_png_and_never_replaces_a_file(tmp_path: Path) -> None
     assert first.plot == tmp_path / "lr_find-1.png" and second.plot == tmp_path / "lr_find-2.png"
     assert mine.read_bytes() == b"my own picture"
     assert first.plot.read_bytes().startswith(PNG) and second.plot.read_bytes().startswith(PNG)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["lr_find-1.png", "lr_find-2.png", "lr_find.png"]
+    assert first.plot.stat().st_mode == mine.stat().st_mode  # an ordinary new file, not a temporary's owner-only one
 
 
-def test_other_ranks_draw_no_plot(tmp_path: Path) -> None:
-    result = lr_find(FakeEngine(rank=1, world_size=2, project_dir=tmp_path), SGDStep(0), shuffled(), num_steps=20)
-    assert result.plot is None and not list(tmp_path.iterdir())
+@pytest.mark.parametrize("rank", [0, 1])
+def test_both_finders_refuse_several_processes_before_training(rank: int, tmp_path: Path) -> None:
+    # Out of memory is per rank and the divergence stop reads one rank's loss: the ranks would part ways.
+    engine = FakeEngine(rank=rank, world_size=2, project_dir=tmp_path)
+    step = FailsAbove(limit=10**6)
+    weights = parameters(step.model)
+    with pytest.raises(RuntimeError, match=r"lr_find\(\) runs in one process, but this engine has 2.*without torchrun"):
+        lr_find(engine, step, shuffled(), num_steps=20)
+    with pytest.raises(RuntimeError, match=r"batch_size_find\(\) runs in one process.*before launching"):
+        batch_size_find(engine, step, regression(samples=50))
+    assert step.batch_sizes == [] and not list(tmp_path.iterdir())
+    assert_bitwise_equal(parameters(step.model), weights)
+
+
+def test_a_plot_that_cannot_be_written_warns_and_the_sweep_is_returned(tmp_path: Path) -> None:
+    (tmp_path / "runs").write_bytes(b"not a directory")  # what stands where the plot should go
+    engine = FakeEngine(project_dir=tmp_path / "runs")
+    with pytest.warns(CadenceWarning, match=r"lr_find could not write its plot into .*runs \(FileExistsError") as seen:
+        result = lr_find(engine, SGDStep(0), shuffled(), num_steps=20)
+    assert seen[0].filename == __file__
+    assert result.plot is None and len(result.lrs) == 20 and result.suggestion is not None
+    assert (tmp_path / "runs").read_bytes() == b"not a directory"
+
+
+def test_a_read_only_project_dir_leaves_no_file_behind(tmp_path: Path) -> None:
+    (tmp_path / "runs").mkdir()
+    engine = FakeEngine(project_dir=tmp_path / "runs")
+    (tmp_path / "runs").chmod(stat.S_IRUSR | stat.S_IXUSR)
+    try:
+        if os.access(tmp_path / "runs", os.W_OK):
+            pytest.skip("this user writes into read-only directories (root)")
+        with pytest.warns(CadenceWarning, match=r"lr_find could not write its plot.*PermissionError"):
+            result = lr_find(engine, SGDStep(0), shuffled(), num_steps=20)
+        assert result.plot is None and len(result.lrs) == 20
+        assert not list((tmp_path / "runs").iterdir())
+    finally:
+        (tmp_path / "runs").chmod(stat.S_IRWXU)
 
 
 def test_without_matplotlib_there_is_no_plot_and_lr_find_says_how_to_get_one(
@@ -211,6 +250,12 @@ def test_the_search_doubles_then_bisects_to_the_largest_size_that_runs() -> None
     assert [size for size, ran in result.trials if not ran] == [64, 48, 40, 38]
 
 
+def test_a_start_that_fails_searches_below_start() -> None:
+    result = search_batch_size(out_of_memory_above(5), start=8)
+    assert result.size == 5
+    assert result.trials == [(8, False), (4, True), (6, False), (5, True)]
+
+
 def test_a_start_too_large_bisects_down_and_max_size_caps_the_growth() -> None:
     assert search_batch_size(out_of_memory_above(37), start=100).size == 37
     assert search_batch_size(out_of_memory_above(10**6), max_size=300).size == 300
@@ -282,6 +327,15 @@ def test_batch_size_find_stops_at_the_dataset_length() -> None:
         batch_size_find(FakeEngine(), FailsAbove(limit=10**6), regression(samples=50), start=64)
 
 
+def test_a_max_size_above_the_dataset_length_is_lowered_to_it_with_a_warning() -> None:
+    with pytest.warns(
+        CadenceWarning, match=r"batch_size_find\(max_size=64\) is larger than the dataset \(16 samples\)"
+    ) as seen:
+        result = batch_size_find(FakeEngine(), FailsAbove(limit=10**6), regression(samples=16), max_size=64)
+    assert seen[0].filename == __file__
+    assert result.size == 16 and max(size for size, _ in result.trials) == 16
+
+
 def test_a_finder_that_raises_still_puts_the_step_back() -> None:
     step = FailsAbove(limit=8, error=ValueError("a bug in the step"))
     weights = parameters(step.model)
@@ -292,6 +346,65 @@ def test_a_finder_that_raises_still_puts_the_step_back() -> None:
     assert step.optimizer.state_dict()["state"] == {}
 
 
+def loader_with_a_generator(holder: str) -> tuple[DataLoader[Any], torch.Generator]:
+    data, generator = regression(samples=96), torch.Generator().manual_seed(7)
+    if holder == "loader":
+        return DataLoader(data, batch_size=32, shuffle=True, generator=generator), generator
+    if holder == "sampler":
+        return DataLoader(data, batch_size=32, sampler=RandomSampler(data, generator=generator)), generator
+    sampler = BatchSampler(RandomSampler(data, generator=generator), batch_size=32, drop_last=False)
+    return DataLoader(data, batch_sampler=sampler), generator
+
+
+@pytest.mark.parametrize("holder", ["loader", "sampler", "batch_sampler"])
+def test_lr_find_puts_back_the_generator_the_dataloader_shuffles_with(holder: str) -> None:
+    loader, generator = loader_with_a_generator(holder)
+    before = generator.get_state()
+    lr_find(FakeEngine(), MLPStep(), loader, num_steps=5, plot=False)
+    assert torch.equal(generator.get_state(), before)
+
+
+@pytest.mark.parametrize("holder", ["loader", "sampler"])
+def test_a_fit_after_lr_find_with_a_seeded_generator_is_bitwise_the_fit_without_it(holder: str) -> None:
+    # fit() draws its shuffling seed from the loader's generator: a sweep that advanced it would reorder the data.
+    def fit(finder_first: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        engine, step = FakeEngine(), MLPStep()
+        loader, _ = loader_with_a_generator(holder)
+        if finder_first:
+            lr_find(engine, step, loader, num_steps=5, plot=False)
+        engine.fit(step, loader, max_epochs=2)
+        return parameters(step.model)
+
+    assert_bitwise_equal(fit(finder_first=True), fit(finder_first=False))
+
+
+class CountingStep(SGDStep):
+    """Counts its calls in a non-persistent buffer, which state_dict leaves out."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
+        self.model.register_buffer("calls", torch.zeros((), dtype=torch.int64), persistent=False)
+
+    def training_step(self, batch: Any) -> torch.Tensor:
+        self.model.calls += 1
+        return super().training_step(batch)
+
+
+def test_both_finders_put_back_non_persistent_buffers() -> None:
+    step = CountingStep()
+    lr_find(FakeEngine(), step, shuffled(), num_steps=5, plot=False)
+    assert int(step.model.calls) == 0
+    batch_size_find(FakeEngine(), step, regression(samples=16))
+    assert int(step.model.calls) == 0 and len(step.batch_sizes) > 5
+
+
+def test_a_finder_on_cuda_puts_back_cuda_s_generators_even_before_cuda_starts() -> None:
+    # Not initialised before the finder, CUDA starts when the model moves there; its generators must still be kept.
+    assert _captures_cuda_rng(torch.device("cuda")) and _captures_cuda_rng(torch.device("cuda", 1))
+    assert not _captures_cuda_rng(torch.device("cpu")) and not _captures_cuda_rng(torch.device("mps"))
+
+
 @pytest.mark.slow
 def test_the_default_install_stays_light(tmp_path: Path) -> None:
     # A fresh interpreter: importing cadence, its callbacks and tune, and an lr_find without a plot, load no matplotlib.
@@ -299,7 +412,7 @@ def test_the_default_install_stays_light(tmp_path: Path) -> None:
         """
         import sys
         import torch
-        from torch.utils.data import DataLoader, TensorDataset
+        from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorDataset
         import cadence, cadence.callbacks, cadence.tune
         from cadence.testing import FakeEngine, TinyStep
 

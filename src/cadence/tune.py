@@ -2,9 +2,10 @@
 batch that fits in memory). Each trains the step's own model for a while and puts everything back afterwards, so the
 ``fit()`` that follows runs exactly as it would have without it.
 
-What is put back: the model's parameters and buffers (bitwise), its gradients, its device and its train/eval modes;
-the optimizer's state and hyperparameters (learning rates included); every RNG (python, numpy, torch's CPU and
-devices). The scheduler is never stepped (``lr_find`` sets the learning rates itself), so its state is as it was.
+What is put back: the model's parameters and buffers (bitwise, non-persistent buffers included), its gradients, its
+device and its train/eval modes; the optimizer's state and hyperparameters (learning rates included); every RNG
+(python, numpy, torch's CPU and devices) and the generators the given dataloader shuffles with. The scheduler is
+never stepped (``lr_find`` sets the learning rates itself), so its state is as it was.
 Neither finder fires an engine event or touches ``engine.state``, so no callback (a logger, a checkpoint) sees its
 batches.
 
@@ -17,6 +18,9 @@ import copy
 import gc
 import importlib.util
 import math
+import os
+import uuid
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +32,8 @@ from torch.utils.data import DataLoader
 
 from cadence.checkpoint.rng import capture_rng_states, restore_rng_states
 from cadence.data import make_batch_mover
+from cadence.errors import CadenceWarning
+from cadence.stacklevel import user_stacklevel
 from cadence.step import TrainingStep, check_training_step
 from cadence.validators import integer, is_number, optional_integer
 from cadence.wrappers import PreparedDataLoader, PreparedOptimizer
@@ -58,7 +64,7 @@ class LRFindResult:
     suggestion: float | None
     """The learning rate where the smoothed loss falls fastest; ``None`` when too few steps ran to tell."""
     plot: Path | None
-    """The PNG of loss against learning rate, or ``None`` (not asked for, matplotlib missing, not the main process)."""
+    """The PNG of loss against learning rate, or ``None`` (not asked for, matplotlib missing, the write failed)."""
     stop_reason: str | None
     """Why the sweep ended before ``max_lr`` (divergence, a non-finite loss), or ``None``."""
 
@@ -87,26 +93,55 @@ class _Snapshot:
     """Everything a finder's training changes, copied, so it can be put back bitwise. The copies live in host
     memory: on the device they would take the memory ``batch_size_find`` measures."""
 
-    def __init__(self, step: TrainingStep) -> None:
+    def __init__(self, engine: Engine, step: TrainingStep, data: Any) -> None:
         model = step.model
         self.model_state = _host_copy(model.state_dict())
+        # state_dict leaves out non-persistent buffers (a step counter, a cache), which training changes too.
+        self.buffers = {name: _host_copy(buffer) for name, buffer in model.named_buffers()}
         self.grads = [None if p.grad is None else _host_copy(p.grad) for p in model.parameters()]
         self.modes = [module.training for module in model.modules()]
         self.device = _device_of(model)
         self.optimizer_state = _host_copy(step.optimizer.state_dict())
         self.rng = capture_rng_states()
+        if _captures_cuda_rng(engine.device) and "cuda" not in self.rng:
+            # CUDA not initialised yet: moving the model there starts it, and its generator then advances.
+            self.rng["cuda"] = torch.cuda.get_rng_state_all()
+        self.generators = [(generator, generator.get_state()) for generator in _generators_of(data)]
 
     def restore(self, step: TrainingStep) -> None:
         model = step.model
         if self.device is not None:
             model.to(self.device)  # before the optimizer's state, which load_state_dict moves to the parameters
         model.load_state_dict(self.model_state)
+        with torch.no_grad():
+            for name, buffer in self.buffers.items():
+                model.get_buffer(name).copy_(buffer)
         for parameter, grad in zip(model.parameters(), self.grads, strict=True):
             parameter.grad = None if grad is None else grad.to(parameter.device)
         for module, training in zip(model.modules(), self.modes, strict=True):
             module.training = training
         step.optimizer.load_state_dict(self.optimizer_state)
         restore_rng_states(self.rng)
+        for generator, state in self.generators:
+            generator.set_state(state)
+
+
+def _captures_cuda_rng(device: torch.device) -> bool:
+    """Whether a finder training on ``device`` must put CUDA's generators back, initialised or not yet."""
+    return device.type == "cuda"
+
+
+def _generators_of(data: Any) -> list[torch.Generator]:
+    """The generators iterating ``data`` draws from (the loader's, its sampler's, its batch sampler's sampler's):
+    ``fit()`` draws its shuffling seed from them, so a finder that advanced them would change that ``fit()``."""
+    batch_sampler = getattr(data, "batch_sampler", None)
+    holders = [data, getattr(data, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None)]
+    found: list[torch.Generator] = []
+    for holder in holders:
+        generator = getattr(holder, "generator", None)
+        if isinstance(generator, torch.Generator) and all(generator is not seen for seen in found):
+            found.append(generator)
+    return found
 
 
 def _device_of(model: nn.Module) -> torch.device | None:
@@ -115,7 +150,15 @@ def _device_of(model: nn.Module) -> torch.device | None:
     return devices.pop() if len(devices) == 1 else None
 
 
-def _check_inputs(owner: str, step: Any, data: Any) -> None:
+def _check_inputs(owner: str, engine: Engine, step: Any, data: Any) -> None:
+    if engine.world_size > 1:
+        # Out of memory strikes one rank at a time, and lr_find's divergence stop reads one rank's loss: the ranks
+        # would leave the search at different points and hang in the next collective.
+        raise RuntimeError(
+            f"{owner}() runs in one process, but this engine has {engine.world_size}: each rank would stop at its own "
+            f"point. Run {owner}() in a single process (python train.py, without torchrun) before launching, and "
+            "pass what it found to the distributed run."
+        )
     if isinstance(data, PreparedDataLoader):
         raise TypeError(
             f"{owner}() got a dataloader that engine.prepare() returned: iterating it would fire the training events "
@@ -203,7 +246,9 @@ def lr_find(
     against the step, so against log lr), leaving out the first tenth of the sweep (its loss is still settling)
     and its last point: a starting point, not a guarantee, so look at the plot. With ``plot=True``, on the main
     process and when matplotlib is installed, the curve is drawn into ``project_dir/lr_find.png`` (a new
-    ``lr_find-<n>.png`` when that name is taken: nothing is ever replaced).
+    ``lr_find-<n>.png`` when that name is taken: nothing is ever replaced); when the PNG cannot be written it
+    warns and returns the sweep with ``plot=None``. Run it in one process, before launching: it refuses an engine
+    of several processes.
 
     The model trains on ``engine.device`` under ``engine.autocast()``, without the engine's events (no callback
     runs: no gradient accumulation, clipping or fp16 loss scaling) and is put back afterwards with its optimizer
@@ -211,16 +256,16 @@ def lr_find(
     suggestion, set it on the optimizer's groups before ``fit()``, and build a scheduler after that (a scheduler keeps
     the rates its optimizer had when it was built as its ``base_lrs``).
     """
-    _check_inputs("lr_find", step, dataloader)
+    _check_inputs("lr_find", engine, step, dataloader)
     num_steps = _check_lr_arguments(min_lr, max_lr, num_steps)
-    snapshot = _Snapshot(step)
+    snapshot = _Snapshot(engine, step, dataloader)
     try:
         step.model.train()
         lrs, losses, reason = _sweep(engine, step, dataloader, _exponential(min_lr, max_lr, num_steps))
     finally:
         snapshot.restore(step)
     suggestion = suggest(lrs, losses)
-    path = _plot(engine, lrs, losses, suggestion) if plot and engine.is_main_process else None
+    path = _plot(engine, lrs, losses, suggestion) if plot else None
     engine.print(_summary(suggestion, path, reason, plot))
     return LRFindResult(lrs=lrs, losses=losses, suggestion=suggestion, plot=path, stop_reason=reason)
 
@@ -309,23 +354,45 @@ def _plot(engine: Engine, lrs: list[float], losses: list[float], suggestion: flo
     if top > bottom:
         axes.set_ylim(bottom - 0.05 * (top - bottom), top + 0.05 * (top - bottom))
     axes.set(xlabel="learning rate", ylabel="smoothed loss", title="lr_find")
-    return _write_new(engine.project_dir, "lr_find", lambda file: figure.savefig(file, format="png"))
+    try:
+        return _write_new(engine.project_dir, "lr_find", lambda file: figure.savefig(file, format="png"))
+    except OSError as error:
+        warnings.warn(
+            f"lr_find could not write its plot into {engine.project_dir} ({type(error).__name__}: {error}); the "
+            "sweep is returned without it. Free space or make the directory writable (or pass plot=False).",
+            CadenceWarning,
+            stacklevel=user_stacklevel(),
+        )
+        return None
 
 
 def _write_new(directory: Path, stem: str, write: Callable[[Any], None]) -> Path:
-    """Write into ``directory/stem.png``, or the first free ``stem-<n>.png``: claimed with an exclusive create, so an
-    existing file (ours or not) is never replaced."""
+    """Write a temporary file in ``directory``, then move it to ``stem.png``, or the first free ``stem-<n>.png``:
+    the name is claimed with an exclusive create, so an existing file (ours or not) is never replaced, and only once
+    the picture is whole, so a failed write leaves no empty claimed file."""
     directory.mkdir(parents=True, exist_ok=True)
-    for number in range(10_000):
-        path = directory / (f"{stem}.png" if number == 0 else f"{stem}-{number}.png")
-        try:
-            file = path.open("xb")
-        except FileExistsError:
-            continue
-        with file:
+    # A name of our own, opened like any new file (mkstemp's would make the PNG owner-only).
+    temporary = directory / f".{stem}-{uuid.uuid4().hex}.png.tmp"
+    try:
+        with temporary.open("xb") as file:
             write(file)
-        return path
-    raise FileExistsError(f"{directory} holds {stem}.png to {stem}-9999.png: remove some or use another project_dir.")
+        for number in range(10_000):
+            path = directory / (f"{stem}.png" if number == 0 else f"{stem}-{number}.png")
+            try:
+                path.open("xb").close()
+            except FileExistsError:
+                continue
+            try:
+                os.replace(temporary, path)  # onto the empty file just claimed, so ours
+            except OSError:
+                path.unlink()
+                raise
+            return path
+        raise FileExistsError(
+            f"{directory} holds {stem}.png to {stem}-9999.png: remove some or use another project_dir."
+        )
+    finally:
+        temporary.unlink(missing_ok=True)
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -349,10 +416,11 @@ def search_batch_size(
     max_size: int = 2**16,
     is_oom: Callable[[BaseException], bool] = is_out_of_memory,
 ) -> BatchSizeResult:
-    """The largest batch size from ``start`` to ``max_size`` for which ``trial(size)`` runs without an error that
-    ``is_oom`` calls out-of-memory. Sizes double from ``start`` until one fails (or ``max_size`` ran), then a binary
-    search between the last that ran and the first that failed finds the largest that runs; memory is freed after
-    each failure. Any other error is raised at once.
+    """The largest batch size up to ``max_size`` for which ``trial(size)`` runs without an error that ``is_oom`` calls
+    out-of-memory. Sizes double from ``start`` until one fails (or ``max_size`` ran), then a binary search between
+    the last that ran and the first that failed finds the largest that runs; memory is freed after each failure.
+    When ``start`` itself fails, the search goes below it (from 1), so the size returned can be smaller than
+    ``start``. Any other error is raised at once.
 
     Accelerate's ``find_executable_batch_size`` only halves from a starting size, so it finds a power-of-two
     fraction of it (64 -> 32 when 37 fits); this search also grows and then bisects, so it finds 37 itself, in
@@ -417,26 +485,19 @@ def batch_size_find(
     """The largest training batch size that fits: ``search_batch_size`` where each trial trains ``steps_per_trial``
     updates on batches of that size from ``dataset`` (a plain ``DataLoader``, no shuffling), as ``lr_find`` does
     (engine's device and autocast, no events). ``max_size`` defaults to the dataset's length (a larger batch would
-    only be the whole dataset again). ``is_oom(exception)`` says which errors mean "too large" (default:
-    ``is_out_of_memory``; inject your own to test, or for an allocator that words it differently).
+    only be the whole dataset again; a larger ``max_size`` is lowered to it, with a warning). ``is_oom(exception)``
+    says which errors mean "too large" (default: ``is_out_of_memory``; inject your own to test, or for an allocator
+    that words it differently). Run it in one process, before launching: it refuses an engine of several processes.
 
     The model, optimizer and RNGs are put back afterwards, as ``lr_find`` leaves them (the scheduler is not
     stepped); the size to pass to your DataLoader is ``result.size`` (leave headroom: activations vary with the
     data, and DDP adds buckets).
     """
-    _check_inputs("batch_size_find", step, dataset)
+    _check_inputs("batch_size_find", engine, step, dataset)
     steps_per_trial = integer("batch_size_find", "steps_per_trial", steps_per_trial)
     start = integer("batch_size_find", "start", start)
-    limit = optional_integer("batch_size_find", "max_size", max_size, least=start)
-    length = len(dataset) if hasattr(dataset, "__len__") else None
-    if limit is None:
-        limit = length if length is not None else 2**16
-    if limit < start:
-        raise ValueError(
-            f"batch_size_find(start={start}) is larger than the dataset ({length} samples): a batch cannot be larger "
-            "than the data. Lower start, or give the whole training dataset."
-        )
-    snapshot = _Snapshot(step)
+    limit = _size_limit(start, optional_integer("batch_size_find", "max_size", max_size, least=start), dataset)
+    snapshot = _Snapshot(engine, step, dataset)
     try:
         step.model.train()
         move = _on_device(engine, step)
@@ -451,3 +512,24 @@ def batch_size_find(
         return search_batch_size(trial, start=start, max_size=limit, is_oom=is_oom)
     finally:
         snapshot.restore(step)
+
+
+def _size_limit(start: int, max_size: int | None, dataset: Any) -> int:
+    """The largest size ``batch_size_find`` tries: ``max_size``, the dataset's length when that is smaller or
+    ``max_size`` is not given (a batch never holds more than the whole dataset), else 2**16."""
+    length = len(dataset) if hasattr(dataset, "__len__") else None
+    if length is None:
+        return max_size if max_size is not None else 2**16
+    if start > length:
+        raise ValueError(
+            f"batch_size_find(start={start}) is larger than the dataset ({length} samples): a batch cannot be larger "
+            "than the data. Lower start, or give the whole training dataset."
+        )
+    if max_size is not None and max_size > length:
+        warnings.warn(
+            f"batch_size_find(max_size={max_size}) is larger than the dataset ({length} samples): the search stops at "
+            f"{length}, since a larger batch is the whole dataset again. Pass max_size <= {length}, or leave it out.",
+            CadenceWarning,
+            stacklevel=user_stacklevel(),
+        )
+    return length if max_size is None else min(max_size, length)
