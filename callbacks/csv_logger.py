@@ -21,6 +21,10 @@ if TYPE_CHECKING:
     from cadence import Engine
     from cadence.checkpoint.layout import CheckpointDirectory
 
+MARK = ("_written_by", "cadence CSVLogger")
+"""The entry CSVLogger writes first in its ``hparams.json``: the file it may move aside or add to is only one
+that holds it, whatever its shape."""
+
 
 class CSVLogger(Logger):
     """Writes ``step, epoch, loss, lr`` and every logged training metric after each optimizer step that updated
@@ -36,28 +40,45 @@ class CSVLogger(Logger):
     dropped, so no step appears twice. Every rewrite goes to a temporary file that replaces the old one only once
     it is complete, so a crash never loses the rows already written.
 
-    Hyperparameters (``engine.log_hyperparams``) go to ``hparams.json`` beside the file, one flat JSON object,
-    rewritten the same atomic way whenever more are logged. A fresh run keeps an earlier run's ``hparams.json`` as
-    ``hparams.N.json``; a resumed run adds its hyperparameters to the file's, a later value replacing an earlier.
+    Hyperparameters (``engine.log_hyperparams``) go to ``hparams_filename`` (``hparams.json``) beside the file,
+    one flat JSON object whose first entry is the mark ``"_written_by": "cadence CSVLogger"`` (``MARK``),
+    rewritten the same atomic way whenever more are logged. A run that logs none leaves the file alone. A fresh
+    run that logs some keeps an earlier run's file as ``hparams.N.json``; a resumed run adds its hyperparameters to
+    the file's, a later value replacing an earlier. A file without the mark (your own) is never moved or replaced:
+    it is refused when hyperparameters would be written (at ``FIT_START`` for those logged before ``fit()``).
     """
 
-    def __init__(self, filename: str = "metrics.csv", flush_every_n_rows: int = 50) -> None:
+    def __init__(
+        self, filename: str = "metrics.csv", flush_every_n_rows: int = 50, hparams_filename: str = "hparams.json"
+    ) -> None:
         super().__init__(flush_every_n_rows)
+        if (
+            not isinstance(hparams_filename, str)
+            or hparams_filename in ("", ".", "..")
+            or (Path(hparams_filename).name != hparams_filename or hparams_filename == Path(filename).name)
+        ):
+            raise ValueError(
+                f"CSVLogger(hparams_filename=...) must be a file name (no directory), other than the metrics file's "
+                f"{Path(filename).name!r}; got {hparams_filename!r}. It is written beside the metrics file."
+            )
         self.filename = filename
+        self.hparams_filename = hparams_filename
         self.path: Path | None = None
         self.hparams_path: Path | None = None
-        """``hparams.json`` beside ``path``, from ``setup`` on."""
+        """``hparams_filename`` beside ``path``, from ``setup`` on."""
         self._hyperparams: dict[str, Any] | None = None  # logged, not yet in hparams.json
         self._kept_hyperparams: dict[str, Any] = {}  # a resumed run's file's, which the new ones are added to
         self._written_columns: list[str] = []
         self._unwritten: list[dict[str, Any]] = []
         self._claimed = False
+        self._claimed_hyperparams = False  # hparams.json is checked only once this run has some to write
+        self._resumed = False
         self._checkpoints: CheckpointDirectory | None = None
 
     def setup(self, engine: Engine) -> None:
         super().setup(engine)
         self.path = engine.project_dir / self.filename
-        self.hparams_path = self.path.with_name("hparams.json")
+        self.hparams_path = self.path.with_name(self.hparams_filename)
         self._checkpoints = engine.checkpoints
 
     def on_fit_start(self, engine: Engine) -> None:
@@ -65,13 +86,15 @@ class CSVLogger(Logger):
         if engine.is_main_process:
             self._claim()  # a file in the way is refused before anything is trained
 
-    def _claim(self) -> None:
-        """Before a fresh run's first row: keep an earlier run's file under the next free ``name.N.csv`` (never
-        overwrite it), and refuse a file this logger did not write. A resumed run claimed its file at the load."""
-        if self._claimed or self.path is None or self.hparams_path is None:
+    def _claim(self, hyperparams: bool = False) -> None:
+        """Before a fresh run's first row (and its first ``hyperparams``): keep an earlier run's file under the
+        next free ``name.N.csv`` (never overwrite it), and refuse a file this logger did not write, both checked
+        before either is moved. A resumed run claimed its rows at the load and adds to its hyperparameters."""
+        rows = not self._claimed and self.path is not None
+        params = hyperparams and not self._claimed_hyperparams and self.hparams_path is not None
+        if not rows and not params:
             return
-        self._claimed = True
-        if self.path.exists():
+        if rows and self.path is not None and self.path.exists():
             columns, _ = _read_csv(self.path)
             if columns and "step" not in columns:
                 raise ValueError(
@@ -79,26 +102,32 @@ class CSVLogger(Logger):
                     "replaces a file it did not write. Move it aside, or pass CSVLogger(filename=...) to log "
                     "elsewhere."
                 )
-        if self.hparams_path.exists():
-            _read_hyperparams(self.hparams_path, resumed=False)  # refuses a file this logger did not write
-        kept = [(path.name, _keep_aside(path)) for path in (self.path, self.hparams_path) if path.exists()]
-        if kept:
-            names = " and ".join(name for name, _ in kept)
-            aside = " and ".join(aside.name for _, aside in kept)
-            warnings.warn(self._kept_message(names, aside), CadenceWarning, stacklevel=user_stacklevel())
+        hparams_path = self.hparams_path if params else None
+        earlier = _read_hyperparams(hparams_path, self._resumed) if hparams_path and hparams_path.exists() else {}
+        self._claimed = self._claimed or rows
+        self._claimed_hyperparams = self._claimed_hyperparams or params
+        if self._resumed:
+            self._kept_hyperparams = earlier
+            return
+        moved = [path for path in ([self.path] if rows else []) + [hparams_path] if path and path.exists()]
+        if moved:
+            what = " and ".join("hyperparameters" if path == hparams_path else "metrics" for path in moved)
+            kept = [(path.name, _keep_aside(path).name) for path in moved]
+            names, aside = (" and ".join(part) for part in zip(*kept, strict=True))
+            warnings.warn(self._kept_message(names, aside, what), CadenceWarning, stacklevel=user_stacklevel())
 
-    def _kept_message(self, name: str, kept: str) -> str:
+    def _kept_message(self, name: str, kept: str, what: str) -> str:
         holds = "hold" if " and " in name else "holds"
         checkpoints = self._checkpoints
         if checkpoints is not None and not checkpoints.numbered():
             # Nothing to resume: a script already passing resume='latest' would be told to pass it.
             return (
-                f"CSVLogger: {name} {holds} an earlier run's metrics, and that run left no checkpoint in "
+                f"CSVLogger: {name} {holds} an earlier run's {what}, and that run left no checkpoint in "
                 f"{checkpoints.root} to resume from (it ended before its first save); kept as {kept}, and this "
                 f"run starts a new {name}."
             )
         return (
-            f"CSVLogger: {name} {holds} an earlier run's metrics; kept as {kept}, and this run starts a new "
+            f"CSVLogger: {name} {holds} an earlier run's {what}; kept as {kept}, and this run starts a new "
             f"{name}. To continue the earlier run's file, resume it: fit(..., resume='latest')."
         )
 
@@ -106,14 +135,19 @@ class CSVLogger(Logger):
         self._unwritten.append({"step": step, **metrics})
 
     def write_hyperparams(self, params: dict[str, str | int | float | bool]) -> None:
+        if MARK[0] in params:
+            raise ValueError(
+                f"CSVLogger reserves the hyperparameter name {MARK[0]!r} for the mark that tells its "
+                f"{self.hparams_filename} from yours; log that hyperparameter under another name."
+            )
         self._hyperparams = params
 
     def persist(self) -> None:
         if self.path is None:
             return
         if self._hyperparams is not None and self.hparams_path is not None:
-            self._claim()
-            merged = {**self._kept_hyperparams, **self._hyperparams}
+            self._claim(hyperparams=True)
+            merged = {MARK[0]: MARK[1], **self._kept_hyperparams, **self._hyperparams}
             _write_atomically(self.hparams_path, lambda handle: json.dump(merged, handle, indent=2))
             self._hyperparams = None
         if not self._unwritten:
@@ -132,9 +166,7 @@ class CSVLogger(Logger):
         self._unwritten.clear()
 
     def resume(self, step: int) -> None:
-        self._claimed = True
-        if self.hparams_path is not None and self.hparams_path.exists():
-            self._kept_hyperparams = _read_hyperparams(self.hparams_path, resumed=True)
+        self._claimed = self._resumed = True
         if self.path is None or not self.path.exists():
             return
         columns, rows = _read_logged_rows(self.path)
@@ -177,26 +209,24 @@ def _step_of(row: dict[str, Any], path: Path) -> int:
 
 
 def _read_hyperparams(path: Path, resumed: bool) -> dict[str, Any]:
-    """The hyperparameters of an ``hparams.json`` CSVLogger wrote; anything else is refused before it is changed
-    (replaced by a ``resumed`` run, else kept aside)."""
+    """The hyperparameters of a file CSVLogger wrote, known by its ``MARK``, never by its shape; anything else is
+    refused before it is changed (added to by a ``resumed`` run, else kept aside)."""
     try:
         params = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError):
         params = None
-    if not isinstance(params, dict) or not all(
-        value is None or isinstance(value, (str, int, float, bool)) for value in params.values()
+    if (
+        not isinstance(params, dict)
+        or params.get(MARK[0]) != MARK[1]
+        or not all(value is None or isinstance(value, (str, int, float, bool)) for value in params.values())
     ):
-        if resumed:
-            fix = "the resumed run would replace it. Move it aside (the resumed run then writes a new one) or fix it"
-        else:
-            fix = (
-                "cadence never moves a file it did not write. Move it aside, or pass CSVLogger(filename=...) in "
-                "another directory (hparams.json goes beside it)"
-            )
         raise ValueError(
-            f"{path} is not a flat JSON object of hyperparameters: it was not written by CSVLogger, or was damaged, "
-            f"and {fix}, then {'resume' if resumed else 'start'} again."
+            f'{path} was not written by CSVLogger (it lacks the entry "{MARK[0]}": "{MARK[1]}"), or was '
+            "damaged; cadence never moves or replaces a file it did not write, and this run has hyperparameters to "
+            "write there. Move it aside, or pass CSVLogger(hparams_filename=...) to write them under another name, "
+            f"then {'resume' if resumed else 'start'} again."
         )
+    del params[MARK[0]]
     return params
 
 

@@ -47,10 +47,9 @@ class LearningRateMonitor(Callback):
     optimizer's values at ``EPOCH_START``.
 
     Loggers (``CSVLogger``, ``TensorBoardLogger``) leave out their own ``lr``, ``lr_1`` ... columns while this
-    callback is attached (``logs_learning_rates``): one learning rate, one column.
+    callback logs every step (``logs_learning_rates``): one learning rate, one column. With ``"epoch"`` they keep
+    them, since a schedule stepped per batch moves within the epoch and only their columns hold each step's value.
     """
-
-    logs_learning_rates = True
 
     def __init__(
         self, logging_interval: Interval = "step", log_momentum: bool = True, log_weight_decay: bool = False
@@ -65,6 +64,11 @@ class LearningRateMonitor(Callback):
         self.log_momentum = log_momentum
         self.log_weight_decay = log_weight_decay
         self._warned: set[tuple[str, str]] = set()
+
+    @property
+    def logs_learning_rates(self) -> bool:
+        """Whether loggers may leave out their own ``lr`` columns: only a per-step log repeats every value."""
+        return self.logging_interval == "step"
 
     def on_fit_start(self, engine: Engine) -> None:
         # Every optimizer's names are checked before the first batch, so a refused name costs no data and no step.

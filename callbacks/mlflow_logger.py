@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+import posixpath
 import re
 import time
 import warnings
@@ -25,8 +26,9 @@ CHECKPOINT_TAG = "cadence.checkpoint"
 STORE_DIRECTORY = "mlflow"
 """The default tracking store's directory in ``project_dir``: ``mlflow.db`` (SQLite) and ``artifacts/``."""
 
-# What MLflow accepts as a metric name; another is left out with a warning, as MLflow would refuse the whole batch.
-_METRIC_NAME = re.compile(r"[\w\-. :/]+")
+# What MLflow accepts as a metric or param name; another is left out with a warning, as MLflow would refuse the
+# whole batch (and fail fit()).
+_NAME = re.compile(r"[\w\-. :/]+")
 _RUN_ID = re.compile(r"[0-9A-Za-z_\-]{1,64}")
 _BATCH = {"metrics": 1000, "params": 100}  # MLflow's limits per log_batch request
 
@@ -51,7 +53,8 @@ class MLflowLogger(Logger):
     change a param.
 
     Numbers only: a metric that is a list (a tensor of several elements) or not a number, or whose name MLflow
-    refuses, is left out with one warning. Needs the ``mlflow`` package: ``pip install "cadence[mlflow]"``.
+    refuses, is left out with one warning; so is a hyperparameter whose name MLflow refuses (``loss_weights[aux]``),
+    rather than failing ``fit()``. Needs the ``mlflow`` package: ``pip install "cadence[mlflow]"``.
     """
 
     def __init__(
@@ -79,6 +82,7 @@ class MLflowLogger(Logger):
         self._metrics: list[Metric] = []
         self._params: dict[str, str] = {}
         self._refused: set[str] = set()
+        self._refused_params: set[str] = set()
 
     def setup(self, engine: Engine) -> None:
         super().setup(engine)
@@ -120,14 +124,25 @@ class MLflowLogger(Logger):
         for name, value in metrics.items():
             if step <= last_steps.get(name, -1):
                 continue  # epoch in a step's training and validation rows; a step the killed run logged
-            if not isinstance(value, numbers.Real) or not _METRIC_NAME.fullmatch(name):
+            if not isinstance(value, numbers.Real) or _name_problem(name) is not None:
                 self._refuse(name, value)
                 continue
             self._metrics.append(_metric(name, float(value), timestamp, step))
             last_steps[name] = step
 
     def write_hyperparams(self, params: dict[str, str | int | float | bool]) -> None:
-        self._params.update((name, _param_value(value)) for name, value in params.items())
+        for name, value in params.items():
+            problem = _name_problem(name)
+            if problem is None:
+                self._params[name] = _param_value(value)
+            elif name not in self._refused_params:
+                self._refused_params.add(name)
+                warnings.warn(
+                    f"MLflowLogger: hyperparameter {name!r} has a name MLflow refuses ({problem}), so it is left out "
+                    "of the run's params (CSVLogger keeps it). Rename it to fit that rule to see it in MLflow.",
+                    CadenceWarning,
+                    stacklevel=user_stacklevel(),
+                )
 
     def persist(self) -> None:
         if not self._metrics and not self._params:
@@ -244,8 +259,9 @@ class MLflowLogger(Logger):
         if name in self._refused:
             return
         self._refused.add(name)
-        if not _METRIC_NAME.fullmatch(name):
-            reason = "a name MLflow refuses (letters, digits, _ - . : / and spaces only)"
+        problem = _name_problem(name)
+        if problem is not None:
+            reason = f"a name MLflow refuses ({problem})"
         else:
             reason = f"a list of {len(value)} values" if isinstance(value, list) else f"a {type(value).__name__}"
         warnings.warn(
@@ -260,6 +276,20 @@ def _metric(name: str, value: float, timestamp: int, step: int) -> Metric:
     from mlflow.entities import Metric
 
     return Metric(name, value, timestamp, step)
+
+
+def _name_problem(name: str) -> str | None:
+    """Why MLflow refuses ``name`` as a metric or param name (its rule and key length), or None."""
+    from mlflow.utils.validation import MAX_ENTITY_KEY_LENGTH
+
+    if not _NAME.fullmatch(name):
+        return "letters, digits, _ - . : / and spaces only"
+    normal = posixpath.normpath(name)
+    if normal != name or normal == "." or normal.startswith(("..", "/")):
+        return "it must read the same as a path: no leading, trailing or double '/', no '.' or '..' part"
+    if len(name) > MAX_ENTITY_KEY_LENGTH:
+        return f"at most {MAX_ENTITY_KEY_LENGTH} characters; this one has {len(name)}"
+    return None
 
 
 def _param_value(value: str | int | float | bool) -> str:

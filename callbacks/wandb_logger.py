@@ -149,10 +149,10 @@ def _wandb_module() -> ModuleType:
         import wandb
     except ImportError as error:
         raise missing_package("WandbLogger", "wandb", error) from error
-    if tuple(int(part) for part in re.findall(r"\d+", wandb.__version__)[:2]) < (0, 19):
-        # wandb.init(reinit="create_new"), which lets two engines' runs live side by side, came in wandb 0.19.
+    if tuple(int(part) for part in re.findall(r"\d+", wandb.__version__)[:3]) < (0, 19, 10):
+        # wandb.init(reinit="create_new"), which lets two engines' runs live side by side, came in wandb 0.19.10.
         raise ImportError(
-            f"WandbLogger needs wandb 0.19 or later; this is wandb {wandb.__version__}. Upgrade it: "
+            f"WandbLogger needs wandb 0.19.10 or later; this is wandb {wandb.__version__}. Upgrade it: "
             "pip install -U wandb."
         )
     return wandb

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -303,7 +304,11 @@ def test_a_run_killed_before_its_first_checkpoint_is_not_told_to_resume(tmp_path
 
 # --- hyperparameters ------------------------------------------------------------------------------------------
 def read_json(path: Path) -> Any:
-    return json.loads(path.read_text())
+    """The hyperparameters of an ``hparams.json`` CSVLogger wrote, less the mark it always writes first."""
+    params = json.loads(path.read_text())
+    assert next(iter(params.items())) == ("_written_by", "cadence CSVLogger")
+    del params["_written_by"]
+    return params
 
 
 def test_hyperparameters_go_to_hparams_json_at_fit_start_and_when_more_are_logged(tmp_path: Path) -> None:
@@ -360,7 +365,7 @@ def test_a_fresh_run_keeps_the_earlier_runs_hparams_json(tmp_path: Path) -> None
 
 
 def test_a_resumed_run_adds_its_hyperparameters_to_the_files(tmp_path: Path) -> None:
-    (tmp_path / "hparams.json").write_text(json.dumps({"lr": 0.1, "seed": 1}))
+    (tmp_path / "hparams.json").write_text(json.dumps({"_written_by": "cadence CSVLogger", "lr": 0.1, "seed": 1}))
     resumed = FakeEngine(callbacks=[CSVLogger()], project_dir=str(tmp_path))
     resumed.log_hyperparams({"lr": 0.2, "resumed": True})
     resumed.fire(Event.LOAD_STATE)
@@ -368,20 +373,81 @@ def test_a_resumed_run_adds_its_hyperparameters_to_the_files(tmp_path: Path) -> 
     assert read_json(tmp_path / "hparams.json") == {"lr": 0.2, "seed": 1, "resumed": True}
 
 
-@pytest.mark.parametrize("content", ["not json", "[1, 2]", '{"lr": {"nested": 1}}'])
+YOURS = ['{"lr": 0.1}', '{"model": {"layers": 4}}', "not json", "[1, 2]", '{"_written_by": "me"}']
+
+
+@pytest.mark.parametrize("content", YOURS)
+def test_a_run_that_logs_no_hyperparameters_leaves_your_hparams_json_alone(tmp_path: Path, content: str) -> None:
+    (tmp_path / "hparams.json").write_text(content)
+    FakeEngine(callbacks=[CSVLogger()], project_dir=str(tmp_path)).run(steps=2)
+    assert (tmp_path / "hparams.json").read_text() == content
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["hparams.json", "metrics.csv"]
+
+
+def test_a_fit_that_logs_no_hyperparameters_leaves_your_hparams_json_alone(tmp_path: Path) -> None:
+    (tmp_path / "hparams.json").write_text('{"lr": 0.1}')
+    for _ in range(2):  # the second fit keeps the first one's metrics.csv aside, and still not hparams.json
+        engine = Engine(accelerator="cpu", project_dir=tmp_path, callbacks=[CSVLogger()], progress_bar=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine.fit(RegressionStep(), loader(), max_steps=2)
+        assert all("hparams" not in str(warning.message) for warning in caught)
+    assert (tmp_path / "hparams.json").read_text() == '{"lr": 0.1}'
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["hparams.json", "metrics.1.csv", "metrics.csv"]
+
+
+@pytest.mark.parametrize("content", YOURS)
 def test_a_resume_refuses_an_hparams_json_the_logger_did_not_write(tmp_path: Path, content: str) -> None:
     (tmp_path / "hparams.json").write_text(content)
     resumed = FakeEngine(callbacks=[CSVLogger()], project_dir=str(tmp_path))
-    with pytest.raises(ValueError, match=r"not a flat JSON object .* Move it aside"):
-        resumed.fire(Event.LOAD_STATE)
+    resumed.log_hyperparams({"lr": 0.2})
+    with pytest.raises(ValueError, match=r"not written by CSVLogger .* Move it aside, or pass CSVLogger\(hparams_"):
+        resumed.fire(Event.LOAD_STATE)  # the logged hyperparameters are written once the resume is done
     assert (tmp_path / "hparams.json").read_text() == content
 
 
-def test_a_fresh_run_refuses_an_hparams_json_the_logger_did_not_write_before_training(tmp_path: Path) -> None:
-    (tmp_path / "hparams.json").write_text('{"model": {"layers": 4}}')
+@pytest.mark.parametrize("content", YOURS)
+def test_a_fresh_run_refuses_an_hparams_json_the_logger_did_not_write_before_training(
+    tmp_path: Path, content: str
+) -> None:
+    (tmp_path / "metrics.csv").write_text("step,loss\n1,0.5\n")  # an earlier run's: not moved either
+    (tmp_path / "hparams.json").write_text(content)
     fake = FakeEngine(callbacks=[CSVLogger()], project_dir=str(tmp_path))
-    with pytest.raises(ValueError, match=r"not a flat JSON object .* never moves a file it did not write"):
+    fake.log_hyperparams({"lr": 0.2})
+    with pytest.raises(ValueError, match=r"cadence never moves or replaces a file it did not write.* start again"):
         fake.run(steps=1)
     assert fake.state.step == 0
-    assert (tmp_path / "hparams.json").read_text() == '{"model": {"layers": 4}}'
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["hparams.json"]
+    assert (tmp_path / "hparams.json").read_text() == content
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["hparams.json", "metrics.csv"]
+
+
+def test_hyperparameters_logged_mid_run_refuse_your_hparams_json_and_hparams_filename_avoids_it(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "hparams.json").write_text('{"lr": 0.1}')
+    fake = FakeEngine(callbacks=[CSVLogger()], project_dir=str(tmp_path))
+    fake.run(steps=1)
+    fake.log_hyperparams({"lr": 0.2})
+    with pytest.raises(ValueError, match="lacks the entry"):
+        fake.run(steps=1)
+    other = FakeEngine(callbacks=[CSVLogger(hparams_filename="run.json")], project_dir=str(tmp_path / "b"))
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "hparams.json").write_text('{"lr": 0.1}')
+    other.log_hyperparams({"lr": 0.2})
+    other.run(steps=1)
+    assert read_json(tmp_path / "b" / "run.json") == {"lr": 0.2}
+    assert (tmp_path / "hparams.json").read_text() == (tmp_path / "b" / "hparams.json").read_text() == '{"lr": 0.1}'
+
+
+@pytest.mark.parametrize("name", ["", "..", "logs/hparams.json", "metrics.csv", 3])
+def test_an_hparams_filename_that_is_no_file_name_beside_the_metrics_is_refused(name: Any) -> None:
+    with pytest.raises(ValueError, match=r"hparams_filename=...\) must be a file name \(no directory\)"):
+        CSVLogger(hparams_filename=name)
+
+
+def test_the_marks_name_is_refused_as_a_hyperparameter(tmp_path: Path) -> None:
+    fake = FakeEngine(callbacks=[CSVLogger()], project_dir=str(tmp_path))
+    fake.log_hyperparams({"_written_by": "me"})
+    with pytest.raises(ValueError, match="reserves the hyperparameter name '_written_by'"):
+        fake.run(steps=1)
+    assert not (tmp_path / "hparams.json").exists()

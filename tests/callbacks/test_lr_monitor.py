@@ -250,3 +250,17 @@ def test_csv_logger_writes_the_columns_in_a_fit(tmp_path: Path) -> None:
         assert float(row["lr-AdamW"]) == expected[int(row["step"])]
         assert float(row["lr-AdamW-momentum"]) == step.optimizer.param_groups[0]["betas"][0]
         assert float(row["lr-AdamW-weight_decay"]) == step.optimizer.param_groups[0]["weight_decay"] == 0.01
+
+
+def test_epoch_interval_leaves_the_loggers_per_step_lr(tmp_path: Path) -> None:
+    step = RegressionStep(scheduler=True)  # StepLR stepped every batch: the lr moves within each epoch
+    trace = SchedulerTrace(step.scheduler)
+    callbacks = [CSVLogger(), LearningRateMonitor(logging_interval="epoch"), trace]
+    engine = cadence.Engine(accelerator="cpu", callbacks=callbacks, project_dir=tmp_path, progress_bar=False)
+    engine.fit(step, loader(), max_epochs=2)
+    with (tmp_path / "metrics.csv").open(newline="") as handle:
+        rows = [row for row in csv.DictReader(handle) if row["loss"]]
+    expected = {step: lr for step, _, _, lr in trace.rows}
+    assert [int(row["step"]) for row in rows] == sorted(expected)
+    assert [float(row["lr"]) for row in rows] == [expected[int(row["step"])] for row in rows]
+    assert len({row["lr"] for row in rows}) > len({row["lr-AdamW"] for row in rows})  # it moved within an epoch

@@ -174,8 +174,15 @@ def test_state_dict_names_the_run_and_a_new_logger_continues_it(tmp_path: Path, 
 def test_hyperparameters_are_params_and_a_changed_one_keeps_its_first_value(tmp_path: Path, store: str) -> None:
     logger = MLflowLogger(experiment_name="params", tracking_uri=store, tags={"team": "nlp"})
     fake = FakeEngine(callbacks=[logger], project_dir=tmp_path)
-    fake.log_hyperparams({"optim": {"lr": 0.1, "betas": (0.9, 0.99)}, "amp": True, "note": None})
-    fake.run(steps=1)
+    refused = {"loss_weights[aux]": 0.5, "w" * 251: 1, "head": {"": 2}}  # MLflow would fail fit() on each
+    fake.log_hyperparams({"optim": {"lr": 0.1, "betas": (0.9, 0.99)}, "amp": True, "note": None, **refused})
+    with pytest.warns(UserWarning) as caught:
+        fake.run(steps=1)
+    messages = [str(w.message) for w in caught if "has a name MLflow refuses" in str(w.message)]
+    assert "'loss_weights[aux]' has a name MLflow refuses (letters, digits, _ - . : / and spaces only)" in messages[0]
+    assert "(at most 250 characters; this one has 251)" in messages[1]
+    assert "'head/' has a name MLflow refuses (it must read the same as a path" in messages[2]
+    assert len(messages) == 3
     fake.log_hyperparams({"optim": {"lr": 0.2}, "seed": 3})
     with pytest.warns(UserWarning, match=r"other values for the hyperparameter\(s\) optim/lr \(optim/lr='0.1'\)"):
         fake.run(steps=1)

@@ -198,6 +198,16 @@ def test_without_the_package_the_error_names_the_extra(monkeypatch: pytest.Monke
         WandbLogger()
 
 
+@needs_wandb
+@pytest.mark.parametrize("version", ["0.16.0", "0.19.0", "0.19.9"])
+def test_a_wandb_without_reinit_create_new_is_refused(monkeypatch: pytest.MonkeyPatch, version: str) -> None:
+    import wandb
+
+    monkeypatch.setattr(wandb, "__version__", version)  # reinit="create_new" came in 0.19.10
+    with pytest.raises(ImportError, match=rf"needs wandb 0\.19\.10 or later; this is wandb {version}\. Upgrade"):
+        WandbLogger(mode="offline")
+
+
 @pytest.mark.slow
 def test_importing_the_callbacks_imports_no_tracker() -> None:
     code = "import sys, cadence.callbacks; print(sorted({'mlflow', 'wandb'} & set(sys.modules)))"
