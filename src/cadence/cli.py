@@ -79,7 +79,7 @@ def environment_report() -> str:
 
 def _checkpoint(options: argparse.Namespace) -> int:
     from cadence.checkpoint.files import CheckpointError, CheckpointReader
-    from cadence.checkpoint.listing import verify
+    from cadence.checkpoint.listing import cannot_be_read, strict_json, unreadable, verify
 
     directory: Path = options.directory
     try:
@@ -88,11 +88,17 @@ def _checkpoint(options: argparse.Namespace) -> int:
         else:
             with CheckpointReader(directory) as reader:
                 manifest = reader.manifest
-    except CheckpointError as error:
-        print(f"{directory}: {error}", file=sys.stderr)
-        return 1
-    except OSError as error:
-        print(f"{directory}: cannot be read ({error}).", file=sys.stderr)
+    except (CheckpointError, OSError) as error:
+        refusal = unreadable(error)
+        if refusal is not None:
+            # A permission (or the disk) stopped the read: nothing is known of the checkpoint's bytes yet.
+            print(
+                f"{directory}: {cannot_be_read(refusal, directory)}. That says nothing of the checkpoint's "
+                "contents: run as a user who can read every file of it to check it.",
+                file=sys.stderr,
+            )
+        else:
+            print(f"{directory}: {error}", file=sys.stderr)
         return 1
     except (ValueError, KeyError, TypeError) as error:
         # Damage the reader's own checks do not name yet: one line still beats a traceback.
@@ -108,12 +114,12 @@ def _checkpoint(options: argparse.Namespace) -> int:
             "document is well formed"
         )
     else:
-        print(json.dumps(manifest, indent=2, sort_keys=True))
+        print(json.dumps(strict_json(manifest), indent=2, sort_keys=True, allow_nan=False))
     return 0
 
 
 def _list(options: argparse.Namespace) -> int:
-    from cadence.checkpoint.listing import list_checkpoints
+    from cadence.checkpoint.listing import cannot_be_read, list_checkpoints
 
     directory: Path = options.directory
     if not directory.is_dir():
@@ -123,12 +129,20 @@ def _list(options: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
-    entries = list_checkpoints(directory, check_checksums=options.verify)
+    try:
+        entries = list_checkpoints(directory, check_checksums=options.verify)
+    except OSError as error:  # the folder itself: each checkpoint's own refusal is listed on its row
+        print(
+            f"cadence checkpoint list: {directory} {cannot_be_read(error, directory)}. Run as a user who can list it.",
+            file=sys.stderr,
+        )
+        return 1
     if options.json:
-        print(json.dumps({"directory": str(directory), "checkpoints": [e.as_json() for e in entries]}, indent=2))
+        listing = {"directory": str(directory), "checkpoints": [e.as_json() for e in entries]}
+        print(json.dumps(listing, indent=2, allow_nan=False))
     else:
         _print_table(directory, entries, options.verify)
-    return 1 if any(entry.status == "damaged" for entry in entries) else 0
+    return 1 if any(entry.status in ("damaged", "unreadable") for entry in entries) else 0
 
 
 def _print_table(directory: Path, entries: list[Entry], verified: bool) -> None:
@@ -174,7 +188,7 @@ def _marks(entry: Entry) -> list[str]:
 
 
 def _verified(entry: Entry) -> str:
-    if entry.status in ("incomplete", "foreign"):
+    if entry.status in ("incomplete", "foreign", "unreadable"):
         return "-"
     if entry.verified is None:
         return "sizes only" if entry.status == "committed" else "FAILED (sizes)"
