@@ -73,7 +73,10 @@ def test_a_command_missing_its_arguments_is_a_usage_error(
 def test_a_bad_torchrun_option_value_prints_torchrun_s_message_not_a_traceback() -> None:
     # In a subprocess: torchrun renames the calling thread and reads the environment before it checks the value.
     result = subprocess.run(
-        [*CADENCE, "launch", "--nproc-per-node", "abc", "train.py"], capture_output=True, text=True, timeout=120
+        [*CADENCE, "launch", "--nproc-per-node", "abc", str(ROOT / "tests" / "failing_rank.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 2
     assert result.stderr.splitlines() == [
@@ -198,6 +201,9 @@ def test_a_rank_that_raises_fails_the_job_instead_of_hanging() -> None:
     assert result.returncode == 1
     assert "rank 1 failed on purpose" in result.stdout + result.stderr
     assert "Root Cause (first observed failure)" in result.stderr  # torchrun's summary: which rank, which exit code
+    # The summary names the user's script, not launch_child.py, which cadence runs it through.
+    assert f"\n{ROOT / 'tests' / 'failing_rank.py'} FAILED\n" in result.stderr
+    assert "launch_child.py FAILED" not in result.stderr
     assert time.monotonic() - started < 120
 
 
@@ -209,6 +215,33 @@ def test_restarts_over_a_static_multi_node_rendezvous_are_refused_before_anythin
     [line] = capsys.readouterr().err.splitlines()
     assert "the static one (--master-addr/--master-port) reuses its store" in line
     assert "--rdzv-backend c10d --rdzv-endpoint HOST:PORT" in line
+
+
+@pytest.mark.parametrize(
+    ("options", "refusal"),
+    [
+        (["missing.py"], "the training script missing.py does not exist (looked in {cwd}); give its path, absolute "
+         "or relative to the folder you launch from"),
+        (["--module", "no_such_module.train"], "--module no_such_module.train: no module 'no_such_module' in {cwd} "
+         "or on the Python path; check its name and the folder"),
+        (["--no-python", "no-such-program"], "--no-python runs a program, and 'no-such-program' is neither a file "
+         "here ({cwd}) nor on PATH"),
+    ],
+    ids=["script", "module", "program"],
+)  # fmt: skip
+def test_a_missing_script_is_one_line_and_status_2_before_any_process_starts(
+    options: list[str],
+    refusal: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Unmarked: conftest fails this test if a worker starts, which is what used to happen (39 lines, status 1).
+    monkeypatch.chdir(tmp_path)
+    assert main(["launch", "--nproc-per-node", "2", *free_master_port(), *options]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == f"cadence launch: error: {refusal.format(cwd=tmp_path)} (see cadence launch --help)\n"
 
 
 LAUNCHED = ROOT / "tests" / "distributed" / "launched_training.py"

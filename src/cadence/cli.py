@@ -11,11 +11,13 @@ import importlib.metadata
 import json
 import os
 import platform
+import shutil
 import sys
 import time
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from importlib.machinery import PathFinder
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -226,17 +228,19 @@ def _launch(arguments: list[str]) -> int:
         options = parser.parse_args(arguments)
     except SystemExit as stop:
         return _exit_status(stop)
-    refusal = _rendezvous_per_attempt(options)
+    refusal = _rendezvous_per_attempt(options) or _missing_program(options)
     if refusal:
         print(f"cadence launch: error: {refusal} (see cadence launch --help)", file=sys.stderr)
         return 2
+    program = options.training_script
     _end_workers_with_the_launcher(options)
     try:
         with _fresh_worker_store_per_attempt():
             record(run.run)(options)
     except ChildFailedError as error:
-        # torchrun's summary of the failure: the first rank that failed, its exit code and traceback.
-        print(error, file=sys.stderr)
+        # torchrun's summary of the failure: the first rank that failed, its exit code and traceback. torchrun
+        # names it after the file it ran, launch_child.py: the user's own script is the one that failed.
+        print(ChildFailedError(program, error.failures), file=sys.stderr)
         return 1
     except (ValueError, AssertionError) as error:
         # torchrun checks the values of its options (--nproc-per-node abc) only here, before starting a process.
@@ -246,6 +250,29 @@ def _launch(arguments: list[str]) -> int:
         print(f"cadence launch: {type(error).__name__}: {error}", file=sys.stderr)
         return 1
     return 0
+
+
+def _missing_program(options: argparse.Namespace) -> str | None:
+    """Why the script (module, program) cannot be run from here, if it cannot: checked before any worker starts,
+    where each of them would fail with a traceback of its own, and torchrun's summary after them."""
+    target = options.training_script
+    folder = os.getcwd()
+    if options.no_python:
+        if shutil.which(target) is None:
+            return f"--no-python runs a program, and {target!r} is neither a file here ({folder}) nor on PATH"
+        return None
+    if options.module:
+        top = target.split(".")[0]
+        # Where the workers will look: launch_child.py puts the current folder first, as `python -m` does.
+        if top in sys.builtin_module_names or PathFinder.find_spec(top, [folder, *sys.path[1:]]) is not None:
+            return None
+        return f"--module {target}: no module {top!r} in {folder} or on the Python path; check its name and the folder"
+    if not Path(target).exists():
+        return (
+            f"the training script {target} does not exist (looked in {folder}); give its path, absolute or relative "
+            "to the folder you launch from"
+        )
+    return None
 
 
 def _end_workers_with_the_launcher(options: argparse.Namespace) -> None:
