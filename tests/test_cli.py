@@ -244,6 +244,16 @@ def test_a_missing_script_is_one_line_and_status_2_before_any_process_starts(
     assert captured.err == f"cadence launch: error: {refusal.format(cwd=tmp_path)} (see cadence launch --help)\n"
 
 
+def test_a_module_is_looked_for_where_the_workers_will_look(tmp_path: Path) -> None:
+    from cadence.cli import _importable
+
+    (tmp_path / "my_training.py").write_text("raise SystemExit('imported: the check must not import it')\n")
+    assert _importable("my_training", str(tmp_path))  # the launch folder, first on a worker's path
+    assert _importable("json", str(tmp_path)) and _importable("sys", str(tmp_path))  # the path, a builtin
+    assert _importable("cadence", str(tmp_path))  # as this interpreter finds it (an editable install's finder)
+    assert not _importable("my_training", str(tmp_path / "elsewhere"))
+
+
 LAUNCHED = ROOT / "tests" / "distributed" / "launched_training.py"
 
 

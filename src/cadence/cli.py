@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
@@ -263,8 +264,7 @@ def _missing_program(options: argparse.Namespace) -> str | None:
         return None
     if options.module:
         top = target.split(".")[0]
-        # Where the workers will look: launch_child.py puts the current folder first, as `python -m` does.
-        if top in sys.builtin_module_names or PathFinder.find_spec(top, [folder, *sys.path[1:]]) is not None:
+        if _importable(top, folder):
             return None
         return f"--module {target}: no module {top!r} in {folder} or on the Python path; check its name and the folder"
     if not Path(target).exists():
@@ -273,6 +273,18 @@ def _missing_program(options: argparse.Namespace) -> str | None:
             "to the folder you launch from"
         )
     return None
+
+
+def _importable(name: str, folder: str) -> bool:
+    """Whether a worker can import the top-level module ``name``: from ``folder``, which launch_child.py puts first
+    on the path as ``python -m`` does, or as this interpreter finds it (its path, an editable install's finder).
+    Nothing is imported."""
+    if name in sys.builtin_module_names or PathFinder.find_spec(name, [folder, *sys.path[1:]]) is not None:
+        return True
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a module in sys.modules without a spec
+        return False
 
 
 def _end_workers_with_the_launcher(options: argparse.Namespace) -> None:
