@@ -244,6 +244,13 @@ def test_a_missing_script_is_one_line_and_status_2_before_any_process_starts(
     assert captured.err == f"cadence launch: error: {refusal.format(cwd=tmp_path)} (see cadence launch --help)\n"
 
 
+def test_a_program_that_is_not_executable_is_named_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    program = tmp_path / "train.sh"
+    program.write_text("#!/bin/sh\n")
+    assert main(["launch", "--nproc-per-node", "2", *free_master_port(), "--no-python", str(program)]) == 2
+    assert f"and {program} is not executable: chmod +x {program} (see" in capsys.readouterr().err
+
+
 def test_a_module_is_looked_for_where_the_workers_will_look(tmp_path: Path) -> None:
     from cadence.cli import _importable
 

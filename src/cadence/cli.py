@@ -259,9 +259,11 @@ def _missing_program(options: argparse.Namespace) -> str | None:
     target = options.training_script
     folder = os.getcwd()
     if options.no_python:
-        if shutil.which(target) is None:
-            return f"--no-python runs a program, and {target!r} is neither a file here ({folder}) nor on PATH"
-        return None
+        if shutil.which(target) is not None:
+            return None
+        if os.sep in target and Path(target).is_file():
+            return f"--no-python runs a program, and {target} is not executable: chmod +x {target}"
+        return f"--no-python runs a program, and {target!r} is neither a file here ({folder}) nor on PATH"
     if options.module:
         top = target.split(".")[0]
         if _importable(top, folder):
