@@ -33,7 +33,7 @@ from cadence.accelerate.plugins import (
 )
 from cadence.accelerate.process import ProcessMembers
 from cadence.accelerate.refusals import refuse_member
-from cadence.accelerate.tracking import TrackingMembers, checked_log_with
+from cadence.accelerate.tracking import TrackerPositions, TrackingMembers, checked_log_with
 from cadence.accelerate.training import AccelerateLossDivision, TrainingMembers
 from cadence.callback import Callback
 from cadence.callbacks import GradientAccumulation, MixedPrecision
@@ -297,6 +297,7 @@ class Accelerator(ProcessMembers, TrainingMembers, TrackingMembers):
         compile_setting = _compile_setting(dynamo_backend)
         self.log_with = checked_log_with(log_with)
         self.trackers = []
+        self._tracker_positions = TrackerPositions(self.trackers)
         self.project_configuration = project
         self.project_dir = directory
         self.gradient_accumulation_steps: int = steps
@@ -309,7 +310,7 @@ class Accelerator(ProcessMembers, TrainingMembers, TrackingMembers):
         once per optimizer step, not once per process)."""
         self.engine = Engine(
             accelerator=accelerator,
-            callbacks=[*features, *user_callbacks],
+            callbacks=[*features, self._tracker_positions, *user_callbacks],
             timeout=handlers.timeout,
             project_dir=self.project_dir,
             progress_bar=False,
