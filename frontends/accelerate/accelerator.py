@@ -33,6 +33,7 @@ from cadence.accelerate.plugins import (
 )
 from cadence.accelerate.process import ProcessMembers
 from cadence.accelerate.refusals import refuse_member
+from cadence.accelerate.state import AcceleratorState
 from cadence.accelerate.tracking import TrackerPositions, TrackingMembers, checked_log_with
 from cadence.accelerate.training import AccelerateLossDivision, TrainingMembers
 from cadence.callback import Callback
@@ -298,6 +299,7 @@ class Accelerator(ProcessMembers, TrainingMembers, TrackingMembers):
         self.log_with = checked_log_with(log_with)
         self.trackers = []
         self._tracker_positions = TrackerPositions(self.trackers)
+        self._resets_seen = AcceleratorState.resets  # prepare() refuses once AcceleratorState._reset_state() ran
         self.project_configuration = project
         self.project_dir = directory
         self.gradient_accumulation_steps: int = steps
@@ -348,6 +350,13 @@ class Accelerator(ProcessMembers, TrainingMembers, TrackingMembers):
     def prepare(self, *objects: Any, device_placement: Sequence[bool | None] | None = None) -> Any:
         """``engine.prepare``: every object is placed on ``accelerator.device``, so ``device_placement`` may
         only say True (or None) for each object."""
+        if AcceleratorState.resets != self._resets_seen:
+            raise AttributeError(
+                "`AcceleratorState` object has no attribute to prepare with any more: this Accelerator was built "
+                "before AcceleratorState._reset_state() was called. This happens if `AcceleratorState._reset_state()` "
+                "is called after an Accelerator is built (as in Accelerate, the reset ends every Accelerator built "
+                "before it): build a new Accelerator after the reset."
+            )
         if device_placement is not None:
             _check_device_placement(device_placement, len(objects))
         return self._prepare_in_accelerate_order(objects)
