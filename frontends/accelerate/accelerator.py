@@ -1,4 +1,4 @@
-"""A drop-in for the Hugging Face Accelerate API that the Accelerate tutorial uses: change one import line.
+"""A drop-in for the Hugging Face Accelerate API that the Accelerate tutorial uses: switch the imports to it.
 
 ``Accelerator`` builds a ``cadence.Engine`` with the matching callbacks (``GradientAccumulation``,
 ``MixedPrecision``) and delegates every call to it; it holds no training logic of its own. Every argument is
