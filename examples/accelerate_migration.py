@@ -1,4 +1,5 @@
-"""An Accelerate-tutorial training loop running on cadence: the only change is the import line.
+"""An Accelerate-tutorial training loop running on cadence: the only change is the imports, here two lines into
+one (``cadence.accelerate`` offers the ``accelerate.utils`` names too; ``cadence.accelerate.utils`` has them as well).
 
     - from accelerate import Accelerator
     - from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration

@@ -143,7 +143,7 @@ def test_members_delegate_to_the_engine(tmp_path: Path, capsys: pytest.CaptureFi
     ("kwargs", "message"),
     [
         ({"deepspeed_plugin": object()}, r"DeepSpeed.*Engine\(strategy='fsdp'\)"),
-        ({"log_with": "wandb"}, r"write a cadence\.callbacks\.Logger backend"),
+        ({"log_with": "comet_ml"}, r"write a cadence\.callbacks\.Logger backend"),
         ({"dynamo_plugin": object()}, r"pass dynamo_backend='inductor'.*Engine\(compile=\{\.\.\.\}\)"),
         ({"dataloader_config": DataLoaderConfiguration(dispatch_batches=True)}, "its own share"),
         ({"dataloader_config": DataLoaderConfiguration(even_batches=False)}, "leave even_batches=True"),

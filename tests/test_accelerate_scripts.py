@@ -34,17 +34,24 @@ DOCS = Path(__file__).parents[1] / "docs" / "accelerate.md"
 
 @dataclass(frozen=True)
 class Check:
-    """One function of a script, called as its ``main()`` calls it: with the object ``main()`` built first (the
-    ``Accelerator`` or ``PartialState``) when ``takes_setup``, on the process counts ``main()`` runs it on."""
+    """One call ``main()`` makes: ``function`` with the object ``main()`` built first (the ``Accelerator`` or
+    ``PartialState``) when ``takes_setup``, and ``keywords`` (``use_seedable_sampler=True``), on the process counts
+    ``main()`` runs it on."""
 
     script: str
     function: str
     takes_setup: bool = False
     processes: tuple[int, ...] = (1, 2)
+    keywords: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def call(self) -> str:
+        """The call as ``main()`` writes it, which names the check in the results."""
+        return self.function + (f"({', '.join(f'{k}={v!r}' for k, v in self.keywords)})" if self.keywords else "")
 
     @property
     def id(self) -> str:
-        return f"{self.script.removesuffix('.py')}.{self.function}"
+        return f"{self.script.removesuffix('.py')}.{self.call}"
 
 
 # What each script's main() builds before its first check.
@@ -58,10 +65,16 @@ CHECKS = [
     Check("test_script.py", "test_split_between_processes_tensor"),
     Check("test_script.py", "test_split_between_processes_evenly"),
     Check("test_script.py", "rng_sync_check"),
+    Check("test_script.py", "dl_preparation_check"),
+    Check("test_script.py", "central_dl_preparation_check"),
+    Check("test_script.py", "custom_sampler_check"),
     Check("test_script.py", "check_seedable_sampler"),
     Check("test_script.py", "check_seedable_sampler_with_data_seed"),
-    Check("test_script.py", "training_check"),
+    Check("test_script.py", "check_seedable_sampler_in_batch_sampler_shard", processes=(2,)),
+    Check("test_script.py", "training_check", keywords=(("use_seedable_sampler", False),)),
+    Check("test_script.py", "training_check", keywords=(("use_seedable_sampler", True),)),
     Check("test_script.py", "test_trigger"),
+    Check("test_script.py", "test_reinstantiated_state"),
     Check("test_sync.py", "test_dataloader_break"),
     Check("test_sync.py", "test_noop_sync", takes_setup=True, processes=(1,)),
     Check("test_sync.py", "test_distributed_sync", takes_setup=True, processes=(2,)),
@@ -78,40 +91,20 @@ CHECKS = [
             "test_reduce_sum",
             "test_reduce_mean",
             "test_reduce_max",
+            "test_op_checker",
             "test_copy_tensor_to_devices",
         )
     ),
 ]
 
-# Functions main() calls that test Accelerate's internals, or that main() never runs on a CPU: why each is left out.
-# docs/accelerate.md lists each with the same reason (test_excluded_checks_are_documented).
+# Functions main() never calls on CPU processes without extra packages: why each is left out. docs/accelerate.md lists
+# each with the same reason (test_excluded_checks_are_documented).
 EXCLUDED = {
-    "test_script.dl_preparation_check": (
-        "calls accelerate.data_loader.prepare_data_loader, Accelerate's loader-sharding internals; cadence shards "
-        "in accelerator.prepare(dataloader)"
-    ),
-    "test_script.central_dl_preparation_check": (
-        "prepare_data_loader(dispatch_batches=True): Accelerate's internals, and rank 0 dispatching batches, "
-        "which cadence does not do (every rank loads its own)"
-    ),
-    "test_script.custom_sampler_check": (
-        "checks where prepare_data_loader keeps a custom batch sampler inside Accelerate's BatchSamplerShard"
-    ),
-    "test_script.check_seedable_sampler_in_batch_sampler_shard": (
-        "checks that Accelerate's BatchSamplerShard wraps its SeedableRandomSampler class"
-    ),
-    "test_script.test_reinstantiated_state": (
-        "AcceleratorState._reset_state(): the shared-dict singleton cadence does not have, so there is no "
-        "state to break"
-    ),
     "test_script.test_split_between_processes_dataset": (
         "needs the datasets package, which the dev extras do not install; main() skips it then too"
     ),
     "test_sync.test_gradient_accumulation": (
         "main() runs it on GPUs (MULTI_GPU and the like) only, never on CPU processes"
-    ),
-    "test_ops.test_op_checker": (
-        "Accelerate's debug mode (state.debug, DistributedOperationException): shape checks before collectives"
     ),
 }
 
@@ -124,12 +117,11 @@ _IMPORT = re.compile(r"^(?P<indent>[ \t]*)(?P<keyword>from|import)[ \t]+accelera
 
 def rewrite(source: str) -> str:
     """``source`` with every ``accelerate`` import reading ``cadence.accelerate``, the module path kept (what a
-    user's search-and-replace does). Left alone: ``accelerate.test_utils`` (the scripts' fixtures) and
-    ``accelerate.data_loader`` (``SeedableRandomSampler`` builds ``training_check``'s own baseline loader, and
-    ``prepare_data_loader`` is called only by the checks ``EXCLUDED`` as Accelerate internals)."""
+    user's search-and-replace does). Left alone: ``accelerate.test_utils``, the scripts' fixtures (a dataset, a
+    model, ``are_the_same_tensors``), not the API."""
 
     def swap(match: re.Match[str]) -> str:
-        if match["rest"].startswith((".test_utils", ".data_loader")):
+        if match["rest"].startswith(".test_utils"):
             return match[0]
         return f"{match['indent']}{match['keyword']} cadence.accelerate{match['rest']}"
 
@@ -139,7 +131,7 @@ def rewrite(source: str) -> str:
 DRIVER = """
 import importlib.util, json, os, sys, traceback
 
-script, checks, results = sys.argv[1], sys.argv[2].split(","), sys.argv[3]
+script, checks, results = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
 rank = os.environ.get("RANK", "0")
 out = open(os.path.join(results, f"rank{rank}.jsonl"), "a", buffering=1)
 
@@ -159,16 +151,15 @@ try:
     spec.loader.exec_module(module)
     setup = eval(sys.argv[4], vars(module))
 except BaseException:
-    for entry in checks:
-        record(entry.split(":")[0], False, "before the first check: " + traceback.format_exc())
+    for call, _, _, _ in checks:
+        record(call, False, "before the first check: " + traceback.format_exc())
     raise
-for entry in checks:
-    name, _, takes_setup = entry.partition(":")
+for call, function, takes_setup, keywords in checks:
     try:
-        getattr(module, name)(*([setup] if takes_setup else []))
-        record(name, True)
+        getattr(module, function)(*([setup] if takes_setup else []), **keywords)
+        record(call, True)
     except BaseException:
-        record(name, False, traceback.format_exc())
+        record(call, False, traceback.format_exc())
 """
 
 
@@ -181,7 +172,7 @@ def run_checks(script: str, target: str, processes: int, checks: list[Check], di
     checked.write_text(rewrite(source) if target == "cadence" else source)
     driver = directory / "driver.py"
     driver.write_text(DRIVER)
-    names = ",".join(f"{check.function}:{'setup' if check.takes_setup else ''}" for check in checks)
+    names = json.dumps([[c.call, c.function, c.takes_setup, dict(c.keywords)] for c in checks])
     # Accelerate's own launcher starts one process on a CPU machine; torchrun (cadence launch) starts N.
     command = [sys.executable, "-m", "cadence.cli", "launch", "--standalone", "--nproc-per-node", str(processes)]
     environment = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
@@ -252,7 +243,7 @@ def _cases() -> list[Any]:
 def test_accelerate_check(runs: Runs, check: Check, target: str, processes: int) -> None:
     result = runs.result(check, target, processes)
     for rank in range(processes):
-        entry = result["ranks"][rank].get(check.function)
+        entry = result["ranks"][rank].get(check.call)
         if entry is None:
             pytest.fail(f"rank {rank} never finished {check.id} (a crash or hang); launch output:\n{result['output']}")
         assert entry["passed"], f"{check.id} failed on rank {rank} of {processes}:\n{entry['detail']}"
@@ -290,7 +281,7 @@ def test_rewrite_switches_the_api_and_keeps_the_fixtures() -> None:
         "    from accelerate.state import AcceleratorState\n"
         "import accelerate.utils as utils\n"
         "from accelerate.test_utils import RegressionModel\n"
-        "from accelerate.data_loader import SeedableRandomSampler\n"
+        "from accelerate.data_loader import SeedableRandomSampler, prepare_data_loader\n"
         "from accelerated import thing\n"
     )
     assert rewrite(source) == (
@@ -299,7 +290,7 @@ def test_rewrite_switches_the_api_and_keeps_the_fixtures() -> None:
         "    from cadence.accelerate.state import AcceleratorState\n"
         "import cadence.accelerate.utils as utils\n"
         "from accelerate.test_utils import RegressionModel\n"
-        "from accelerate.data_loader import SeedableRandomSampler\n"
+        "from cadence.accelerate.data_loader import SeedableRandomSampler, prepare_data_loader\n"
         "from accelerated import thing\n"
     )
 

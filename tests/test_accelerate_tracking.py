@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -12,8 +13,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from cadence.accelerate import Accelerator
-from cadence.callbacks import CSVLogger, Logger, TensorBoardLogger
+from cadence.accelerate import Accelerator, ProjectConfiguration
+from cadence.callbacks import CSVLogger, Logger, MLflowLogger, TensorBoardLogger, WandbLogger
 
 
 def read_csv(path: Path) -> list[dict[str, str]]:
@@ -55,16 +56,117 @@ def test_tensorboard_tracker_writes_scalars_under_logging_dir(tmp_path: Path) ->
     assert [value for _, value in scalars["loss"]] == pytest.approx([1.0, 0.5, 1 / 3])
 
 
-def test_all_starts_every_backend_and_get_tracker_unwraps_it(tmp_path: Path) -> None:
-    pytest.importorskip("tensorboard")
+def test_all_starts_every_installed_backend_and_get_tracker_unwraps_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for package in ("tensorboard", "mlflow", "wandb"):
+        pytest.importorskip(package)
+    monkeypatch.setenv("WANDB_MODE", "disabled")
     accelerator = Accelerator(cpu=True, project_dir=tmp_path, log_with="all")
     accelerator.init_trackers("run")
-    assert [tracker.name for tracker in accelerator.trackers] == ["csv", "tensorboard"]
+    assert [tracker.name for tracker in accelerator.trackers] == ["csv", "tensorboard", "mlflow", "wandb"]
     assert isinstance(accelerator.get_tracker("csv", unwrap=True), CSVLogger)
     assert isinstance(accelerator.get_tracker("tensorboard", unwrap=True), TensorBoardLogger)
+    assert isinstance(accelerator.get_tracker("mlflow", unwrap=True), MLflowLogger)
+    assert isinstance(accelerator.get_tracker("wandb", unwrap=True), WandbLogger)
     assert accelerator.get_tracker("csv") is accelerator.trackers[0]
-    with pytest.raises(ValueError, match=r"'wandb'.*started: 'csv', 'tensorboard'.*log_with"):
-        accelerator.get_tracker("wandb")
+    with pytest.raises(ValueError, match=r"'comet_ml'.*started: 'csv', 'tensorboard', 'mlflow', 'wandb'.*log_with"):
+        accelerator.get_tracker("comet_ml")
+    accelerator.end_training()
+
+
+def test_a_logged_epoch_is_a_tensorboard_curve(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    accelerator = Accelerator(cpu=True, project_dir=tmp_path, log_with="tensorboard")
+    accelerator.init_trackers("run")
+    for epoch in range(3):
+        accelerator.log({"accuracy": 0.5 + epoch / 10, "epoch": epoch}, step=epoch)
+    accelerator.end_training()
+    assert read_scalars(tmp_path / "run")["epoch"] == [(0, 0.0), (1, 1.0), (2, 2.0)]
+
+
+def train_and_log(
+    accelerator: Accelerator, epochs: range, offset: float, save_after: int | None = None, late_trackers: bool = False
+) -> None:
+    """Two optimizer steps per epoch, then one row logged at ``step=epoch`` (as Accelerate's nlp_example does), so
+    the logged steps are not the optimizer's; ``save_state`` after epoch ``save_after``. A run that does not start
+    at epoch 0 resumes from the latest checkpoint first; ``init_trackers`` comes before that, or after with
+    ``late_trackers``."""
+    if not late_trackers:
+        accelerator.init_trackers("run")
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = DataLoader(TensorDataset(torch.randn(8, 3), torch.randn(8, 1)), batch_size=4)
+    model, optimizer, data = accelerator.prepare(model, optimizer, data)
+    if epochs.start:
+        accelerator.load_state()
+    if late_trackers:
+        accelerator.init_trackers("run")
+    for epoch in epochs:
+        for inputs, targets in data:
+            accelerator.backward(nn.functional.mse_loss(model(inputs), targets))
+            optimizer.step()
+            optimizer.zero_grad()
+        accelerator.log({"accuracy": offset + epoch, "epoch": epoch}, step=epoch)
+        if epoch == save_after:
+            accelerator.save_state()
+
+
+def test_a_resumed_run_keeps_each_trackers_history_up_to_the_checkpoint(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    project = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True)
+    killed = Accelerator(cpu=True, project_config=project, log_with=["csv", "tensorboard"])
+    train_and_log(killed, range(3), offset=0.0, save_after=1)  # epoch 2 is logged after the checkpoint
+    killed.end_training()
+    resumed = Accelerator(cpu=True, project_config=project, log_with=["csv", "tensorboard"])
+    train_and_log(resumed, range(2, 4), offset=100.0)  # the checkpoint is at optimizer step 4, logged step 1
+    resumed.end_training()
+    expected = [(0, 0.0), (1, 1.0), (2, 102.0), (3, 103.0)]
+    assert read_scalars(tmp_path / "run")["accuracy"] == expected
+    rows = read_csv(tmp_path / "run" / "metrics.csv")
+    assert [(int(row["step"]), float(row["accuracy"])) for row in rows] == expected
+    assert list((tmp_path / "run").glob("metrics.*.csv")) == []  # nothing set aside as another run's
+
+
+def test_a_tracker_started_after_load_state_continues_the_checkpoints_history(tmp_path: Path) -> None:
+    project = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True)
+    killed = Accelerator(cpu=True, project_config=project, log_with="csv")
+    train_and_log(killed, range(3), offset=0.0, save_after=1)
+    killed.end_training()
+    resumed = Accelerator(cpu=True, project_config=project, log_with="csv")
+    train_and_log(resumed, range(2, 4), offset=100.0, late_trackers=True)
+    resumed.end_training()
+    rows = read_csv(tmp_path / "run" / "metrics.csv")
+    assert [(int(row["step"]), float(row["accuracy"])) for row in rows] == [(0, 0.0), (1, 1.0), (2, 102.0), (3, 103.0)]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mlflow") is None, reason='needs "cadence[mlflow]"')
+def test_mlflow_tracker_logs_the_config_as_params_and_every_metric(tmp_path: Path) -> None:
+    from mlflow.tracking import MlflowClient
+
+    accelerator = Accelerator(cpu=True, project_dir=tmp_path, log_with="mlflow")
+    accelerator.init_trackers("experiment", config={"lr": 0.1, "optimizer": {"name": "sgd"}})
+    accelerator.log({"loss": 1.5, "epoch": 0}, step=1)
+    accelerator.log({"loss": 0.5, "epoch": 1}, step=2)
+    accelerator.end_training()
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow' / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("experiment").experiment_id])
+    assert run.data.params == {"lr": "0.1", "optimizer/name": "sgd"}
+    assert [(p.step, p.value) for p in client.get_metric_history(run.info.run_id, "loss")] == [(1, 1.5), (2, 0.5)]
+    assert [(p.step, p.value) for p in client.get_metric_history(run.info.run_id, "epoch")] == [(1, 0.0), (2, 1.0)]
+    assert run.info.status == "FINISHED"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason='needs "cadence[wandb]"')
+def test_wandb_tracker_takes_the_project_name_and_the_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    accelerator = Accelerator(cpu=True, project_dir=tmp_path, log_with="wandb")
+    accelerator.init_trackers("experiment", config={"lr": 0.1})
+    backend = accelerator.get_tracker("wandb", unwrap=True)
+    assert isinstance(backend, WandbLogger)
+    assert backend.project == "experiment"
+    accelerator.log({"loss": 1.5}, step=1)
     accelerator.end_training()
 
 
@@ -129,8 +231,16 @@ def test_log_without_trackers_writes_nothing(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("log_with", "error", "message"),
     [
-        ("wandb", NotImplementedError, r"log_with='wandb'.*'csv', 'tensorboard', 'all'.*log_with=\[MyLogger\(\)\]"),
-        (["csv", 5], TypeError, r"a name \('csv', 'tensorboard', 'all'\) or a cadence\.callbacks\.Logger.*not a int"),
+        (
+            "comet_ml",
+            NotImplementedError,
+            r"log_with='comet_ml'.*'csv', 'tensorboard', 'mlflow', 'wandb', 'all'.*log_with=\[MyLogger\(\)\]",
+        ),
+        (
+            ["csv", 5],
+            TypeError,
+            r"a name \('csv', 'tensorboard', 'mlflow', 'wandb', 'all'\) or a cadence\.callbacks\.Logger.*not a int",
+        ),
     ],
 )
 def test_an_unknown_tracker_is_refused_before_the_engine_is_built(
@@ -150,3 +260,13 @@ def test_tracker_options_are_refused_with_the_constructor_to_use(tmp_path: Path)
         accelerator.log({"loss": 1.0}, log_kwargs={"csv": {"commit": True}})
     accelerator.end_training()
     assert not (tmp_path / "run" / "metrics.csv").exists()
+
+
+def test_malformed_tracker_positions_are_refused_before_anything_loads() -> None:
+    from cadence.accelerate.tracking import TrackerPositions
+    from cadence.checkpoint.errors import CheckpointCorrupted
+
+    positions = TrackerPositions([])
+    positions.check_state_dict({"steps": {"csv": 3}})
+    with pytest.raises(CheckpointCorrupted, match=r"'TrackerPositions'.*not tracker names and steps"):
+        positions.check_state_dict({"steps": {"csv": "three"}})

@@ -1,10 +1,11 @@
-"""``cadence.accelerate``: the Hugging Face Accelerate API over a ``cadence.Engine``; change one import line.
+"""``cadence.accelerate``: the Hugging Face Accelerate API over a ``cadence.Engine``; switch the imports to it.
 
 ``from cadence.accelerate import Accelerator`` is ``accelerate.Accelerator`` for the members listed in
 docs/accelerate.md. Each concern lives in a module of its own: ``accelerator`` (the ``Accelerator``), ``state``
 (``PartialState``, ``AcceleratorState``, ``GradientState``, ``DistributedType``), ``operations`` (data between
-processes), ``utils`` (the names Accelerate's ``accelerate.utils`` offers). A name Accelerate has and cadence does not
-raises an error naming the cadence alternative (``refusals``)."""
+processes), ``utils`` (the names Accelerate's ``accelerate.utils`` offers), ``data_loader`` (those of
+``accelerate.data_loader``). A name Accelerate has and cadence does not raises an error naming the cadence
+alternative (``refusals``)."""
 
 from typing import NoReturn
 

@@ -1,4 +1,4 @@
-"""A drop-in for the Hugging Face Accelerate API that the Accelerate tutorial uses: change one import line.
+"""A drop-in for the Hugging Face Accelerate API that the Accelerate tutorial uses: switch the imports to it.
 
 ``Accelerator`` builds a ``cadence.Engine`` with the matching callbacks (``GradientAccumulation``,
 ``MixedPrecision``) and delegates every call to it; it holds no training logic of its own. Every argument is
@@ -33,7 +33,8 @@ from cadence.accelerate.plugins import (
 )
 from cadence.accelerate.process import ProcessMembers
 from cadence.accelerate.refusals import refuse_member
-from cadence.accelerate.tracking import TrackingMembers, checked_log_with
+from cadence.accelerate.state import AcceleratorState
+from cadence.accelerate.tracking import TrackerPositions, TrackingMembers, checked_log_with
 from cadence.accelerate.training import AccelerateLossDivision, TrainingMembers
 from cadence.callback import Callback
 from cadence.callbacks import GradientAccumulation, MixedPrecision
@@ -297,6 +298,8 @@ class Accelerator(ProcessMembers, TrainingMembers, TrackingMembers):
         compile_setting = _compile_setting(dynamo_backend)
         self.log_with = checked_log_with(log_with)
         self.trackers = []
+        self._tracker_positions = TrackerPositions(self.trackers)
+        self._resets_seen = AcceleratorState.resets  # prepare() refuses once AcceleratorState._reset_state() ran
         self.project_configuration = project
         self.project_dir = directory
         self.gradient_accumulation_steps: int = steps
@@ -309,7 +312,7 @@ class Accelerator(ProcessMembers, TrainingMembers, TrackingMembers):
         once per optimizer step, not once per process)."""
         self.engine = Engine(
             accelerator=accelerator,
-            callbacks=[*features, *user_callbacks],
+            callbacks=[*features, self._tracker_positions, *user_callbacks],
             timeout=handlers.timeout,
             project_dir=self.project_dir,
             progress_bar=False,
@@ -347,6 +350,13 @@ class Accelerator(ProcessMembers, TrainingMembers, TrackingMembers):
     def prepare(self, *objects: Any, device_placement: Sequence[bool | None] | None = None) -> Any:
         """``engine.prepare``: every object is placed on ``accelerator.device``, so ``device_placement`` may
         only say True (or None) for each object."""
+        if AcceleratorState.resets != self._resets_seen:
+            raise AttributeError(
+                "`AcceleratorState` object has no attribute to prepare with any more: this Accelerator was built "
+                "before AcceleratorState._reset_state() was called. This happens if `AcceleratorState._reset_state()` "
+                "is called after an Accelerator is built (as in Accelerate, the reset ends every Accelerator built "
+                "before it): build a new Accelerator after the reset."
+            )
         if device_placement is not None:
             _check_device_placement(device_placement, len(objects))
         return self._prepare_in_accelerate_order(objects)

@@ -33,6 +33,7 @@ from typing import Any, Literal, cast
 import torch
 from torch.utils.data import DataLoader
 
+from cadence.accelerate.samplers import SeedableRandomSampler
 from cadence.data import ResumableBatchSampler, to_stateful
 from cadence.validators import is_integer
 from cadence.wrappers import PreparedDataLoader
@@ -155,8 +156,16 @@ def accelerate_loader(
     as it is when it is not a map-style loader with torch's default sampler (a sampler of the user's own keeps its
     own order, and so does a ``RandomSampler`` given a generator other than the loader's).
     ``broadcast(obj)`` returns rank 0's ``obj`` on every rank."""
-    if loader._dataset_kind == 1 or loader.batch_size is None:
+    batch_size = loader.batch_size
+    if loader._dataset_kind == 1 or batch_size is None:
         return loader
+    given = loader.sampler
+    if isinstance(given, SeedableRandomSampler) and not given.replacement and len(given) == len(given.data_source):
+        # Its order is the seedable one (epoch e: randperm under initial_seed + e): shuffle that way, resumable.
+        use_seedable_sampler, data_seed = True, given.initial_seed + given.epoch
+        loader = DataLoader(
+            loader.dataset, batch_size, shuffle=True, drop_last=loader.drop_last, **loader_arguments(loader)
+        )
     shuffle = isinstance(loader.sampler, torch.utils.data.RandomSampler)
     if type(loader.sampler) not in (torch.utils.data.RandomSampler, torch.utils.data.SequentialSampler):
         return loader
@@ -170,7 +179,7 @@ def accelerate_loader(
         seed = int(broadcast(_global_draw()))  # Accelerate seeds one generator per loader, then syncs rank 0's
     else:
         seed = 0  # "draw" replaces it at each epoch's start; an unshuffled loader never uses it
-    per_rank = _per_rank_batch_size(loader.batch_size, split_batches, world_size)
+    per_rank = _per_rank_batch_size(batch_size, split_batches, world_size)
 
     def sampler(num_samples: int, batch_size: int, **arguments: Any) -> AccelerateBatchSampler:
         del batch_size  # the loader's; with split_batches each rank takes its share of it
@@ -199,6 +208,24 @@ def _per_rank_batch_size(batch_size: int, split_batches: bool, world_size: int) 
             f"processes, and {batch_size} is not a multiple of {world_size}: pass a batch_size that is."
         )
     return batch_size // world_size
+
+
+def loader_arguments(dataloader: DataLoader[Any]) -> dict[str, Any]:
+    """The ``DataLoader`` arguments of ``dataloader`` that a rebuilt loader keeps as they are."""
+    arguments: dict[str, Any] = {
+        "num_workers": dataloader.num_workers,
+        "collate_fn": dataloader.collate_fn,
+        "pin_memory": dataloader.pin_memory,
+        "timeout": dataloader.timeout,
+        "worker_init_fn": dataloader.worker_init_fn,
+        "multiprocessing_context": dataloader.multiprocessing_context,
+        "generator": dataloader.generator,
+        "persistent_workers": dataloader.persistent_workers,
+        "pin_memory_device": dataloader.pin_memory_device,
+    }
+    if dataloader.num_workers:
+        arguments["prefetch_factor"] = dataloader.prefetch_factor
+    return arguments
 
 
 def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:

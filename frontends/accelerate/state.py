@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from functools import wraps
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -258,10 +258,17 @@ class AcceleratorState(PartialState):
     """``PartialState`` plus the run's precision. ``accelerator.state`` is a view of that Accelerator's engine;
     ``AcceleratorState()`` built alone has the process facts and ``mixed_precision`` as given (default ``"no"``)."""
 
+    resets: ClassVar[int] = 0
+    """How many times ``_reset_state()`` was called in this process. The one process-wide fact cadence keeps, for
+    Accelerate's contract that a reset ends every ``Accelerator`` built before it; it only grows, so nothing ever
+    needs to set it back."""
+
     @classmethod
     def _reset_state(cls, reset_partial_state: bool = False) -> None:
-        """Accelerate's reset of its shared state between Accelerators. cadence shares none (each ``Accelerator``
-        has its own engine and each state object its own fields): nothing to reset."""
+        """Accelerate's reset of its shared state between Accelerators. cadence shares no state (each
+        ``Accelerator`` has its own engine and each state object its own fields), so an ``Accelerator`` built after
+        it is as any other; one built before it refuses ``prepare``, as Accelerate's does."""
+        AcceleratorState.resets += 1
 
     def __init__(
         self,

@@ -4,27 +4,64 @@
 A tracker here is a ``Logger`` backend used on its own: ``accelerator.log(values, step)`` hands one row to the
 backend's ``write`` and makes it durable with ``persist``. The backend is not attached to the Engine, so it writes
 only what the script logs, as Accelerate's trackers do (no automatic loss or learning-rate rows).
+
+A resumed run continues each tracker's history: every checkpoint records the last step each tracker logged
+(``TrackerPositions``), and ``load_state`` hands that step to the backend's ``resume``, which keeps what was logged
+up to it and drops only the later rows, the ones the resumed run logs again.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import numbers
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cadence.callbacks import CSVLogger, Logger, TensorBoardLogger
+from cadence.callback import Callback
+from cadence.callbacks import CSVLogger, Logger, MLflowLogger, TensorBoardLogger, WandbLogger
 from cadence.callbacks.logger import plain_rows
+from cadence.checkpoint.checks import refuse_state
+from cadence.hyperparams import flatten_hyperparams
+from cadence.validators import is_integer
 
 if TYPE_CHECKING:
     from cadence.engine import Engine
 
-# The trackers ``log_with`` names, and how each builds its backend in a run directory.
-_BACKENDS: dict[str, Callable[[Path], Logger]] = {
-    "csv": lambda run: CSVLogger(filename=str(run / "metrics.csv")),
-    "tensorboard": lambda run: TensorBoardLogger(log_dir=run),
+
+class TensorBoardTracker(TensorBoardLogger):
+    """The ``tensorboard`` tracker: a ``TensorBoardLogger`` that also draws a logged ``epoch``.
+
+    On the Engine path every row carries the engine's epoch, so ``TensorBoardLogger`` leaves it out (the axis is the
+    step); a tracker writes only what the script logs, so an ``epoch`` there is the user's own curve, as in
+    Accelerate."""
+
+    def write(self, step: int, metrics: dict[str, Any]) -> None:
+        super().write(step, metrics)
+        if "epoch" not in metrics or step <= self._last_steps.get("epoch", -1):
+            return
+        epoch = metrics["epoch"]
+        if not isinstance(epoch, numbers.Real):
+            self._refuse("epoch", epoch)
+            return
+        self._open().add_scalar("epoch", epoch, global_step=step)
+        self._last_steps["epoch"] = step
+
+
+# The trackers ``log_with`` names, and how each builds its backend for a run directory and the project's name.
+_BACKENDS: dict[str, Callable[[Path, str], Logger]] = {
+    "csv": lambda run, project: CSVLogger(filename=str(run / "metrics.csv")),
+    "tensorboard": lambda run, project: TensorBoardTracker(log_dir=run),
+    "mlflow": lambda run, project: MLflowLogger(experiment_name=project),
+    "wandb": lambda run, project: WandbLogger(project=project),
 }
+# What "all" starts: each tracker whose package is installed, as Accelerate's "all" does (csv needs none).
+_PACKAGES = {"csv": None, "tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
+# The trackers that keep ``init_trackers(config=...)`` as the run's hyperparameters (params, config); the others
+# keep it as ``hparams.json`` in the run directory.
+_KEEP_CONFIG = ("mlflow", "wandb")
 
 _OTHER_SERVICE = (
     "cadence's trackers are {known}; for another service write a cadence.callbacks.Logger backend "
@@ -36,13 +73,16 @@ class Tracker:
     """One of ``accelerator.trackers``: a cadence ``Logger`` backend, written on the main process only.
 
     ``tracker.tracker`` (what ``get_tracker(name, unwrap=True)`` returns) is the backend itself, a
-    ``CSVLogger``, ``TensorBoardLogger`` or your own ``Logger``; not Accelerate's ``SummaryWriter``."""
+    ``CSVLogger``, ``TensorBoardLogger``, ``MLflowLogger``, ``WandbLogger`` or your own ``Logger``; not
+    Accelerate's ``SummaryWriter`` or MLflow run."""
 
     def __init__(self, name: str, backend: Logger, engine: Engine) -> None:
         self.name = name
         self.tracker = backend
         self._engine = engine
         self._run: Path | None = None
+        self.last_step: int | None = None
+        """The step of the last row logged, which a checkpoint records (``TrackerPositions``)."""
 
     @property
     def main_process_only(self) -> bool:
@@ -53,10 +93,21 @@ class Tracker:
         self._run = run
         self.tracker.setup(self._engine)  # the backend learns project_dir and the main process from the engine
 
+    def resume(self, step: int) -> None:
+        """The run goes on after ``step``: the backend keeps what it logged up to it and forgets later rows."""
+        if self._engine.is_main_process:
+            self.tracker.resume(step)
+        self.last_step = step
+
     def store_init_configuration(self, values: Mapping[str, Any]) -> None:
-        """Keep ``values`` as ``hparams.json`` in a new directory of the run, named by the time (as Accelerate
-        keeps ``hparams.yml``), so an earlier run's file is never replaced."""
+        """MLflow and W&B keep ``values`` as the run's params and config (nested names joined with ``/``, other
+        values as their ``str()``). The others keep them as ``hparams.json`` in a new directory of the run, named
+        by the time (as Accelerate keeps ``hparams.yml``), so an earlier run's file is never replaced."""
         if not self._engine.is_main_process or self._run is None:
+            return
+        if self.name in _KEEP_CONFIG:
+            self.tracker.write_hyperparams(flatten_hyperparams(values))
+            self.tracker.persist()
             return
         text = json.dumps(dict(values), indent=2, default=str)  # before any directory is made
         directory = self._run / str(time.time_ns())
@@ -69,8 +120,10 @@ class Tracker:
         if not self._engine.is_main_process:
             return
         row = plain_rows([dict(values)])[0]
-        self.tracker.write(self._engine.state.step if step is None else step, row)
+        at = self._engine.state.step if step is None else step
+        self.tracker.write(at, row)
         self.tracker.persist()
+        self.last_step = at if self.last_step is None else max(self.last_step, at)
 
     def finish(self) -> None:
         if self._engine.is_main_process:
@@ -79,8 +132,9 @@ class Tracker:
 
 
 def checked_log_with(log_with: object) -> list[str | Logger]:
-    """The trackers ``Accelerator(log_with=...)`` asks for, checked before anything is built: names
-    (``"csv"``, ``"tensorboard"``, ``"all"``, or Accelerate's ``LoggerType`` members) and ``Logger`` instances."""
+    """The trackers ``Accelerator(log_with=...)`` asks for, checked before anything is built: names (``"csv"``,
+    ``"tensorboard"``, ``"mlflow"``, ``"wandb"``, ``"all"``: each of those whose package is installed, or
+    Accelerate's ``LoggerType`` members) and ``Logger`` instances."""
     if log_with is None:
         return []
     entries = list(log_with) if isinstance(log_with, list | tuple) else [log_with]
@@ -92,20 +146,27 @@ def checked_log_with(log_with: object) -> list[str | Logger]:
         name = getattr(entry, "value", entry)  # LoggerType.TENSORBOARD -> "tensorboard"
         if not isinstance(name, str):
             raise TypeError(
-                f"Accelerator(log_with={log_with!r}): each tracker is a name ('csv', 'tensorboard', 'all') or a "
+                f"Accelerator(log_with={log_with!r}): each tracker is a name ({_known()}) or a "
                 f"cadence.callbacks.Logger instance, not a {type(entry).__name__}."
             )
-        names = list(_BACKENDS) if name.lower() == "all" else [name.lower()]
+        names = _installed() if name.lower() == "all" else [name.lower()]
         for one in names:
             if one not in _BACKENDS:
-                known = ", ".join(repr(known) for known in [*_BACKENDS, "all"])
                 raise NotImplementedError(
                     f"cadence.accelerate.Accelerator does not support log_with={name!r}: "
-                    f"{_OTHER_SERVICE.format(known=known)}."
+                    f"{_OTHER_SERVICE.format(known=_known())}."
                 )
             if one not in chosen:
                 chosen.append(one)
     return chosen
+
+
+def _known() -> str:
+    return ", ".join(repr(known) for known in [*_BACKENDS, "all"])
+
+
+def _installed() -> list[str]:
+    return [name for name, package in _PACKAGES.items() if package is None or importlib.util.find_spec(package)]
 
 
 def _refuse_kwargs(member: str, kwargs: Mapping[str, Any] | None) -> None:
@@ -117,6 +178,45 @@ def _refuse_kwargs(member: str, kwargs: Mapping[str, Any] | None) -> None:
         )
 
 
+class TrackerPositions(Callback):
+    """Attached to the Accelerator's engine: every checkpoint records the last step each started tracker logged,
+    and a ``load_state`` hands it to the tracker, which keeps its history up to that step (a tracker started after
+    the load gets it when it starts). A checkpoint written before trackers were recorded resumes them after the
+    restored optimizer step."""
+
+    def __init__(self, trackers: list[Tracker]) -> None:
+        self._trackers = trackers  # the Accelerator's own list: trackers started later are seen too
+        self._saved: dict[str, int] | None = None  # the loaded checkpoint's steps, until LOAD_STATE applies them
+        self._resumed: tuple[dict[str, int] | None, int] | None = None  # the last load's steps and optimizer step
+
+    def state_dict(self) -> dict[str, Any]:
+        steps = {tracker.name: tracker.last_step for tracker in self._trackers if tracker.last_step is not None}
+        return {"steps": steps} if steps else {}
+
+    def check_state_dict(self, state_dict: dict[str, Any]) -> None:
+        steps = state_dict.get("steps", {})
+        if not isinstance(steps, dict) or not all(
+            isinstance(name, str) and is_integer(step) for name, step in steps.items()
+        ):
+            refuse_state(f"callback {self.state_key!r}", f"its steps {steps!r} are not tracker names and steps")
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._saved = dict(state_dict.get("steps", {}))
+
+    def on_load_state(self, engine: Engine) -> None:
+        self._resumed, self._saved = (self._saved, engine.state.step), None
+        for tracker in self._trackers:
+            self.resume(tracker)
+
+    def resume(self, tracker: Tracker) -> None:
+        """Continue ``tracker``'s history from the last load's position, if the run was resumed."""
+        if self._resumed is None:
+            return
+        saved, step = self._resumed
+        # A checkpoint that records trackers but not this one was saved before it logged anything.
+        tracker.resume(step if saved is None else saved.get(tracker.name, -1))
+
+
 class TrackingMembers:
     """Mixed into ``Accelerator``, which sets ``self.engine``, ``self.log_with`` and ``self.trackers`` before any
     member is used."""
@@ -124,6 +224,7 @@ class TrackingMembers:
     engine: Engine
     log_with: list[str | Logger]
     trackers: list[Tracker]
+    _tracker_positions: TrackerPositions
 
     if TYPE_CHECKING:
 
@@ -136,16 +237,20 @@ class TrackingMembers:
         config: Mapping[str, Any] | None = None,
         init_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
-        """Start every tracker of ``log_with`` in ``logging_dir / project_name``: ``csv`` writes ``metrics.csv``
-        there, ``tensorboard`` its event files; a ``Logger`` instance writes where it was told. ``config`` is kept
-        as ``hparams.json``. ``init_kwargs`` is refused: pass a configured ``Logger`` instance instead."""
+        """Start every tracker of ``log_with``: ``csv`` writes ``metrics.csv`` in ``logging_dir / project_name``,
+        ``tensorboard`` its event files there; ``mlflow`` logs to the MLflow experiment ``project_name`` (its store
+        in ``project_dir/mlflow``), ``wandb`` to the W&B project ``project_name``; a ``Logger`` instance writes where
+        it was told. ``config`` becomes MLflow's params and W&B's config, and ``hparams.json`` for the others.
+        ``init_kwargs`` is refused: pass a configured ``Logger`` instance instead. After a ``load_state`` each
+        tracker continues the checkpoint's history."""
         if not isinstance(project_name, str) or not project_name:
             raise TypeError(f"init_trackers(project_name={project_name!r}) takes the run's name, a non-empty str.")
         _refuse_kwargs("init_trackers(init_kwargs)", init_kwargs)
         run = Path(self.logging_dir).absolute() / project_name  # absolute: it wins over the engine's project_dir
-        fresh = [_tracker(entry, run, self.engine) for entry in self.log_with]
+        fresh = [_tracker(entry, run, project_name, self.engine) for entry in self.log_with]
         for tracker in fresh:
             tracker.start(run)
+            self._tracker_positions.resume(tracker)
             if config is not None:
                 tracker.store_init_configuration(config)
         self.trackers.extend(fresh)
@@ -183,7 +288,7 @@ class TrackingMembers:
             self.engine.close()
 
 
-def _tracker(entry: str | Logger, run: Path, engine: Engine) -> Tracker:
+def _tracker(entry: str | Logger, run: Path, project: str, engine: Engine) -> Tracker:
     if isinstance(entry, Logger):
         return Tracker(type(entry).__name__, entry, engine)
-    return Tracker(entry, _BACKENDS[entry](run), engine)
+    return Tracker(entry, _BACKENDS[entry](run, project), engine)
