@@ -56,6 +56,7 @@ def test_tensorboard_tracker_writes_scalars_under_logging_dir(tmp_path: Path) ->
     assert [value for _, value in scalars["loss"]] == pytest.approx([1.0, 0.5, 1 / 3])
 
 
+@pytest.mark.slow  # starts every installed tracker (MLflow, W&B): seconds
 def test_all_starts_every_installed_backend_and_get_tracker_unwraps_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -141,6 +142,7 @@ def test_a_tracker_started_after_load_state_continues_the_checkpoints_history(tm
     assert [(int(row["step"]), float(row["accuracy"])) for row in rows] == [(0, 0.0), (1, 1.0), (2, 102.0), (3, 103.0)]
 
 
+@pytest.mark.slow  # MLflow's store set-up takes seconds: out of the fast lane
 @pytest.mark.skipif(importlib.util.find_spec("mlflow") is None, reason='needs "cadence[mlflow]"')
 def test_mlflow_tracker_logs_the_config_as_params_and_every_metric(tmp_path: Path) -> None:
     from mlflow.tracking import MlflowClient
