@@ -37,6 +37,11 @@ class Checkpoint(Callback):
     - every ``every_n_steps`` real optimizer steps, at the end of the batch that completed the step (so the
       dataloader resumes at the next batch);
     - every ``every_n_epochs`` epochs, at ``EPOCH_END`` (the resume starts the next epoch);
+    - once per step: when ``fit()`` validates at the step of such a save (``state.validation_pending``), the save
+      waits for that validation's ``VALIDATION_END``, so it holds the validation (and a ``monitor``'s ranking of
+      it: one checkpoint, not two) and a resume never runs it again, as in Lightning. A validation that fails
+      leaves that step without its save in a run of several processes (the failure may be one rank's, and a save
+      is collective): ``on_exception=True`` saves then; with one process the held save is made at ``EXCEPTION``;
     - with ``save_last=True`` (the default), when ``fit()`` ends normally, unless a checkpoint of this very step
       was already saved: running a finished script again with ``fit(..., resume="latest")`` finds the final
       state. A failing ``fit()`` does not save here (see ``on_exception``);
@@ -60,7 +65,10 @@ class Checkpoint(Callback):
     ``monitor`` (a logged metric) ranks checkpoints, ``mode="min"`` (lower is better) or ``"max"``, and keeps the
     ``save_top_k`` best besides the latest (default 1; -1 keeps all; 0 saves none, as in Lightning). A ``val/``
     metric is ranked at ``VALIDATION_END``, with a save only when it enters the best k; any other metric at the
-    ``every_n_steps`` / ``every_n_epochs`` saves. Ties keep the older checkpoint; a NaN score never ranks. A
+    ``every_n_steps`` / ``every_n_epochs`` saves. The periodic saves are kept outside the ranking (only
+    ``checkpoint_total_limit`` deletes them): one that was also ranked among the best is not deleted when it falls
+    out of them. ``fit()`` warns when it starts if the periodic saves it plans would not fit in the free space of
+    ``project_dir``. Ties keep the older checkpoint; a NaN score never ranks. A
     checkpoint this callback saved for the ranking and that falls out of it is deleted (by the main process) once
     it is no longer the newest; ``checkpoint_total_limit`` never deletes one of the best k. ``best_path`` and
     ``best_score`` survive a resume (a best checkpoint deleted by hand is dropped with a warning). A resume under
@@ -119,6 +127,8 @@ class Checkpoint(Callback):
         self._saving = False
         self._validated = False
         self._fit_start_step = 0
+        self._held = False  # a periodic save of this step waits for the step's validation (validation_pending)
+        self._saved_before_validation = False
 
     @property
     def state_key(self) -> str:
@@ -150,17 +160,37 @@ class Checkpoint(Callback):
             engine.print(f"Saved checkpoint {saved} at step {engine.state.step} ({reason}).")
         return saved
 
-    def _periodic_save(self, engine: Engine) -> None:
+    def _periodic_save(self, engine: Engine, score: float | None = None) -> None:
+        """The step's periodic save; ``score``: the fresh ``val/`` score when it enters the best k, which ranks
+        this same checkpoint (kept when it falls out, as a periodic one)."""
         best = self._best
-        if best is None or best.after_validation:
+        if best is None or (best.after_validation and score is None):
             self._save(engine, periodic=True)
+        elif best.after_validation and score is not None:
+            best.save(engine, score, lambda: self._save(engine, periodic=True), periodic=True)
         else:
             best.save(engine, best.score(engine), lambda: self._save(engine, periodic=True))
 
+    def _periodic_due(self, engine: Engine) -> None:
+        """Save now, or at the step's ``VALIDATION_END`` when ``fit()`` validates at this step first."""
+        if engine.state.validation_pending:
+            self._held = True
+        else:
+            self._periodic_save(engine)
+
+    def on_validation_start(self, engine: Engine) -> None:
+        self._saved_before_validation = self._last_saved_step == engine.state.step
+
     def on_validation_end(self, engine: Engine) -> None:
         self._validated = True
+        held, self._held = self._held, False
         best = self._best
-        if best is not None and best.after_validation and (score := best.validation_score(engine)) is not None:
+        score = best.validation_score(engine) if best is not None and best.after_validation else None
+        # A save of this step made before the validation (Timer's, a hand-made one) does not hold it; one made at
+        # this VALIDATION_END by a saver ahead of this one (Preemption's) does.
+        if held and (engine.state.step != self._last_saved_step or self._saved_before_validation):
+            self._periodic_save(engine, score)
+        elif best is not None and score is not None:
             best.save(engine, score, lambda: self._save(engine, periodic=True))
 
     def on_save_state(self, engine: Engine) -> None:
@@ -177,7 +207,7 @@ class Checkpoint(Callback):
             self._best.restore(engine)
 
     def on_fit_start(self, engine: Engine) -> None:
-        self._validated = False
+        self._validated = self._held = False
         self._fit_start_step = engine.state.step
         if engine.is_main_process:  # after a resume: the run continued is known by now
             engine.checkpoints.warn_about_other_runs()
@@ -190,21 +220,44 @@ class Checkpoint(Callback):
             and state.step % self.every_n_steps == 0
             and state.step != self._last_saved_step
         ):
-            self._periodic_save(engine)
+            self._periodic_due(engine)
 
     def on_epoch_end(self, engine: Engine) -> None:
-        if self.every_n_epochs is not None and (engine.state.epoch + 1) % self.every_n_epochs == 0:
-            self._periodic_save(engine)
+        state = engine.state
+        due = self.every_n_epochs is not None and (state.epoch + 1) % self.every_n_epochs == 0
+        # One save per step: an every_n_steps save of the epoch's last step (or one held for its validation)
+        # covers this epoch's end as well; its resume processes the end as this run does next.
+        if due and state.step != self._last_saved_step and not self._held:
+            self._periodic_due(engine)
 
     def on_exception(self, engine: Engine) -> None:
-        if not self.on_exception_save or self._saving:
+        held, self._held = self._held, False
+        if self._saving:
             return  # a failure inside save_state itself must not recurse into another save
+        if held and not self.on_exception_save and engine.world_size == 1:
+            # The step's save waited for a validation that failed: the state is the step's, whole (the EMA
+            # callback, running before this one, swapped its average out), so it is saved as it would have been.
+            # Under several ranks the failure may be one rank's, where a collective save would hang.
+            self._save_held_after_failure(engine)
+            return
+        if not self.on_exception_save:
+            return
         error = engine.state.exception
         try:
             self._save(engine, f"fit failed: {type(error).__name__}; the batch that raised is not replayed")
         except Exception as save_error:  # the original exception is what the user must see
             warnings.warn(
                 f"Checkpoint(on_exception=True) could not save: {save_error}",
+                CadenceWarning,
+                stacklevel=user_stacklevel(),
+            )
+
+    def _save_held_after_failure(self, engine: Engine) -> None:
+        try:
+            self._save(engine, "the step's periodic save, held for a validation that failed")
+        except Exception as save_error:  # the original exception is what the user must see
+            warnings.warn(
+                f"Checkpoint could not save step {engine.state.step}, held for its validation: {save_error}",
                 CadenceWarning,
                 stacklevel=user_stacklevel(),
             )

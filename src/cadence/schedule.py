@@ -78,11 +78,19 @@ def monitored_value(monitor: str, state: State) -> float:
     value = state.metrics.get(monitor)
     if value is None:
         logged = ", ".join(sorted(state.metrics)) or "none yet"
-        where = (
-            "validate before it steps (fit(..., val_dataloader=...), and validate at the epochs it steps)"
-            if monitor.startswith("val/")
-            else "return it from training_step ({'loss': loss, '" + monitor + "': value}) or engine.log() it"
-        )
+        if monitor.startswith("val/"):
+            where = (
+                f"fit() logs what validation_step returns as 'val/<name>', so return {monitor[4:]!r} from it, and "
+                f"let the schedule step after a validation: Schedule(scheduler, interval='epoch', monitor={monitor!r}) "
+                "steps after each epoch's validation"
+            )
+        elif monitor == "loss":
+            where = (
+                "the loss training_step returns is trained on, not logged: return a copy under a name of its own "
+                "({'loss': loss, 'train_loss': loss.detach()}) and pass monitor='train_loss'"
+            )
+        else:
+            where = f"return it from training_step ({{'loss': loss, {monitor!r}: value}}) or engine.log() it"
         raise KeyError(
             f"Schedule(monitor={monitor!r}) found no {monitor!r} at step {state.step} (logged metrics: {logged}): "
             f"{where}, or monitor a metric that is logged."
