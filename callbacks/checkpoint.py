@@ -20,14 +20,16 @@ if TYPE_CHECKING:
     from cadence.checkpoint.background import PendingCheckpoint
 
 
-def save_once(engine: Engine) -> Path:
+def save_once(engine: Engine, stale: Path | None = None) -> Path:
     """A checkpoint of the current step that ``resume="latest"`` finds: the one already committed when a save of
     this step landed in ``engine.checkpoints`` (a ``Checkpoint`` every N steps, another stopping callback), else a
-    new blocking save. Waits for a background save first, so the answer is the same on every rank."""
+    new blocking save. ``stale``: a checkpoint that does not count (taken before the validation that just ended).
+    Waits for a background save first, so the answer is the same on every rank."""
     engine.wait_for_checkpoint()
     state = engine.state
-    if state.checkpoint_step == state.step and state.checkpoint_dir and engine.checkpoints.names(state.checkpoint_dir):
-        return state.checkpoint_dir
+    saved = state.checkpoint_dir
+    if state.checkpoint_step == state.step and saved and saved != stale and engine.checkpoints.names(saved):
+        return saved
     return engine.save_state()
 
 
