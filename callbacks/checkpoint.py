@@ -10,10 +10,12 @@ from typing import TYPE_CHECKING, Any
 from cadence import Callback
 from cadence.checkpoint.checks import check_state_fields
 from cadence.errors import CadenceWarning
+from cadence.schedule import steps_in_run
 from cadence.stacklevel import user_stacklevel
 from cadence.validators import boolean, optional_integer
 
 from .best_checkpoint import BestCheckpoints, Mode, check_ranking_arguments
+from .checkpoint_space import UNTIL_STOPPED_EPOCHS, free_bytes, least_checkpoint_bytes, planned_saves, space_warning
 
 if TYPE_CHECKING:
     from cadence import Engine
@@ -213,6 +215,43 @@ class Checkpoint(Callback):
         self._fit_start_step = engine.state.step
         if engine.is_main_process:  # after a resume: the run continued is known by now
             engine.checkpoints.warn_about_other_runs()
+            self._warn_about_space(engine)
+
+    def _warn_about_space(self, engine: Engine) -> None:
+        """Warn when the periodic saves this fit() plans, kept, would not fit in the project directory's free space
+        (checked against a lower bound of a checkpoint's size, so the warning is never a false alarm)."""
+        if self.every_n_steps is None and self.every_n_epochs is None:
+            return
+        state = engine.state
+        train = next((loader for loader in engine.dataloaders if loader.drives_training), None)
+        if train is None:
+            return
+        try:
+            per_epoch: int | None = engine.estimated_steps(train, max_epochs=1)
+        except ValueError:
+            per_epoch = None  # a loader without a length
+        if state.max_steps is None and (per_epoch is None or (state.max_epochs or 0) >= UNTIL_STOPPED_EPOCHS):
+            return  # no plan to count: max_epochs=10**9 reads as "until a callback stops it"
+        total = state.max_steps if per_epoch is None else steps_in_run(per_epoch, state.max_epochs, state.max_steps)
+        steps_left = max((total or 0) - state.step, 0)
+        epochs_left = None
+        if state.max_epochs is not None:
+            epochs_left = max(state.max_epochs - train.epoch, 0)
+        if per_epoch:
+            epochs_left = min(epochs_left if epochs_left is not None else steps_left, -(-steps_left // per_epoch))
+        saves = planned_saves(steps_left, epochs_left, self.every_n_steps, self.every_n_epochs)
+        if not saves:
+            return
+        trigger = ", ".join(
+            f"{name}={value}"
+            for name, value in (("every_n_steps", self.every_n_steps), ("every_n_epochs", self.every_n_epochs))
+            if value is not None
+        )
+        root = engine.checkpoints.root
+        each, free = least_checkpoint_bytes(engine), free_bytes(root)
+        message = space_warning(saves, each, free, root, trigger, engine.checkpoint_total_limit)
+        if message is not None:
+            warnings.warn(message, CadenceWarning, stacklevel=user_stacklevel())
 
     def on_batch_end(self, engine: Engine) -> None:
         state = engine.state

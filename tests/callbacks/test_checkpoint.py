@@ -621,3 +621,31 @@ def test_a_step_validated_is_saved_once_after_its_validation_and_a_resume_never_
         saving_run(copy, setup, resume=copy / "checkpoints" / checkpoint.name)
         # The checkpoint holds its step's validation: the resumed run validates (and writes) only later steps.
         assert validation_rows(copy) == straight_rows, f"resumed from {checkpoint.name}"
+
+
+# --- the disk space periodic saves need (issue 27, item 12) -------------------------------------------------------
+def test_planned_periodic_saves_that_exceed_the_free_space_are_named_with_the_fix(tmp_path: Path) -> None:
+    from cadence.callbacks.checkpoint_space import planned_saves, space_warning
+
+    # 1000 updates left over 10 epochs: every 10 updates and every 2 epochs.
+    assert planned_saves(1000, 10, every_n_steps=10, every_n_epochs=2) == 105
+    assert planned_saves(1000, None, every_n_steps=None, every_n_epochs=2) == 0
+    message = space_warning(105, 10**9, 50 * 10**9, tmp_path, "every_n_steps=10", limit=None)
+    assert message is not None
+    assert "about 105 more save(s)" in message and "105.0 GB kept" in message and "50.0 GB free" in message
+    assert "Engine(checkpoint_total_limit=N)" in message
+    # Retention keeps at most the limit; a plan that fits says nothing.
+    assert space_warning(105, 10**9, 50 * 10**9, tmp_path, "every_n_steps=10", limit=40) is None
+    assert space_warning(105, 10**6, 50 * 10**9, tmp_path, "every_n_steps=10", limit=None) is None
+
+
+def test_a_checkpoints_least_size_is_the_weights_then_the_newest_checkpoint_on_disk(tmp_path: Path) -> None:
+    from cadence.callbacks.checkpoint_space import least_checkpoint_bytes
+
+    engine = Engine(accelerator="cpu", project_dir=tmp_path, progress_bar=False, model_summary=False)
+    step = TinyStep()
+    engine.prepare(step.model, step.optimizer)
+    assert least_checkpoint_bytes(engine) == (4 * 2 + 2) * 4  # nn.Linear(4, 2)'s float32 weight and bias
+    engine.save_state()
+    newest = engine.checkpoints.numbered()[0][1]
+    assert least_checkpoint_bytes(engine) == sum(path.stat().st_size for path in newest.rglob("*") if path.is_file())
