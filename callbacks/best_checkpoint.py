@@ -371,6 +371,9 @@ def _relative(path: Path | None, root: Path | None) -> str | None:
 def _decode(entry: dict[str, Any], current: Path, root: Path) -> Ranked:
     path = current if entry["path"] is None else root / entry["path"]  # an absolute path stays as it is
     return Ranked(
-        float(entry["score"]), int(entry["step"]), path, keep=entry.get("keep") is True,
+        float(entry["score"]),
+        int(entry["step"]),
+        path,
+        keep=entry.get("keep") is True,
         periodic=entry.get("periodic") is True,
     )

@@ -304,7 +304,9 @@ class FitRun:
     def catch_up(self) -> None:
         """What the restored run had left to do at its checkpoint, as the uninterrupted run did it: the end of its
         last epoch (an ``EPOCH_END`` checkpoint comes before its validation and schedule step), or the validation of
-        the step it was saved at (a ``BATCH_END`` checkpoint comes before the step's validation)."""
+        the step it was saved at (a ``BATCH_END`` checkpoint comes before the step's validation). ``Checkpoint`` and
+        ``Preemption`` save such a step after its validation (``state.validation_pending``), leaving nothing here;
+        other saves (``Timer``'s, a hand-made one, an older cadence's) may come before it."""
         state, finished = self.state, self.train_loader.epoch - 1
         if state.ended_epochs is not None:
             pending_end = state.ended_epochs == finished

@@ -23,8 +23,10 @@ class Schedule:
         scheduler: a ``torch.optim.lr_scheduler`` scheduler (or any object with ``step``, ``state_dict`` and
             ``load_state_dict`` whose ``optimizer`` is prepared with it).
         interval: ``"step"``: after every ``frequency``-th optimizer update of the run (``state.step``; accumulation
-            micro-steps and skipped steps never count). ``"epoch"``: once at the end of every ``frequency``-th
-            training epoch, after that epoch's validation, so a ``val/`` metric it monitors is the one just measured.
+            micro-steps and skipped steps never count); one monitoring a ``val/`` metric steps after that update's
+            validation (``fit(val_every_n_steps=...)``, of which ``frequency`` must be a multiple). ``"epoch"``: once
+            at the end of every ``frequency``-th training epoch, after that epoch's validation, so a ``val/`` metric
+            it monitors is the one just measured.
         frequency: how many updates (or epochs) between two scheduler steps.
         monitor: a metric name (``"val/loss"``, or one ``training_step`` returns). Each step passes its latest value
             to ``scheduler.step(value)``; ``ReduceLROnPlateau`` needs one. A missing metric is an error, never a
