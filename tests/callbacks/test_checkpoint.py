@@ -649,3 +649,17 @@ def test_a_checkpoints_least_size_is_the_weights_then_the_newest_checkpoint_on_d
     engine.save_state()
     newest = engine.checkpoints.numbered()[0][1]
     assert least_checkpoint_bytes(engine) == sum(path.stat().st_size for path in newest.rglob("*") if path.is_file())
+
+
+def test_a_failed_validation_keeps_the_periodic_save_it_held_back(tmp_path: Path) -> None:
+    class FailingValidation(TinyStep):
+        def validation_step(self, batch: Any) -> dict[str, torch.Tensor]:
+            raise RuntimeError("validation broke")
+
+    engine = Engine(accelerator="cpu", project_dir=tmp_path, progress_bar=False, model_summary=False,
+                    callbacks=[Checkpoint(every_n_epochs=1, save_last=False)])  # fmt: skip
+    with pytest.raises(RuntimeError, match="validation broke"):
+        engine.fit(FailingValidation(), tiny_dataloader(batches=8), max_epochs=2, val_dataloader=tiny_dataloader(2))
+    # The epoch's save waited for its validation; the validation failed, and the step is saved all the same.
+    assert saved(tmp_path) == ["checkpoint_0"]
+    assert read_recorded(tmp_path / "checkpoints" / "checkpoint_0").step == 8
