@@ -30,12 +30,15 @@ _MODES = ("min", "max")
 class Ranked:
     """One checkpoint saved for the ranking: its score, the step it was saved at, and its directory (None until
     the save commits). ``keep``: it was among the best under another mode or monitor, so the ranking never deletes
-    it; pushed out of the best, it moves to ``Ranking.kept``."""
+    it; pushed out of the best, it moves to ``Ranking.kept``. ``periodic``: it is also the step's periodic save
+    (``every_n_steps`` / ``every_n_epochs``), kept outside the ranking: pushed out of the best, it is released to
+    retention, never deleted by the ranking."""
 
     score: float
     step: int
     path: Path | None = None
     keep: bool = False
+    periodic: bool = False
 
 
 def check_ranking_arguments(monitor: Any, mode: Any, save_top_k: Any) -> None:
@@ -123,6 +126,7 @@ class Ranking:
                     "step": e.step,
                     "path": None if e is current else _relative(e.path, root),
                     **({"keep": True} if e.keep else {}),
+                    **({"periodic": True} if e.periodic else {}),
                 }
                 for e in entries
                 if e is current or e.path is not None
@@ -202,8 +206,11 @@ class BestCheckpoints:
             )
         return score if self.ranking.enters(score) else None
 
-    def save(self, engine: Engine, score: float, save: Callable[[], Path | PendingCheckpoint]) -> None:
-        """Rank a checkpoint scoring ``score`` and ``save()`` it; a failed save leaves the ranking as it was."""
+    def save(
+        self, engine: Engine, score: float, save: Callable[[], Path | PendingCheckpoint], periodic: bool = False
+    ) -> None:
+        """Rank a checkpoint scoring ``score`` and ``save()`` it; a failed save leaves the ranking as it was.
+        ``periodic``: the save is the step's periodic one too (see ``Ranked.periodic``)."""
         try:
             # The save before this one commits first (save() would wait for it anyway), so what this one pushes
             # out of the best k is never deleted before this one is committed.
@@ -212,6 +219,7 @@ class BestCheckpoints:
             self.settle(engine)  # forgets that save if it failed
         before = self.ranking.copy()
         entry = self._current = self.ranking.add(score, engine.state.step)
+        entry.periodic = periodic
         try:
             saved = save()
         except BaseException:
@@ -250,7 +258,7 @@ class BestCheckpoints:
                 waiting.append(entry)  # not committed yet, or still what resume="latest" finds
                 continue
             engine.checkpoints.release(entry.path, self.holder)
-            if engine.is_main_process:  # one process deletes; every rank forgets it
+            if engine.is_main_process and not entry.periodic:  # one process deletes; every rank forgets it
                 engine.checkpoints.delete(entry.path)
         self.ranking.dropped = waiting
 
@@ -339,6 +347,7 @@ def _well_formed(state: Any) -> bool:
             and isinstance(e.get("step"), int)
             and (e.get("path") is None or isinstance(e.get("path"), str))
             and isinstance(e.get("keep", False), bool)
+            and isinstance(e.get("periodic", False), bool)
         )
 
     if not isinstance(state, dict) or not isinstance(state.get("monitor"), str) or state.get("mode") not in _MODES:
@@ -361,4 +370,10 @@ def _relative(path: Path | None, root: Path | None) -> str | None:
 
 def _decode(entry: dict[str, Any], current: Path, root: Path) -> Ranked:
     path = current if entry["path"] is None else root / entry["path"]  # an absolute path stays as it is
-    return Ranked(float(entry["score"]), int(entry["step"]), path, keep=entry.get("keep") is True)
+    return Ranked(
+        float(entry["score"]),
+        int(entry["step"]),
+        path,
+        keep=entry.get("keep") is True,
+        periodic=entry.get("periodic") is True,
+    )

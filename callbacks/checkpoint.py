@@ -10,24 +10,28 @@ from typing import TYPE_CHECKING, Any
 from cadence import Callback
 from cadence.checkpoint.checks import check_state_fields
 from cadence.errors import CadenceWarning
+from cadence.schedule import steps_in_run
 from cadence.stacklevel import user_stacklevel
 from cadence.validators import boolean, optional_integer
 
 from .best_checkpoint import BestCheckpoints, Mode, check_ranking_arguments
+from .checkpoint_space import UNTIL_STOPPED_EPOCHS, free_bytes, least_checkpoint_bytes, planned_saves, space_warning
 
 if TYPE_CHECKING:
     from cadence import Engine
     from cadence.checkpoint.background import PendingCheckpoint
 
 
-def save_once(engine: Engine) -> Path:
+def save_once(engine: Engine, stale: Path | None = None) -> Path:
     """A checkpoint of the current step that ``resume="latest"`` finds: the one already committed when a save of
     this step landed in ``engine.checkpoints`` (a ``Checkpoint`` every N steps, another stopping callback), else a
-    new blocking save. Waits for a background save first, so the answer is the same on every rank."""
+    new blocking save. ``stale``: a checkpoint that does not count (taken before the validation that just ended).
+    Waits for a background save first, so the answer is the same on every rank."""
     engine.wait_for_checkpoint()
     state = engine.state
-    if state.checkpoint_step == state.step and state.checkpoint_dir and engine.checkpoints.names(state.checkpoint_dir):
-        return state.checkpoint_dir
+    saved = state.checkpoint_dir
+    if state.checkpoint_step == state.step and saved and saved != stale and engine.checkpoints.names(saved):
+        return saved
     return engine.save_state()
 
 
@@ -37,6 +41,11 @@ class Checkpoint(Callback):
     - every ``every_n_steps`` real optimizer steps, at the end of the batch that completed the step (so the
       dataloader resumes at the next batch);
     - every ``every_n_epochs`` epochs, at ``EPOCH_END`` (the resume starts the next epoch);
+    - once per step: when ``fit()`` validates at the step of such a save (``state.validation_pending``), the save
+      waits for that validation's ``VALIDATION_END``, so it holds the validation (and a ``monitor``'s ranking of
+      it: one checkpoint, not two) and a resume never runs it again, as in Lightning. A validation that fails
+      leaves that step without its save in a run of several processes (the failure may be one rank's, and a save
+      is collective): ``on_exception=True`` saves then; with one process the held save is made at ``EXCEPTION``;
     - with ``save_last=True`` (the default), when ``fit()`` ends normally, unless a checkpoint of this very step
       was already saved: running a finished script again with ``fit(..., resume="latest")`` finds the final
       state. A failing ``fit()`` does not save here (see ``on_exception``);
@@ -60,7 +69,10 @@ class Checkpoint(Callback):
     ``monitor`` (a logged metric) ranks checkpoints, ``mode="min"`` (lower is better) or ``"max"``, and keeps the
     ``save_top_k`` best besides the latest (default 1; -1 keeps all; 0 saves none, as in Lightning). A ``val/``
     metric is ranked at ``VALIDATION_END``, with a save only when it enters the best k; any other metric at the
-    ``every_n_steps`` / ``every_n_epochs`` saves. Ties keep the older checkpoint; a NaN score never ranks. A
+    ``every_n_steps`` / ``every_n_epochs`` saves. The periodic saves are kept outside the ranking (only
+    ``checkpoint_total_limit`` deletes them): one that was also ranked among the best is not deleted when it falls
+    out of them. ``fit()`` warns when it starts if the periodic saves it plans would not fit in the free space of
+    ``project_dir``. Ties keep the older checkpoint; a NaN score never ranks. A
     checkpoint this callback saved for the ranking and that falls out of it is deleted (by the main process) once
     it is no longer the newest; ``checkpoint_total_limit`` never deletes one of the best k. ``best_path`` and
     ``best_score`` survive a resume (a best checkpoint deleted by hand is dropped with a warning). A resume under
@@ -119,6 +131,8 @@ class Checkpoint(Callback):
         self._saving = False
         self._validated = False
         self._fit_start_step = 0
+        self._held = False  # a periodic save of this step waits for the step's validation (validation_pending)
+        self._saved_before_validation = False
 
     @property
     def state_key(self) -> str:
@@ -150,17 +164,37 @@ class Checkpoint(Callback):
             engine.print(f"Saved checkpoint {saved} at step {engine.state.step} ({reason}).")
         return saved
 
-    def _periodic_save(self, engine: Engine) -> None:
+    def _periodic_save(self, engine: Engine, score: float | None = None) -> None:
+        """The step's periodic save; ``score``: the fresh ``val/`` score when it enters the best k, which ranks
+        this same checkpoint (kept when it falls out, as a periodic one)."""
         best = self._best
-        if best is None or best.after_validation:
+        if best is None or (best.after_validation and score is None):
             self._save(engine, periodic=True)
+        elif best.after_validation and score is not None:
+            best.save(engine, score, lambda: self._save(engine, periodic=True), periodic=True)
         else:
             best.save(engine, best.score(engine), lambda: self._save(engine, periodic=True))
 
+    def _periodic_due(self, engine: Engine) -> None:
+        """Save now, or at the step's ``VALIDATION_END`` when ``fit()`` validates at this step first."""
+        if engine.state.validation_pending:
+            self._held = True
+        else:
+            self._periodic_save(engine)
+
+    def on_validation_start(self, engine: Engine) -> None:
+        self._saved_before_validation = self._last_saved_step == engine.state.step
+
     def on_validation_end(self, engine: Engine) -> None:
         self._validated = True
+        held, self._held = self._held, False
         best = self._best
-        if best is not None and best.after_validation and (score := best.validation_score(engine)) is not None:
+        score = best.validation_score(engine) if best is not None and best.after_validation else None
+        # A save of this step made before the validation (Timer's, a hand-made one) does not hold it; one made at
+        # this VALIDATION_END by a saver ahead of this one (Preemption's) does.
+        if held and (engine.state.step != self._last_saved_step or self._saved_before_validation):
+            self._periodic_save(engine, score)
+        elif best is not None and score is not None:
             best.save(engine, score, lambda: self._save(engine, periodic=True))
 
     def on_save_state(self, engine: Engine) -> None:
@@ -177,10 +211,47 @@ class Checkpoint(Callback):
             self._best.restore(engine)
 
     def on_fit_start(self, engine: Engine) -> None:
-        self._validated = False
+        self._validated = self._held = False
         self._fit_start_step = engine.state.step
         if engine.is_main_process:  # after a resume: the run continued is known by now
             engine.checkpoints.warn_about_other_runs()
+            self._warn_about_space(engine)
+
+    def _warn_about_space(self, engine: Engine) -> None:
+        """Warn when the periodic saves this fit() plans, kept, would not fit in the project directory's free space
+        (checked against a lower bound of a checkpoint's size, so the warning is never a false alarm)."""
+        if self.every_n_steps is None and self.every_n_epochs is None:
+            return
+        state = engine.state
+        train = next((loader for loader in engine.dataloaders if loader.drives_training), None)
+        if train is None:
+            return
+        try:
+            per_epoch: int | None = engine.estimated_steps(train, max_epochs=1)
+        except ValueError:
+            per_epoch = None  # a loader without a length
+        if state.max_steps is None and (per_epoch is None or (state.max_epochs or 0) >= UNTIL_STOPPED_EPOCHS):
+            return  # no plan to count: max_epochs=10**9 reads as "until a callback stops it"
+        total = state.max_steps if per_epoch is None else steps_in_run(per_epoch, state.max_epochs, state.max_steps)
+        steps_left = max((total or 0) - state.step, 0)
+        epochs_left = None
+        if state.max_epochs is not None:
+            epochs_left = max(state.max_epochs - train.epoch, 0)
+        if per_epoch:
+            epochs_left = min(epochs_left if epochs_left is not None else steps_left, -(-steps_left // per_epoch))
+        saves = planned_saves(steps_left, epochs_left, self.every_n_steps, self.every_n_epochs)
+        if not saves:
+            return
+        trigger = ", ".join(
+            f"{name}={value}"
+            for name, value in (("every_n_steps", self.every_n_steps), ("every_n_epochs", self.every_n_epochs))
+            if value is not None
+        )
+        root = engine.checkpoints.root
+        each, free = least_checkpoint_bytes(engine), free_bytes(root)
+        message = space_warning(saves, each, free, root, trigger, engine.checkpoint_total_limit)
+        if message is not None:
+            warnings.warn(message, CadenceWarning, stacklevel=user_stacklevel())
 
     def on_batch_end(self, engine: Engine) -> None:
         state = engine.state
@@ -190,21 +261,44 @@ class Checkpoint(Callback):
             and state.step % self.every_n_steps == 0
             and state.step != self._last_saved_step
         ):
-            self._periodic_save(engine)
+            self._periodic_due(engine)
 
     def on_epoch_end(self, engine: Engine) -> None:
-        if self.every_n_epochs is not None and (engine.state.epoch + 1) % self.every_n_epochs == 0:
-            self._periodic_save(engine)
+        state = engine.state
+        due = self.every_n_epochs is not None and (state.epoch + 1) % self.every_n_epochs == 0
+        # One save per step: an every_n_steps save of the epoch's last step (or one held for its validation)
+        # covers this epoch's end as well; its resume processes the end as this run does next.
+        if due and state.step != self._last_saved_step and not self._held:
+            self._periodic_due(engine)
 
     def on_exception(self, engine: Engine) -> None:
-        if not self.on_exception_save or self._saving:
+        held, self._held = self._held, False
+        if self._saving:
             return  # a failure inside save_state itself must not recurse into another save
+        if held and not self.on_exception_save and engine.world_size == 1:
+            # The step's save waited for a validation that failed: the state is the step's, whole (the EMA
+            # callback, running before this one, swapped its average out), so it is saved as it would have been.
+            # Under several ranks the failure may be one rank's, where a collective save would hang.
+            self._save_held_after_failure(engine)
+            return
+        if not self.on_exception_save:
+            return
         error = engine.state.exception
         try:
             self._save(engine, f"fit failed: {type(error).__name__}; the batch that raised is not replayed")
         except Exception as save_error:  # the original exception is what the user must see
             warnings.warn(
                 f"Checkpoint(on_exception=True) could not save: {save_error}",
+                CadenceWarning,
+                stacklevel=user_stacklevel(),
+            )
+
+    def _save_held_after_failure(self, engine: Engine) -> None:
+        try:
+            self._save(engine, "the step's periodic save, held for a validation that failed")
+        except Exception as save_error:  # the original exception is what the user must see
+            warnings.warn(
+                f"Checkpoint could not save step {engine.state.step}, held for its validation: {save_error}",
                 CadenceWarning,
                 stacklevel=user_stacklevel(),
             )

@@ -36,9 +36,11 @@ class EarlyStopping(Callback):
     A ``val/...`` metric is written by validation only, so it can be checked with ``"validation"`` only. In a
     hand-written loop, log the metric and call ``check(engine)`` yourself.
 
-    ``mode="min"`` wants the metric lower, ``"max"`` higher. A check improves when it beats the best value so far
-    by more than ``min_delta`` (``current < best - min_delta`` for ``"min"``); every other check counts towards
-    ``patience``, and the run stops at the ``patience``-th one in a row (``patience=0``: at the first).
+    ``mode="min"`` wants the metric lower, ``"max"`` higher. A check improves when it beats the value of the last
+    check that improved by more than ``min_delta`` (``current < reference - min_delta`` for ``"min"``); every other
+    check counts towards ``patience``, and the run stops at the ``patience``-th one in a row (``patience=0``: at the
+    first). ``best_score`` and ``best_step`` are the best value seen and its step, improvement by ``min_delta`` or not
+    (on a tie, the earlier): what ``Checkpoint(monitor=...)``'s ``best_score`` holds for the same metric and mode.
     ``check_finite`` stops at once on NaN or infinity. ``stopping_threshold`` stops once the metric is better than
     it; ``divergence_threshold`` stops once the metric is worse than it.
 
@@ -97,6 +99,7 @@ class EarlyStopping(Callback):
         self.wait_count = 0
         self.best_score = math.inf if mode == "min" else -math.inf
         self.best_step: int | None = None
+        self._reference = self.best_score  # the last improving check's value: min_delta is measured from it
         self.stopped_step: int | None = None
         self.stop_reason: str | None = None
         """Why this callback stopped the run at ``stopped_step`` (without the ``"EarlyStopping: "`` prefix)."""
@@ -113,6 +116,7 @@ class EarlyStopping(Callback):
             "wait_count": self.wait_count,
             "best_score": torch.tensor(self.best_score, dtype=torch.float64),  # a tensor keeps inf and NaN exact
             "best_step": self.best_step,
+            "reference": torch.tensor(self._reference, dtype=torch.float64),
             "stopped_step": self.stopped_step,
             "stop_reason": self.stop_reason,
             "last_check_step": self._last_check_step,
@@ -133,13 +137,18 @@ class EarlyStopping(Callback):
         )
         if "stop_reason" in state_dict:  # absent from checkpoints of earlier versions
             check_state_fields(owner, state_dict, {"stop_reason": (str, type(None))})
-        best = state_dict["best_score"]
-        if isinstance(best, torch.Tensor) and best.numel() != 1:
-            refuse_state(owner, f"'best_score' must be one number, not a tensor of shape {tuple(best.shape)}")
+        if "reference" in state_dict:  # absent from checkpoints of earlier versions
+            check_state_fields(owner, state_dict, {"reference": (torch.Tensor, float, int)})
+        for name in ("best_score", "reference"):
+            value = state_dict.get(name)
+            if isinstance(value, torch.Tensor) and value.numel() != 1:
+                refuse_state(owner, f"'{name}' must be one number, not a tensor of shape {tuple(value.shape)}")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.wait_count = int(state_dict["wait_count"])
         self.best_score = float(state_dict["best_score"])
+        # Earlier versions kept only the reference, under best_score.
+        self._reference = float(state_dict.get("reference", state_dict["best_score"]))
         self.best_step = state_dict["best_step"]
         self.stopped_step = state_dict["stopped_step"]
         self.stop_reason = state_dict.get("stop_reason")  # absent from checkpoints of earlier versions
@@ -199,8 +208,10 @@ class EarlyStopping(Callback):
         name = self.monitor
         if self.check_finite and not math.isfinite(current):
             return f"{name} is {current} at step {step}, not finite{self._best_text()}"
-        if self._better(current, self.best_score, self.min_delta):
-            self.best_score, self.best_step, self.wait_count = current, step, 0
+        if self._better(current, self.best_score, 0.0):
+            self.best_score, self.best_step = current, step
+        if self._better(current, self._reference, self.min_delta):
+            self._reference, self.wait_count = current, 0
         else:
             self.wait_count += 1
         if self.stopping_threshold is not None and self._better(current, self.stopping_threshold, 0.0):

@@ -10,6 +10,7 @@ import subprocess
 import threading
 import warnings
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -46,7 +47,10 @@ class Preemption(Callback):
     The handler only notes the signal. At the next safe point, the ``BATCH_END`` of an optimizer step
     (``state.sync_gradients``, so never inside an accumulation window), every rank learns whether any rank got a
     signal, through one ``engine.reduce(op="max")`` of one number: under torchrun a SIGTERM reaches every rank,
-    but a SIGUSR1 may reach one. Then every rank saves (``engine.save_state()``, blocking) and stops the run with
+    but a SIGUSR1 may reach one. A step that ``fit()`` validates before the next batch (``state.validation_pending``)
+    is checked at its ``VALIDATION_END`` instead, and so is every validation's end: a signal that comes during a long
+    validation is acted on as it ends, and the checkpoint holds the validation, so the resumed run never runs it (or
+    writes its row) again. Then every rank saves (``engine.save_state()``, blocking) and stops the run with
     ``state.stop_reason`` naming the signal and the checkpoint, and ``fit()`` ends as usual (every ``FIT_END``
     runs: loggers flush) before it raises ``SystemExit(exit_code)``. ``fit(..., resume="latest")`` in the next
     job continues bit-exactly from that checkpoint.
@@ -111,6 +115,7 @@ class Preemption(Callback):
         self._in_fit = False
         self._warned_outside_fit = False
         self._pid = os.getpid()
+        self._before_validation: Path | None = None
 
     @property
     def signal_received(self) -> signal.Signals | None:
@@ -178,16 +183,33 @@ class Preemption(Callback):
         if self._acted or not state.sync_gradients or _run_ends_here(state):
             return
         self._steps_since_check += 1
-        if self._steps_since_check < self.check_every_n_steps:
+        if self._steps_since_check < self.check_every_n_steps or state.validation_pending:
+            return  # a step validated before the next batch is checked at its VALIDATION_END, which always checks
+        self._steps_since_check = 0
+        self._act(engine, stale=None)
+
+    def on_validation_start(self, engine: Engine) -> None:
+        self._before_validation = engine.state.checkpoint_dir
+
+    def on_validation_end(self, engine: Engine) -> None:
+        # After every validation of fit(): a signal that came during a long one is acted on before the next batch,
+        # and the checkpoint holds the validation, so the resumed run never repeats it (nor its logged row).
+        if not self._in_fit or self._acted or _run_ends_here(engine.state):
             return
         self._steps_since_check = 0
+        self._act(engine, stale=self._before_validation)
+
+    def _act(self, engine: Engine, stale: Path | None) -> None:
+        """When any rank got a signal: save (``stale``: a checkpoint of this step taken before its validation, which
+        does not count) and stop."""
         received = self._agreed_signal(engine)
         if received is None:
             return
+        state = engine.state
         self._acted = True
         name = signal.Signals(received).name
         engine.print(f"Preemption: {name} received; saving a checkpoint at step {state.step}.")
-        saved = save_once(engine)
+        saved = save_once(engine, stale=stale)
         exit_code = self.exit_code if self.exit_on_preemption else None
         state.stop(f"Preemption: {name} received; saved checkpoint {saved}", exit_code=exit_code, now=True)
 

@@ -242,6 +242,11 @@ class ValidationLog(cadence.Callback):
 def test_a_resume_from_an_epoch_end_checkpoint_runs_that_epochs_validation_first(tmp_path: Path) -> None:
     from cadence.callbacks import Checkpoint
 
+    class SaveAtFirstEpochEnd(cadence.Callback):
+        def on_epoch_end(self, engine: cadence.Engine) -> None:
+            if engine.state.epoch == 0:
+                engine.save_state(tmp_path / "epoch_end")
+
     class SaveAfterFirstValidation(cadence.Callback):
         def on_validation_end(self, engine: cadence.Engine) -> None:
             if engine.state.epoch == 0:
@@ -256,12 +261,17 @@ def test_a_resume_from_an_epoch_end_checkpoint_runs_that_epochs_validation_first
         engine.fit(RegressionStep(), loader(shuffle=True), val_dataloader=loader(), max_epochs=3, resume=resume)
         return log.seen
 
-    straight = run(None, SaveAfterFirstValidation())
+    straight = run(None, SaveAtFirstEpochEnd(), SaveAfterFirstValidation())
     assert [epoch for epoch, _ in straight] == [0, 1, 2]
-    # checkpoint_0 was taken at EPOCH_END of epoch 0, before that epoch's validation ran: the resume runs it.
-    assert run(tmp_path / "checkpoints" / "checkpoint_0") == straight
+    saved = sorted((tmp_path / "checkpoints").glob("checkpoint_*"), key=lambda path: int(path.name.split("_")[1]))
+    assert len(saved) == 3  # one per epoch
+    # Taken at EPOCH_END of epoch 0, before that epoch's validation ran: the resume runs it.
+    assert run(tmp_path / "epoch_end") == straight
     # A checkpoint taken after the validation does not validate that epoch twice.
     assert run(tmp_path / "after_validation") == straight[1:]
+    # Checkpoint(every_n_epochs=1) saves an epoch validated at its end after that validation, once: its resume goes
+    # on from there.
+    assert run(saved[0]) == straight[1:]
 
 
 def test_callbacks_that_save_checkpoints_run_after_the_others_in_their_given_order() -> None:

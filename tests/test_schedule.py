@@ -236,3 +236,85 @@ def test_an_epoch_schedule_without_validation_resumes_from_an_epoch_end_checkpoi
     )
     assert first + second == straight == [0.1] * 5 + [0.05] * 5 + [0.025] * 5 + [0.0125] * 5
     assert_bitwise_equal(parameters(resumed.model), parameters(reference.model))
+
+
+# --- a "step" schedule on a val/ metric, and what fit() refuses at its start (issue 27, item 6) -------------------
+class RecordingPlateau(ReduceLROnPlateau):
+    """ReduceLROnPlateau that keeps every value it stepped on."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(optimizer, patience=0, factor=0.5, threshold=0.5)
+        self.seen: list[float] = []
+
+    def step(self, metrics: Any, epoch: Any = None) -> None:  # type: ignore[override]
+        self.seen.append(float(metrics))
+        super().step(metrics)
+
+
+class ValidationLosses(cadence.Callback):
+    def __init__(self) -> None:
+        self.losses: list[tuple[int, float]] = []
+
+    def on_validation_end(self, engine: cadence.Engine) -> None:
+        self.losses.append((engine.state.step, float(engine.state.metrics["val/loss"])))
+
+
+class SaveBeforeValidation(cadence.Callback):
+    """A hand-made checkpoint at the BATCH_END of ``step`` (before that step's validation), then a stop."""
+
+    def __init__(self, path: Path, step: int) -> None:
+        self.path, self.step = path, step
+
+    def on_batch_end(self, engine: cadence.Engine) -> None:
+        if engine.state.step == self.step:
+            engine.save_state(self.path)
+            engine.state.stop("split here", now=True)
+
+
+def plateau_by_steps(tmp_path: Path, *extra: cadence.Callback, resume: Path | None = None) -> tuple[Any, Any]:
+    log, losses = LrLog(), ValidationLosses()
+    step = ScheduledStep(lambda opt: Schedule(RecordingPlateau(opt), interval="step", frequency=2, monitor="val/loss"))
+    engine = Engine(progress_bar=False, model_summary=False, project_dir=tmp_path, callbacks=[log, losses, *extra])
+    engine.fit(step, loader(), max_epochs=2, val_dataloader=loader(batch_size=10), val_every_n_steps=2, resume=resume)
+    return log.lrs, (step.scheduler.scheduler.seen, losses.losses, step)
+
+
+def test_a_step_schedule_on_a_val_metric_steps_after_that_steps_validation(tmp_path: Path) -> None:
+    lrs, (seen, losses, step) = plateau_by_steps(tmp_path / "straight")
+    # Every 2 updates, the value the validation at that very step measured (not the previous one, nor a KeyError).
+    assert [value for _, value in losses if _ % 2 == 0] == seen and len(seen) == 5
+    assert min(lrs) < max(lrs), "the test needs the plateau to act"
+    # Resumed from a checkpoint taken before step 4's validation: the catch-up validation steps the schedule.
+    split = tmp_path / "split" / "before_validation"
+    first, _ = plateau_by_steps(tmp_path / "split", SaveBeforeValidation(split, step=4))
+    second, (_, _, resumed) = plateau_by_steps(tmp_path / "split", resume=split)
+    assert first + second == lrs
+    assert_bitwise_equal(parameters(resumed.model), parameters(step.model))
+
+
+def test_a_val_monitor_without_validation_is_refused_before_training(tmp_path: Path) -> None:
+    step = ScheduledStep(lambda opt: Schedule(StepLR(opt, 1), interval="epoch", monitor="val/loss"))
+    engine = Engine(progress_bar=False, model_summary=False, project_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"monitor='val/loss'\) steps on a validation metric, but fit\(\) got no"):
+        engine.fit(step, loader(), max_epochs=2)
+    assert engine.state.step == 0
+
+
+@pytest.mark.parametrize("val_every_n_steps", [None, 3])
+def test_a_step_plateau_that_would_read_a_stale_val_metric_is_refused_with_interval_epoch(
+    tmp_path: Path, val_every_n_steps: int | None
+) -> None:
+    step = ScheduledStep(lambda opt: Schedule(ReduceLROnPlateau(opt), frequency=2, monitor="val/loss"))
+    engine = Engine(progress_bar=False, model_summary=False, project_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"Pass Schedule\(scheduler, interval='epoch', monitor='val/loss'\)"):
+        engine.fit(step, loader(), max_epochs=2, val_dataloader=loader(), val_every_n_steps=val_every_n_steps)
+    assert engine.state.step == 0
+
+
+def test_monitoring_the_training_loss_says_how_without_a_key_given_twice(tmp_path: Path) -> None:
+    step = ScheduledStep(lambda opt: Schedule(ReduceLROnPlateau(opt), interval="epoch", monitor="loss"))
+    with pytest.raises(KeyError) as raised:
+        Engine(progress_bar=False, model_summary=False, project_dir=tmp_path).fit(step, loader(), max_epochs=1)
+    message = str(raised.value)
+    assert "{'loss': loss, 'train_loss': loss.detach()}" in message and "monitor='train_loss'" in message
+    assert "'loss': value" not in message

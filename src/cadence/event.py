@@ -134,7 +134,9 @@ class Event(str, Enum):
         "validation_end",
         "Validation metrics are in ``state.metrics`` under ``val/<name>``, as Python floats, each the mean over the "
         "validation samples of every rank (see ``TrainingStep.validation_step``), the same on every rank. At an "
-        'epoch\'s end, its ``Schedule(interval="epoch")`` has stepped too, so a checkpoint taken here holds both.',
+        'epoch\'s end, its ``Schedule(interval="epoch")`` has stepped too, and at any validation a ``"step"`` schedule '
+        "on a ``val/`` metric whose turn it is, so a checkpoint taken here holds them; ``state.validation_pending`` "
+        "is False again (a checkpoint a step's validation held back is saved here).",
     )
 
     FIT_END = "fit_end", "``fit()`` is returning, normally or through an exception: release resources here."

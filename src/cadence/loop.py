@@ -11,14 +11,21 @@ When each event fires, read top to bottom (``cadence.Event`` says what each guar
         for each batch of the training loader:   EPOCH_START before the first, BATCH_START: the loader
             training_step, backward()            BEFORE_BACKWARD, AFTER_BACKWARD: engine.backward
             optimizer.step()                     BEFORE_/AFTER_OPTIMIZER_STEP on a sync step: the prepared optimizer
-            scheduler.step()                     a "step" Schedule, when its optimizer updated
+            [state.validation_pending]           whether this step is validated before the next batch
+            scheduler.step()                     a "step" Schedule, when its optimizer updated (one monitoring a
+                                                 val/ metric steps after the step's validation, before its end)
             optimizer.zero_grad()
                                                  BATCH_END: the loader, when the next batch is asked for
             [step validation]                    every val_every_n_steps updates: VALIDATION_START ... VALIDATION_END
+                                                 (a "step" Schedule on a val/ metric steps before VALIDATION_END)
         EPOCH_END                                the loader, once it is exhausted
         [epoch validation]                       every val_every_n_epochs epochs (never twice at one step), then the
                                                  "epoch" Schedule's step, both before VALIDATION_END
     EXCEPTION when something raised; FIT_END always
+
+A step validated before the next batch is announced (``state.validation_pending``) from before its ``BATCH_END`` to
+its ``VALIDATION_END``, so the callbacks that save checkpoints save that step once, after its validation: a resume
+from any checkpoint never runs a validation the checkpoint's run already ran (and logged).
 
 A stop (``state.stop``) takes effect after the batch it was asked in, at once or, below ``min_steps`` /
 ``min_epochs``, when they are reached. The loaders a previous ``fit()`` prepared are tracked here (``FitLoaders``,
@@ -44,15 +51,17 @@ from cadence.errors import CadenceWarning
 from cadence.evaluation import evaluating
 from cadence.event import Event
 from cadence.metrics import ValidationMeans, batch_samples
+from cadence.schedule import Schedule
 from cadence.stacklevel import user_stacklevel
 from cadence.state import State
 from cadence.step import TrainingStep, check_training_step, missing_validation_step
 from cadence.validators import optional_integer
+from cadence.wrappers import PreparedScheduler
 
 if TYPE_CHECKING:
     from cadence.callback import Callback
     from cadence.engine import Engine
-    from cadence.wrappers import PreparedDataLoader, PreparedOptimizer, PreparedScheduler
+    from cadence.wrappers import PreparedDataLoader, PreparedOptimizer
 
 
 class FitLoaders:
@@ -142,6 +151,7 @@ def set_up_fit(
     _check_checkpoints_writable(engine)
     if val_dataloader is not None and type(step).validation_step is TrainingStep.validation_step:
         raise missing_validation_step(step)
+    _check_schedule_monitor(getattr(step, "scheduler", None), plan, val_dataloader is not None)
     defaults = _default_callbacks(engine)  # resolved before prepare() changes anything
     model, optimizer, scheduler = _prepare_step(engine, step)
     train_loader, val_loader = loaders.prepare(engine, train_dataloader, val_dataloader)
@@ -216,7 +226,7 @@ class FitRun:
             self.train_loader.after_batch_end = None
             for loader, setting in given:
                 loader.drives_training = setting
-            state.below_minimum = False
+            state.below_minimum = state.validation_pending = False
             _finish(engine)
         return _report(engine)
 
@@ -224,8 +234,11 @@ class FitRun:
         state = self.state
         if self.resumed:
             self.catch_up()
-            if state.should_stop and self.train_loader.cursor.batches_left() == 0:
-                self.end_stopped_epoch()
+            if self.train_loader.cursor.batches_left() == 0:
+                # Restored at an epoch's last batch: its EPOCH_END comes first, perhaps with its validation.
+                state.validation_pending = self.validation_ahead(epoch_ends=True)
+                if state.should_stop:
+                    self.end_stopped_epoch()
         while not state.should_stop and not self.epochs_done():
             self.model.train()
             epochs_before, batches = self.train_loader.epoch, 0
@@ -253,7 +266,8 @@ class FitRun:
             loss, num_items = _unpack_training_output(engine, self.step.training_step(batch))
             engine.backward(loss, num_items=num_items)
             optimizer.step()
-            if scheduler is not None and scheduler.interval == "step":
+            self.state.validation_pending = self.validation_ahead(epoch_ends=self.state.is_last_batch)
+            if scheduler is not None and scheduler.interval == "step" and not scheduler.waits_for_validation:
                 scheduler.step()
             optimizer.zero_grad()
         if self.limit_reached():
@@ -262,7 +276,7 @@ class FitRun:
     def after_batch_end(self) -> None:
         """After every callback's ``BATCH_END``: the step's validation when one is due, then the minimum's check."""
         if self.step_validation_due():
-            self.validate_once()
+            self.validate(before_end=self.step_schedule_after_validation)
         self.update_minimum()
 
     def end_epoch(self) -> None:
@@ -271,7 +285,7 @@ class FitRun:
         every = self.plan.val_every_n_epochs
         due = self.val_loader is not None and every is not None and self.train_loader.epoch % every == 0
         if due and self.state.validated_step != self.state.step:
-            self.validate(before_end=self.step_epoch_schedule)
+            self.validate(before_end=self.step_schedules_at_epoch_end)
         else:
             self.step_epoch_schedule()
 
@@ -290,7 +304,9 @@ class FitRun:
     def catch_up(self) -> None:
         """What the restored run had left to do at its checkpoint, as the uninterrupted run did it: the end of its
         last epoch (an ``EPOCH_END`` checkpoint comes before its validation and schedule step), or the validation of
-        the step it was saved at (a ``BATCH_END`` checkpoint comes before the step's validation)."""
+        the step it was saved at (a ``BATCH_END`` checkpoint comes before the step's validation). ``Checkpoint`` and
+        ``Preemption`` save such a step after its validation (``state.validation_pending``), leaving nothing here;
+        other saves (``Timer``'s, a hand-made one, an older cadence's) may come before it."""
         state, finished = self.state, self.train_loader.epoch - 1
         if state.ended_epochs is not None:
             pending_end = state.ended_epochs == finished
@@ -304,13 +320,29 @@ class FitRun:
             self.validate_once()  # the validation a run that reached max_steps mid-epoch gets as it ends
 
     # --- validation ----------------------------------------------------------------------------------------
+    def validation_ahead(self, epoch_ends: bool) -> bool:
+        """Whether ``fit()`` validates at this step before it trains on (``state.validation_pending``): the step's
+        own validation, the end of an epoch due for one (``epoch_ends``: this is the epoch's last batch, and the
+        epoch ends even when a stop was asked at it), or the one a run ended by ``max_steps`` gets. The same rules as
+        ``after_batch_end``, ``end_epoch`` and ``train``, asked before they run."""
+        state, every = self.state, self.plan.val_every_n_epochs
+        if self.val_loader is None or state.validated_step == state.step:
+            return False
+        if self.step_validation_due():
+            return True
+        if every is None:
+            return False
+        if epoch_ends:
+            return (self.train_loader.epoch + 1) % every == 0
+        return self.limit_reached()
+
     def step_validation_due(self) -> bool:
         every, state = self.plan.val_every_n_steps, self.state
         return every is not None and state.step > 0 and state.step % every == 0 and state.validated_step != state.step
 
     def validate_once(self) -> None:
         if self.val_loader is not None and self.state.validated_step != self.state.step:
-            self.validate()
+            self.validate(before_end=self.step_schedule_after_validation)
 
     def validate(self, before_end: Callable[[], None] | None = None) -> None:
         """One validation: ``validation_step`` over the validation loader (its first ``val_batches`` batches), every
@@ -340,7 +372,18 @@ class FitRun:
         state.validated_epochs, state.validated_step = self.train_loader.epoch, state.step
         if before_end is not None:
             before_end()
+        state.validation_pending = False
         engine.fire(Event.VALIDATION_END)
+
+    def step_schedule_after_validation(self) -> None:
+        """A ``"step"`` schedule on a ``val/`` metric steps here, at its turn, with the value just measured: the
+        training step left it to the step's validation (a resumed run's catch-up validation included)."""
+        if self.scheduler is not None:
+            self.scheduler.after_validation()
+
+    def step_schedules_at_epoch_end(self) -> None:
+        self.step_schedule_after_validation()
+        self.step_epoch_schedule()
 
     def step_epoch_schedule(self) -> None:
         if self.scheduler is not None:
@@ -477,6 +520,30 @@ def _check_fit_scheduler(scheduler: Any) -> None:
         raise ValueError(
             "fit() steps a bare scheduler after every optimizer update, but ReduceLROnPlateau needs the metric it "
             "watches: set `self.scheduler = cadence.Schedule(scheduler, interval='epoch', monitor='val/loss')`."
+        )
+
+
+def _check_schedule_monitor(scheduler: Any, plan: Plan, validates: bool) -> None:
+    """Refuse, before training, a schedule on a ``val/`` metric that no validation of this ``fit()`` would feed."""
+    if not isinstance(scheduler, Schedule | PreparedScheduler):
+        return
+    monitor, interval, frequency = scheduler.monitor, scheduler.interval, scheduler.frequency
+    if monitor is None or not monitor.startswith("val/"):
+        return
+    if not validates:
+        raise ValueError(
+            f"The scheduler's Schedule(monitor={monitor!r}) steps on a validation metric, but fit() got no "
+            "val_dataloader, so it would never be measured: pass val_dataloader=... (with a validation_step), or "
+            "monitor a metric training_step returns."
+        )
+    every = plan.val_every_n_steps
+    if interval == "step" and (every is None or frequency % every):
+        when = "validates only at epoch ends" if every is None else f"validates every {every} updates"
+        raise ValueError(
+            f"The scheduler's Schedule(interval='step', frequency={frequency}, monitor={monitor!r}) would step at "
+            f"updates without a fresh {monitor!r} (this fit() {when}), reading a stale value: a plateau scheduler "
+            f"would take it for no improvement. Pass Schedule(scheduler, interval='epoch', monitor={monitor!r}) to "
+            "step after each epoch's validation, or make frequency a multiple of fit(val_every_n_steps=...)."
         )
 
 

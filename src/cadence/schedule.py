@@ -23,8 +23,10 @@ class Schedule:
         scheduler: a ``torch.optim.lr_scheduler`` scheduler (or any object with ``step``, ``state_dict`` and
             ``load_state_dict`` whose ``optimizer`` is prepared with it).
         interval: ``"step"``: after every ``frequency``-th optimizer update of the run (``state.step``; accumulation
-            micro-steps and skipped steps never count). ``"epoch"``: once at the end of every ``frequency``-th
-            training epoch, after that epoch's validation, so a ``val/`` metric it monitors is the one just measured.
+            micro-steps and skipped steps never count); one monitoring a ``val/`` metric steps after that update's
+            validation (``fit(val_every_n_steps=...)``, of which ``frequency`` must be a multiple). ``"epoch"``: once
+            at the end of every ``frequency``-th training epoch, after that epoch's validation, so a ``val/`` metric
+            it monitors is the one just measured.
         frequency: how many updates (or epochs) between two scheduler steps.
         monitor: a metric name (``"val/loss"``, or one ``training_step`` returns). Each step passes its latest value
             to ``scheduler.step(value)``; ``ReduceLROnPlateau`` needs one. A missing metric is an error, never a
@@ -78,11 +80,19 @@ def monitored_value(monitor: str, state: State) -> float:
     value = state.metrics.get(monitor)
     if value is None:
         logged = ", ".join(sorted(state.metrics)) or "none yet"
-        where = (
-            "validate before it steps (fit(..., val_dataloader=...), and validate at the epochs it steps)"
-            if monitor.startswith("val/")
-            else "return it from training_step ({'loss': loss, '" + monitor + "': value}) or engine.log() it"
-        )
+        if monitor.startswith("val/"):
+            where = (
+                f"fit() logs what validation_step returns as 'val/<name>', so return {monitor[4:]!r} from it, and "
+                f"let the schedule step after a validation: Schedule(scheduler, interval='epoch', monitor={monitor!r}) "
+                "steps after each epoch's validation"
+            )
+        elif monitor == "loss":
+            where = (
+                "the loss training_step returns is trained on, not logged: return a copy under a name of its own "
+                "({'loss': loss, 'train_loss': loss.detach()}) and pass monitor='train_loss'"
+            )
+        else:
+            where = f"return it from training_step ({{'loss': loss, {monitor!r}: value}}) or engine.log() it"
         raise KeyError(
             f"Schedule(monitor={monitor!r}) found no {monitor!r} at step {state.step} (logged metrics: {logged}): "
             f"{where}, or monitor a metric that is logged."

@@ -227,6 +227,17 @@ class State:
         ),
     )
 
+    validation_pending: bool = field(
+        default=False,
+        metadata=_doc(
+            "True from the end of an optimizer step (before its ``BATCH_END``) until its ``VALIDATION_END`` when "
+            "``fit()`` validates at this step before training on (every ``val_every_n_steps`` updates, at the end "
+            "of an epoch due for validation, when ``max_steps`` ends the run). A callback that saves a checkpoint "
+            "of the step waits for ``VALIDATION_END`` (``Checkpoint`` and ``Preemption`` do), so the checkpoint "
+            "holds the validation and a resume never runs it again. Written by ``fit()``."
+        ),
+    )
+
     min_steps: int | None = field(
         default=None,
         metadata=_doc("The run's ``min_steps``, when ``fit()`` was given one. Written by ``fit()``."),

@@ -174,6 +174,23 @@ class PreparedScheduler:
         self._seen_steps = count
         self.scheduler.step(*args, **kwargs)
 
+    @property
+    def waits_for_validation(self) -> bool:
+        """A ``"step"`` schedule monitoring a ``val/`` metric: ``fit()`` steps it after the step's validation
+        (``after_validation``), never before, so it reads the value measured at its step."""
+        return self.interval == "step" and self.monitor is not None and self.monitor.startswith("val/")
+
+    def after_validation(self) -> bool:
+        """Step a schedule that ``waits_for_validation`` when this step is its turn (``fit()`` calls this after each
+        validation, before ``VALIDATION_END``, so a checkpoint taken there holds the step); True when it stepped."""
+        state = self._engine.state
+        if not self.waits_for_validation or state.step == 0 or state.step % self.frequency:
+            return False
+        value = monitored_value(self.monitor, state)  # type: ignore[arg-type]  # waits_for_validation: a name
+        self._seen_steps = self.optimizer.step_count
+        self.scheduler.step(value)
+        return True
+
     def end_epoch(self, epochs_done: int) -> bool:
         """Step an ``"epoch"`` schedule whose turn it is now that ``epochs_done`` epochs are done (``fit()`` calls this
         after the epoch's validation); True when it stepped."""

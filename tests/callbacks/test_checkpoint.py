@@ -565,3 +565,101 @@ def test_a_run_resumed_with_the_other_mode_keeps_the_best_of_the_first(tmp_path:
         second = ranked_run(tmp_path, epochs=6, mode="max", resume="latest")
     assert first.best_path.exists() and second.best_path is not None and second.best_path != first.best_path
     assert len(saved(tmp_path)) <= 3  # the first run's best, the second's, and the latest
+
+
+# --- one save per step, after the step's validation (issue 27, item 1) --------------------------------------------
+class CountSaves(Callback):
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def on_save_state(self, engine: Engine) -> None:
+        self.steps.append(engine.state.step)
+
+
+def validation_rows(project_dir: Path) -> list[int]:
+    import csv
+
+    with (project_dir / "metrics.csv").open() as handle:
+        return [int(row["step"]) for row in csv.DictReader(handle) if row.get("val/loss")]
+
+
+SAVING_SETUPS = {
+    # An epoch validated at its end, saved every epoch.
+    "epochs": ({"every_n_epochs": 1}, {}),
+    # Validation every 4 updates, a save every 4 updates; the epochs' ends fall on a validated step too.
+    "steps": ({"every_n_steps": 4}, {"val_every_n_steps": 4}),
+    # The same with a ranking on the validation loss: the ranked checkpoint is the periodic one.
+    "ranked": ({"every_n_steps": 4, "monitor": "val/loss", "save_top_k": 1}, {"val_every_n_steps": 4}),
+}
+
+
+def saving_run(project_dir: Path, setup: str, resume: Path | None = None) -> tuple[Engine, list[int]]:
+    from cadence.callbacks import CSVLogger
+
+    checkpoint_kwargs, fit_kwargs = SAVING_SETUPS[setup]
+    counter = CountSaves()
+    engine = Engine(
+        accelerator="cpu", project_dir=project_dir, seed=0, progress_bar=False, model_summary=False,
+        callbacks=[CSVLogger(), Checkpoint(**checkpoint_kwargs), counter],
+    )  # fmt: skip
+    engine.fit(TinyStep(), tiny_dataloader(batches=8), max_epochs=2, val_dataloader=tiny_dataloader(batches=2, seed=1),
+               resume=resume, **fit_kwargs)  # fmt: skip
+    return engine, counter.steps
+
+
+@pytest.mark.parametrize("setup", sorted(SAVING_SETUPS))
+def test_a_step_validated_is_saved_once_after_its_validation_and_a_resume_never_validates_it_again(
+    tmp_path: Path, setup: str
+) -> None:
+    engine, saves = saving_run(tmp_path / "straight", setup)
+    straight_rows = validation_rows(tmp_path / "straight")
+    assert straight_rows == ([8, 16] if setup == "epochs" else [4, 8, 12, 16])
+    assert saves == straight_rows, "one checkpoint per validated step (not one before its validation and one after)"
+    for index, (_, checkpoint) in enumerate(reversed(engine.checkpoints.numbered())):
+        copy = tmp_path / f"resumed-{index}"
+        shutil.copytree(tmp_path / "straight", copy)
+        saving_run(copy, setup, resume=copy / "checkpoints" / checkpoint.name)
+        # The checkpoint holds its step's validation: the resumed run validates (and writes) only later steps.
+        assert validation_rows(copy) == straight_rows, f"resumed from {checkpoint.name}"
+
+
+# --- the disk space periodic saves need (issue 27, item 12) -------------------------------------------------------
+def test_planned_periodic_saves_that_exceed_the_free_space_are_named_with_the_fix(tmp_path: Path) -> None:
+    from cadence.callbacks.checkpoint_space import planned_saves, space_warning
+
+    # 1000 updates left over 10 epochs: every 10 updates and every 2 epochs.
+    assert planned_saves(1000, 10, every_n_steps=10, every_n_epochs=2) == 105
+    assert planned_saves(1000, None, every_n_steps=None, every_n_epochs=2) == 0
+    message = space_warning(105, 10**9, 50 * 10**9, tmp_path, "every_n_steps=10", limit=None)
+    assert message is not None
+    assert "about 105 more save(s)" in message and "105.0 GB kept" in message and "50.0 GB free" in message
+    assert "Engine(checkpoint_total_limit=N)" in message
+    # Retention keeps at most the limit; a plan that fits says nothing.
+    assert space_warning(105, 10**9, 50 * 10**9, tmp_path, "every_n_steps=10", limit=40) is None
+    assert space_warning(105, 10**6, 50 * 10**9, tmp_path, "every_n_steps=10", limit=None) is None
+
+
+def test_a_checkpoints_least_size_is_the_weights_then_the_newest_checkpoint_on_disk(tmp_path: Path) -> None:
+    from cadence.callbacks.checkpoint_space import least_checkpoint_bytes
+
+    engine = Engine(accelerator="cpu", project_dir=tmp_path, progress_bar=False, model_summary=False)
+    step = TinyStep()
+    engine.prepare(step.model, step.optimizer)
+    assert least_checkpoint_bytes(engine) == (4 * 2 + 2) * 4  # nn.Linear(4, 2)'s float32 weight and bias
+    engine.save_state()
+    newest = engine.checkpoints.numbered()[0][1]
+    assert least_checkpoint_bytes(engine) == sum(path.stat().st_size for path in newest.rglob("*") if path.is_file())
+
+
+def test_a_failed_validation_keeps_the_periodic_save_it_held_back(tmp_path: Path) -> None:
+    class FailingValidation(TinyStep):
+        def validation_step(self, batch: Any) -> dict[str, torch.Tensor]:
+            raise RuntimeError("validation broke")
+
+    engine = Engine(accelerator="cpu", project_dir=tmp_path, progress_bar=False, model_summary=False,
+                    callbacks=[Checkpoint(every_n_epochs=1, save_last=False)])  # fmt: skip
+    with pytest.raises(RuntimeError, match="validation broke"):
+        engine.fit(FailingValidation(), tiny_dataloader(batches=8), max_epochs=2, val_dataloader=tiny_dataloader(2))
+    # The epoch's save waited for its validation; the validation failed, and the step is saved all the same.
+    assert saved(tmp_path) == ["checkpoint_0"]
+    assert read_recorded(tmp_path / "checkpoints" / "checkpoint_0").step == 8

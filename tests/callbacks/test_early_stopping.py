@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 import cadence
 from cadence import Event
 from cadence.callbacks import Checkpoint, EarlyStopping, GradientAccumulation
+from cadence.checkpoint.state_document import read_recorded
 from cadence.testing import FakeEngine, FakeStrategy
 from cadence.testing.spawn import spawn
 from tests.helpers import RegressionStep, loader, regression_data
@@ -82,7 +83,8 @@ def test_min_delta_is_a_magnitude_whose_direction_comes_from_mode(mode: Any, val
     fake = FakeEngine(callbacks=[callback])
     # Only the third value beats the first by more than 0.1; 0.05 better and the last two do not count.
     assert validate(fake, values, name="val/acc") == [False, False, False, False, True]
-    assert callback.best_score == values[2]
+    # The best value seen is the fourth (not an improvement by more than 0.1 over the third, yet the best).
+    assert (callback.best_score, callback.best_step) == (values[3], 0)
     assert "did not improve by more than 0.1 for 2 checks" in str(fake.state.stop_reason)
 
 
@@ -374,3 +376,19 @@ def stop_in_a_hand_written_loop() -> list[bool]:
 @pytest.mark.slow
 def test_ranks_that_validate_different_values_by_hand_stop_together() -> None:
     assert spawn(2, stop_in_a_hand_written_loop, timeout=300.0) == [[False, True], [False, True]]
+
+
+def test_the_best_value_is_the_one_checkpoint_ranks_first_whatever_min_delta(tmp_path: Path) -> None:
+    # min_delta decides what counts as an improvement for patience; the best value seen is the best all the same.
+    stopping = EarlyStopping("val/mse", patience=100, min_delta=0.01)
+    ranking = Checkpoint(monitor="val/mse", save_top_k=2)
+    engine = cadence.Engine(
+        accelerator="cpu", project_dir=tmp_path, seed=0, progress_bar=False, model_summary=False,
+        callbacks=[stopping, ranking],
+    )  # fmt: skip
+    engine.fit(RegressionStep(), loader(shuffle=True), max_epochs=5, val_dataloader=loader(batch_size=10),
+               val_every_n_steps=2)  # fmt: skip
+    assert ranking.best_score is not None and stopping.best_step is not None
+    assert stopping.best_score == ranking.best_score
+    assert ranking.best_path is not None
+    assert read_recorded(ranking.best_path).step == stopping.best_step

@@ -503,3 +503,58 @@ def test_requeue_without_slurm_is_refused_before_any_handler_is_installed(
 def test_requeue_must_be_a_boolean() -> None:
     with pytest.raises(TypeError, match="True or False"):
         Preemption(requeue="yes")  # type: ignore[arg-type]
+
+
+# --- the step's validation comes first (issue 27, item 1) ---------------------------------------------------------
+class SignalInValidation(TinyStep):
+    """Raises SIGTERM in this process during the first validation's first batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.validations = 0
+
+    def validation_step(self, batch: Any) -> dict[str, torch.Tensor]:
+        self.validations += 1
+        if self.validations == 1:
+            signal.raise_signal(signal.SIGTERM)
+        return super().validation_step(batch)
+
+
+def validation_rows(project_dir: Path) -> list[int]:
+    import csv
+
+    with (project_dir / "metrics.csv").open() as handle:
+        return [int(row["step"]) for row in csv.DictReader(handle) if row.get("val/loss")]
+
+
+def preempted_then_resumed(project_dir: Path, step: TinyStep, *extra: cadence.Callback) -> tuple[int, list[str]]:
+    """Two epochs of 8 batches validated at their ends, Checkpoint every epoch: one run stopped by the signal, then
+    resumed to the end. Returns the step the first run stopped at and its checkpoints."""
+    from cadence.callbacks import CSVLogger
+
+    stopped_at, names = 0, []
+    for resume in (None, "latest"):
+        engine = cadence.Engine(
+            accelerator="cpu", project_dir=project_dir, seed=0, progress_bar=False, model_summary=False,
+            callbacks=[CSVLogger(), Checkpoint(every_n_epochs=1), Preemption(exit_on_preemption=False), *extra],
+        )  # fmt: skip
+        engine.fit(step if resume is None else TinyStep(), tiny_dataloader(batches=8), max_epochs=2,
+                   val_dataloader=tiny_dataloader(batches=2, seed=1), resume=resume)  # fmt: skip
+        if resume is None:
+            stopped_at, names = engine.state.step, saved(engine)
+    return stopped_at, names
+
+
+def test_a_signal_at_an_epochs_last_step_saves_after_its_validation_which_the_resume_does_not_repeat(
+    tmp_path: Path, guard: Guard
+) -> None:
+    stopped_at, names = preempted_then_resumed(tmp_path, TinyStep(), SignalAt(batch=7))
+    assert stopped_at == 8 and names == ["checkpoint_0"]  # one save, after the epoch's validation
+    assert validation_rows(tmp_path) == [8, 16]
+    assert guard.seen == [signal.SIGTERM]
+
+
+def test_a_signal_during_a_validation_is_acted_on_as_it_ends(tmp_path: Path, guard: Guard) -> None:
+    stopped_at, names = preempted_then_resumed(tmp_path, SignalInValidation())
+    assert stopped_at == 8 and names == ["checkpoint_0"]  # not at the next epoch's first step
+    assert validation_rows(tmp_path) == [8, 16]
