@@ -107,7 +107,9 @@ class Timer(Callback):
     the old job, and the restart itself, are not counted.) ``elapsed`` and ``remaining`` read it at any time.
 
     It checks at the ``BATCH_END`` of every ``check_every_n_steps``-th optimizer step (never inside an accumulation
-    window, so the checkpoint resumes exactly). With several ranks, whose clocks differ slightly, one
+    window, so the checkpoint resumes exactly); at a step ``fit()`` validates before the next batch
+    (``state.validation_pending``), at that validation's ``VALIDATION_END`` instead, so its one checkpoint holds
+    the validation. With several ranks, whose clocks differ slightly, one
     ``engine.reduce(op="max")`` of one number per check (the time counted) makes every rank stop at the same step
     as soon as any rank's time is up, counting that rank's time from then on (so the checkpoint holds it). When
     the time is up: ``engine.save_state()`` (blocking), then ``state.stop(reason)``. A resumed run whose time was
@@ -165,8 +167,17 @@ class Timer(Callback):
         if not state.sync_gradients:
             return
         self._steps_since_check += 1
-        if self._steps_since_check < self.check_every_n_steps:
-            return
+        if self._steps_since_check < self.check_every_n_steps or state.validation_pending:
+            return  # a step validated before the next batch is checked at its VALIDATION_END: one save, after it
+        self._check(engine)
+
+    def on_validation_end(self, engine: Engine) -> None:
+        # The step's validation is done: a save now holds it, so a resumed run never validates (or logs) it again.
+        if self._started is not None and self._steps_since_check >= self.check_every_n_steps:
+            self._check(engine)
+
+    def _check(self, engine: Engine) -> None:
+        state = engine.state
         self._steps_since_check = 0
         local = self.elapsed
         elapsed = self._slowest(engine, local)

@@ -181,3 +181,31 @@ def test_a_hand_written_loop_is_told_once_that_the_timer_does_nothing_there() ->
         hand_written_loop(fake)
     assert len([w for w in caught if "acts only inside" in str(w.message)]) == 1
     assert not fake.state.should_stop and fake.checkpoints.numbered() == []
+
+
+def timed_validated_run(project: Path, clock: BatchClock, max_duration: float, resume: Path | None = None) -> Any:
+    from cadence.callbacks import CSVLogger
+
+    engine = cadence.Engine(
+        accelerator="cpu", seed=0, project_dir=project, progress_bar=False, model_summary=False,
+        callbacks=[SecondsPerBatch(clock), CSVLogger(), Timer(max_duration, clock=clock)],
+    )  # fmt: skip
+    engine.fit(TinyStep(), tiny_dataloader(batches=4), max_epochs=3, val_dataloader=tiny_dataloader(batches=2, seed=1),
+               resume=resume)  # fmt: skip
+    return engine
+
+
+def test_time_up_at_a_validated_step_saves_once_after_its_validation_and_the_resume_never_repeats_it(
+    tmp_path: Path,
+) -> None:
+    from tests.callbacks.test_checkpoint import validation_rows
+
+    timed_validated_run(tmp_path / "straight", BatchClock(), max_duration=10**6)
+    straight = validation_rows(tmp_path / "straight")
+    assert straight == [4, 8, 12]
+    # 10 s a batch: the time is up at the end of batch 4, the first epoch's last, which fit() validates.
+    engine = timed_validated_run(tmp_path / "timed", BatchClock(), max_duration=35)
+    assert engine.state.step == 4 and [path.name for _, path in engine.checkpoints.numbered()] == ["checkpoint_0"]
+    assert validation_rows(tmp_path / "timed") == [4], "the step's validation ran before the stop"
+    timed_validated_run(tmp_path / "timed", BatchClock(), 10**6, resume=tmp_path / "timed" / "checkpoints" / "checkpoint_0")
+    assert validation_rows(tmp_path / "timed") == straight, "the checkpoint holds its step's validation"
