@@ -207,5 +207,7 @@ def test_time_up_at_a_validated_step_saves_once_after_its_validation_and_the_res
     engine = timed_validated_run(tmp_path / "timed", BatchClock(), max_duration=35)
     assert engine.state.step == 4 and [path.name for _, path in engine.checkpoints.numbered()] == ["checkpoint_0"]
     assert validation_rows(tmp_path / "timed") == [4], "the step's validation ran before the stop"
-    timed_validated_run(tmp_path / "timed", BatchClock(), 10**6, resume=tmp_path / "timed" / "checkpoints" / "checkpoint_0")
+    timed_validated_run(
+        tmp_path / "timed", BatchClock(), 10**6, resume=tmp_path / "timed" / "checkpoints" / "checkpoint_0"
+    )
     assert validation_rows(tmp_path / "timed") == straight, "the checkpoint holds its step's validation"
