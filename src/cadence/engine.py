@@ -550,7 +550,7 @@ class Engine:
         there (manifest last); it must name an empty prefix. The local copy's path is returned.
         """
         if is_url(path):
-            local = self._saves.save(self, url_save_target(self, str(path), blocking), True)
+            local = self.save_state(url_save_target(self, str(path), blocking))
             publish_state(self, str(path), local)
             return local
         return self._saves.save(self, Path(path) if path is not None else None, blocking)

@@ -155,7 +155,7 @@ class CheckpointDirectory:
         if self.remote is None:  # pragma: no cover - called only with a remote
             return number
         try:
-            name, published = self.remote.publish(committed, self.run_id, max(self.remote.next_number(), number))
+            name, published = self.remote.publish(committed, self.run_id, number)
         except Exception as error:
             self.unpublished.append(committed)
             warnings.warn(

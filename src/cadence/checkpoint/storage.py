@@ -79,6 +79,10 @@ class Storage(Protocol):
         """Delete ``key`` and everything under it; nothing when it does not exist."""
         ...
 
+    def check(self) -> None:
+        """Raise when the storage cannot be used at all (credentials, endpoint, bucket): asked once, at start."""
+        ...
+
 
 class DirectoryStorage:
     """A local directory. (Local checkpoints are committed by renaming a directory, ``commit.py``; this is the same
@@ -121,6 +125,9 @@ class DirectoryStorage:
     def download(self, key: str, target: Path) -> None:
         shutil.copyfile(self.root / key, target)
 
+    def check(self) -> None:
+        self.children()
+
     def delete(self, key: str) -> None:
         path = self.root / key
         if path.is_dir() and not path.is_symlink():
@@ -157,6 +164,16 @@ class FsspecStorage:
             return []
         own = path.strip("/")
         return sorted({str(e).strip("/").rsplit("/", 1)[-1] for e in entries if str(e).strip("/") != own})
+
+    def check(self) -> None:
+        """Ask the store once: missing credentials or an unreachable endpoint raise; so does a missing bucket (a
+        listing of a prefix under one answers "nothing there")."""
+        self.children()
+        split = getattr(self.fs, "split_path", None)  # stores with buckets: s3fs, gcsfs, adlfs
+        if callable(split):
+            bucket = split(self.root)[0]
+            if not self.fs.exists(bucket):
+                raise FileNotFoundError(f"the bucket {bucket!r} does not exist")
 
     def read(self, key: str) -> bytes | None:
         try:
@@ -205,7 +222,7 @@ def check_reachable(storage: Storage, caller: str) -> None:
     """List the root once, so missing credentials, an unknown bucket or an unreachable endpoint stop the run
     before any training, with what to fix."""
     try:
-        storage.children()
+        storage.check()
     except (ImportError, CheckpointError):
         raise
     except Exception as error:
