@@ -9,13 +9,18 @@ from __future__ import annotations
 import importlib.util
 import json
 import secrets
+import signal
 import socket
+import subprocess
+import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 import cadence
 from cadence.callbacks import Checkpoint
@@ -25,6 +30,7 @@ from cadence.checkpoint.storage import open_storage
 from cadence.errors import CadenceWarning
 from tests.helpers import RegressionStep, assert_bitwise_equal, loader, parameters
 
+ROOT = Path(__file__).resolve().parents[1]
 moto_server = pytest.importorskip("moto.server")
 boto3 = pytest.importorskip("boto3")
 s3fs = pytest.importorskip("s3fs")
@@ -234,3 +240,48 @@ def test_missing_credentials_are_refused_at_engine(
 def test_a_missing_bucket_is_refused_at_engine(bucket: str, tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="does not exist"):
         engine(f"{bucket}-missing/run", tmp_path / "a")
+
+
+def run_worker(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tests.object_storage_worker", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("kill", "torn"),
+    [
+        # Save 1 uploads 5 files; the 7th upload is the second file of save 2 (claim and one file in the store).
+        (["--kill-at-upload", "7"], "checkpoint_1"),
+        # Save 3 has uploaded every file and is about to create its manifest.
+        (["--kill-before-commit", "3"], "checkpoint_2"),
+    ],
+)
+def test_sigkill_during_an_upload_leaves_the_previous_checkpoint_and_resumes_bitwise(
+    bucket: str, tmp_path: Path, kill: list[str], torn: str
+) -> None:
+    reference = RegressionStep()
+    engine(tmp_path / "reference", callbacks=[Checkpoint(every_n_steps=2)]).fit(
+        reference, loader(shuffle=True), max_steps=8
+    )
+    url = f"{bucket}/run"
+    killed = run_worker(url, str(tmp_path / "a"), str(tmp_path / "a.safetensors"), *kill)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    committed = PublishedCheckpoints(open_storage(url))
+    newest = committed.numbered()[0][1]
+    assert newest == torn and committed.manifest(torn) is None  # the upload in flight: claimed, never committed
+    assert committed.manifest(committed.numbered()[1][1]) is not None  # the previous one is whole
+
+    resumed = run_worker(url, str(tmp_path / "b"), str(tmp_path / "b.safetensors"), "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "it is not committed" in resumed.stderr  # the torn prefix was skipped, and said so
+    weights = load_file(tmp_path / "b.safetensors")
+    expected = reference.model.state_dict()
+    assert weights.keys() == expected.keys()
+    assert all(torch.equal(weights[name], expected[name]) for name in expected)
+    assert committed.manifest(torn) is None  # never loaded, never written into by the resumed run
