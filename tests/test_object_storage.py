@@ -285,3 +285,45 @@ def test_sigkill_during_an_upload_leaves_the_previous_checkpoint_and_resumes_bit
     assert weights.keys() == expected.keys()
     assert all(torch.equal(weights[name], expected[name]) for name in expected)
     assert committed.manifest(torn) is None  # never loaded, never written into by the resumed run
+
+
+@pytest.mark.slow  # runs long: every request to the stopped server is retried with backoff
+def test_a_store_that_stops_answering_then_comes_back(
+    bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store goes down mid-run (a server stopped, then restarted on the same port): the save in between warns and
+    keeps its local copy; the next one reaches the store and becomes the newest there."""
+    port = free_port()
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+        s3fs.S3FileSystem.clear_instance_cache()
+        name = f"cadence-{secrets.token_hex(6)}"
+        boto3.client("s3").create_bucket(Bucket=name)
+        url = f"s3://{name}/run"
+        step = RegressionStep()
+        run = engine(
+            url,
+            tmp_path / "a",
+            storage_options={"config_kwargs": {"connect_timeout": 1, "retries": {"max_attempts": 1}}},
+        )
+        run.prepare(step.model, step.optimizer)
+        run.save_state()
+        server.stop()
+        with pytest.warns(CadenceWarning) as caught:
+            kept = run.save_state()
+        messages = [str(warning.message) for warning in caught]
+        assert any("numbering from the checkpoints this run saw there last" in m for m in messages), messages
+        assert any("It is kept locally" in m for m in messages), messages
+        assert run.checkpoints.unpublished == [kept] and kept.is_dir()
+        server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        server.start()  # moto keeps its buckets in this process: the store is back as it was
+        newest = run.save_state()
+        assert run.checkpoints.unpublished == []
+        committed = PublishedCheckpoints(open_storage(url, {"config_kwargs": {"retries": {"max_attempts": 1}}}))
+        numbered = committed.numbered()
+        assert numbered[0][1] == newest.name and committed.manifest(newest.name) is not None
+        assert [n for n, _ in numbered] == [2, 0]  # the failed save never appeared in the store
+    finally:
+        server.stop()

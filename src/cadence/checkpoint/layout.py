@@ -54,6 +54,7 @@ class CheckpointDirectory:
         self._told: str | None = None  # the run_id warn_about_other_runs last checked for
         self._next = 0
         self._protected: dict[Path, set[str]] = {}
+        self._remote_seen: list[tuple[int, str]] = []
         self._remote_names: dict[Path, str] = {}  # a local copy's name in the store, where the two differ
 
     def path(self, number: int) -> Path:
@@ -69,8 +70,24 @@ class CheckpointDirectory:
         the local path they would have)."""
         found = set(self._local_numbered())
         if self.remote is not None:
-            found |= {(number, self.root / name) for number, name in self.remote.numbered()}
+            found |= {(number, self.root / name) for number, name in self._remote_numbered()}
         return sorted(found, reverse=True)
+
+    def _remote_numbered(self) -> list[tuple[int, str]]:
+        """The store's prefixes; while the store does not answer, the ones this run saw last (with a warning), so
+        a save still commits locally and numbers past them (its claim settles any collision when it uploads)."""
+        if self.remote is None:  # pragma: no cover - called only with a remote
+            return []
+        try:
+            self._remote_seen = self.remote.numbered()
+        except Exception as error:
+            warnings.warn(
+                f"Listing {self.remote.describe()} failed ({type(error).__name__}: {error}); numbering from the "
+                "checkpoints this run saw there last.",
+                CadenceWarning,
+                stacklevel=user_stacklevel(),
+            )
+        return self._remote_seen
 
     def _local_numbered(self) -> list[tuple[int, Path]]:
         if not self.root.is_dir():
