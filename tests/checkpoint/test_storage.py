@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,13 +13,15 @@ import pytest
 import torch
 
 import cadence
-from cadence.checkpoint.errors import CheckpointCorrupted
+from cadence.checkpoint.errors import CheckpointCorrupted, CheckpointError
 from cadence.checkpoint.files import MANIFEST, CheckpointReader
 from cadence.checkpoint.published import CLAIM, PublishedCheckpoints, fetch, publish, read_commit, unpublish
 from cadence.checkpoint.storage import DirectoryStorage, FsspecStorage, Storage, is_url, open_storage
+from cadence.errors import CadenceWarning
 from tests.helpers import make_model, make_optimizer
 
 fsspec = pytest.importorskip("fsspec")
+memory_implementation = pytest.importorskip("fsspec.implementations.memory")
 
 
 @pytest.fixture(params=["directory", "memory"])
@@ -131,3 +134,43 @@ def test_engine_saves_to_memory_url_and_resumes_from_it(tmp_path: Path) -> None:
     loaded = fresh.load_state()
     assert loaded == tmp_path / "b" / "checkpoints" / "checkpoint_0"
     assert all(torch.equal(a, b) for a, b in zip(saved, other.parameters(), strict=True))
+
+
+class GatedMemory(memory_implementation.MemoryFileSystem):  # type: ignore[misc]
+    """An in-memory store whose uploads wait for ``gate``: a slow store, in a test's control."""
+
+    protocol = "cadence-gated"
+    gate = threading.Event()
+    uploading = threading.Event()
+
+    def put_file(self, lpath: str, rpath: str, *args: object, **kwargs: object) -> None:
+        type(self).uploading.set()
+        if not type(self).gate.wait(timeout=60):
+            raise TimeoutError("the test never opened the gate")
+        super().put_file(lpath, rpath, *args, **kwargs)
+
+
+def test_a_background_save_uploads_while_training_goes_on(tmp_path: Path) -> None:
+    fsspec.register_implementation(GatedMemory.protocol, GatedMemory, clobber=True)
+    GatedMemory.gate.clear()
+    GatedMemory.uploading.clear()
+    url = f"{GatedMemory.protocol}://run-{secrets.token_hex(4)}"
+    engine = cadence.Engine(project_dir=url, local_dir=tmp_path / "a", progress_bar=False, model_summary=False)
+    model = make_model(0)
+    optimizer = make_optimizer(model)
+    engine.prepare(model, optimizer)
+    try:
+        pending = engine.save_state(blocking=False)
+        assert GatedMemory.uploading.wait(timeout=60)  # the local copy is committed; its upload has begun
+        optimizer.step()  # the training thread is free meanwhile
+        committed = PublishedCheckpoints(open_storage(url))
+        assert committed.numbered() == [(0, "checkpoint_0")] and committed.manifest("checkpoint_0") is None
+        fresh = cadence.Engine(project_dir=url, local_dir=tmp_path / "b", progress_bar=False, model_summary=False)
+        other = make_model(1)
+        fresh.prepare(other, make_optimizer(other))
+        with pytest.warns(CadenceWarning, match="not committed"), pytest.raises(CheckpointError, match="No valid"):
+            fresh.load_state()  # not "latest" in the store before its commit record is there
+    finally:
+        GatedMemory.gate.set()
+    assert pending.result() == tmp_path / "a" / "checkpoints" / "checkpoint_0"
+    assert committed.manifest("checkpoint_0") is not None
