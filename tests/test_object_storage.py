@@ -327,3 +327,24 @@ def test_a_store_that_stops_answering_then_comes_back(
         assert [n for n, _ in numbered] == [2, 0]  # the failed save never appeared in the store
     finally:
         server.stop()
+
+
+def test_save_model_to_a_url_uploads_the_index_last(bucket: str, tmp_path: Path) -> None:
+    step = RegressionStep()
+    run = engine(tmp_path / "local")
+    run.prepare(step.model, step.optimizer)
+    files = run.save_model(step.model, f"{bucket}/export", max_shard_size=200)  # sharded: an index and 2+ shards
+    names = [file.name for file in files]
+    assert "model.safetensors.index.json" in names and len(names) >= 3
+    assert keys(f"{bucket}/export") == sorted(names)
+    bucket_name = bucket.removeprefix("s3://")
+    listing = boto3.client("s3").list_objects_v2(Bucket=bucket_name, Prefix="export/")["Contents"]
+    written = {item["Key"].removeprefix("export/"): item["LastModified"] for item in listing}
+    assert written["model.safetensors.index.json"] == max(written.values())
+    downloaded = tmp_path / "downloaded"
+    s3fs.S3FileSystem().get(f"{bucket}/export/", str(downloaded), recursive=True)
+    fresh = RegressionStep(seed=1)
+    cadence.load_checkpoint_in_model(fresh.model, downloaded)
+    assert_bitwise_equal(parameters(step.model), parameters(fresh.model))
+    with pytest.raises(CheckpointError, match="already holds objects"):
+        run.save_model(step.model, f"{bucket}/export")

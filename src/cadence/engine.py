@@ -22,6 +22,7 @@ from cadence.checkpoint.export import model_configs, save_weights
 from cadence.checkpoint.layout import CheckpointDirectory
 from cadence.checkpoint.remote_state import (
     check_storage_arguments,
+    export_to_url,
     load_url,
     project_location,
     publish_state,
@@ -588,13 +589,22 @@ class Engine:
         """Export the unwrapped model's weights on the main process: ``model.safetensors`` or shards with
         ``model.safetensors.index.json``; ``safe_serialization=False`` writes ``pytorch_model.bin``. Tied
         weights are written once. A ``transformers`` model's ``config.json`` (and ``generation_config.json``) go
-        beside them, for ``from_pretrained(save_directory)``. Returns the files written (empty on other ranks)."""
+        beside them, for ``from_pretrained(save_directory)``. Returns the files written (empty on other ranks).
+        A URL is exported locally under ``project_dir/exports``, then uploaded, the index last, into an empty prefix;
+        the local files are returned."""
         # Every rank takes part (FSDP gathers the full weights from their shards); the main rank writes.
         module = self.unwrap_model(model)
         state_dict = self.strategy.model_state_dict(module)
         if not self.is_main_process:
             return []
         configs = model_configs(module, state_dict)
+        if is_url(save_directory):
+            return export_to_url(
+                str(save_directory),
+                self.storage_options,
+                self.project_dir,
+                lambda local: save_weights(state_dict, local, max_shard_size, safe_serialization, configs),
+            )
         return save_weights(state_dict, save_directory, max_shard_size, safe_serialization, configs)
 
     # --- metrics -------------------------------------------------------------------------------------------

@@ -12,14 +12,15 @@ import os
 import re
 import secrets
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cadence.checkpoint.engine_state import load_engine_state
 from cadence.checkpoint.errors import CheckpointError
-from cadence.checkpoint.published import PublishedCheckpoints, fetch, publish
-from cadence.checkpoint.storage import check_reachable, is_url, local_path, open_storage
+from cadence.checkpoint.export import PICKLE_INDEX, SAFE_INDEX
+from cadence.checkpoint.published import PublishedCheckpoints, fetch, publish, with_retries
+from cadence.checkpoint.storage import Storage, check_reachable, is_url, local_path, open_storage
 
 if TYPE_CHECKING:
     from cadence.engine import Engine
@@ -111,6 +112,30 @@ def load_url(engine: Engine, url: str) -> tuple[Path, dict[str, Any]]:
     local = engine.project_dir / "downloads" / f"{_slug(url)}-{secrets.token_hex(4)}"
     fetch(storage, "", local)
     return local, load_engine_state(engine, local)
+
+
+def export_to_url(
+    url: str, options: dict[str, Any], local_root: Path, write: Callable[[Path], list[Path]]
+) -> list[Path]:
+    """``save_model(model, url)`` on the main rank: refuse a prefix that holds anything (an export cannot be
+    replaced in one step there), ``write`` the export into a new local directory under ``local_root``, then upload
+    its files, the index last: a reader (cadence, ``from_pretrained``) finds no index until every shard it names is
+    there, and a single ``model.safetensors`` appears in one PUT. Returns the local files."""
+    storage = open_storage(url, options)
+    if storage.children():
+        raise CheckpointError(
+            f"save_model() would write into {url}, which already holds objects: an object store cannot replace an "
+            "export in one step, so cadence never writes over one. Export to a new URL."
+        )
+    files = write(local_root / "exports" / f"{_slug(url)}-{secrets.token_hex(4)}")
+    indexes = [file for file in files if file.name in (SAFE_INDEX, PICKLE_INDEX)]
+    for file in [*[file for file in files if file not in indexes], *indexes]:
+        _upload(storage, file, url)
+    return files
+
+
+def _upload(storage: Storage, file: Path, url: str) -> None:
+    with_retries(lambda: storage.upload(file, file.name), f"uploading {file} to {url}")
 
 
 def _slug(url: str) -> str:
