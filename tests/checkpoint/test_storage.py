@@ -174,3 +174,10 @@ def test_a_background_save_uploads_while_training_goes_on(tmp_path: Path) -> Non
         GatedMemory.gate.set()
     assert pending.result() == tmp_path / "a" / "checkpoints" / "checkpoint_0"
     assert committed.manifest("checkpoint_0") is not None
+
+
+def test_a_download_another_rank_made_first_is_used(storage: Storage, tmp_path: Path) -> None:
+    publish(storage, saved_checkpoint(tmp_path), "ckpt", run="run-a")
+    first = fetch(storage, "ckpt", tmp_path / "shared")
+    assert fetch(storage, "ckpt", tmp_path / "shared") == first  # the second rank finds the first one's copy
+    assert [entry.name for entry in tmp_path.iterdir() if entry.name.startswith(".shared")] == []

@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-from cadence.checkpoint.commit import MANIFEST, fsync_path, move_into_place, temporary_name
+from cadence.checkpoint.commit import MANIFEST, fsync_path, is_checkpoint, move_into_place, temporary_name
 from cadence.checkpoint.errors import CheckpointCorrupted, CheckpointError
 from cadence.checkpoint.storage import Storage
 
@@ -146,6 +146,14 @@ def fetch(storage: Storage, prefix: str, target: Path) -> dict[str, Any]:
         (temporary / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
         fsync_path(temporary / MANIFEST)
         move_into_place(temporary, target)
+    except FileExistsError:
+        # Another rank sharing this local directory downloaded the same checkpoint first: use its copy (its files
+        # are checked against the manifest when they are loaded, like any local checkpoint's).
+        shutil.rmtree(temporary, ignore_errors=True)
+        if not is_checkpoint(target):
+            raise CheckpointError(
+                f"{target} appeared while {storage.describe(prefix)} was downloaded into it."
+            ) from None
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
         raise
