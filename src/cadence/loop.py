@@ -386,7 +386,7 @@ def _finish(engine: Engine) -> None:
     state = engine.state
     save_failure = _finish_background_save(engine)
     engine.fire(Event.FIT_END)
-    save_failure = _finish_background_save(engine) or save_failure
+    save_failure = _finish_background_save(engine) or save_failure or engine.checkpoints.settle_uploads()
     _raise_save_failure(save_failure, failing=state.exception)
     state.exception = None
 

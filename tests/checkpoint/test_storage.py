@@ -13,12 +13,13 @@ import pytest
 import torch
 
 import cadence
+from cadence.callbacks import Checkpoint
 from cadence.checkpoint.errors import CheckpointCorrupted, CheckpointError
 from cadence.checkpoint.files import MANIFEST, CheckpointReader
 from cadence.checkpoint.published import CLAIM, PublishedCheckpoints, fetch, publish, read_commit, unpublish
 from cadence.checkpoint.storage import DirectoryStorage, FsspecStorage, Storage, is_url, open_storage
 from cadence.errors import CadenceWarning
-from tests.helpers import make_model, make_optimizer
+from tests.helpers import RegressionStep, loader, make_model, make_optimizer
 
 fsspec = pytest.importorskip("fsspec")
 memory_implementation = pytest.importorskip("fsspec.implementations.memory")
@@ -181,3 +182,52 @@ def test_a_download_another_rank_made_first_is_used(storage: Storage, tmp_path: 
     first = fetch(storage, "ckpt", tmp_path / "shared")
     assert fetch(storage, "ckpt", tmp_path / "shared") == first  # the second rank finds the first one's copy
     assert [entry.name for entry in tmp_path.iterdir() if entry.name.startswith(".shared")] == []
+
+
+class FlakyMemory(memory_implementation.MemoryFileSystem):  # type: ignore[misc]
+    """An in-memory store whose uploads fail while ``down`` is set (connection refused), in a test's control."""
+
+    protocol = "cadence-flaky"
+    down = threading.Event()
+
+    def put_file(self, lpath: str, rpath: str, *args: object, **kwargs: object) -> None:
+        if type(self).down.is_set():
+            raise ConnectionRefusedError("the store is down")
+        super().put_file(lpath, rpath, *args, **kwargs)
+
+
+class StoreComesBack(cadence.Callback):
+    def on_fit_end(self, engine: cadence.Engine) -> None:
+        FlakyMemory.down.clear()
+
+
+@pytest.mark.slow  # runs long: each failed upload is retried with backoff (3.5 s)
+@pytest.mark.parametrize("comes_back", [True, False])
+def test_fit_ends_with_its_newest_checkpoint_in_the_store_or_an_error_naming_the_local_copy(
+    tmp_path: Path, comes_back: bool
+) -> None:
+    fsspec.register_implementation(FlakyMemory.protocol, FlakyMemory, clobber=True)
+    url = f"{FlakyMemory.protocol}://run-{secrets.token_hex(4)}"
+    callbacks: list[cadence.Callback] = [Checkpoint(every_n_steps=2, save_last=False)]
+    if comes_back:
+        callbacks.append(StoreComesBack())
+    engine = cadence.Engine(
+        project_dir=url, local_dir=tmp_path, callbacks=callbacks, progress_bar=False, model_summary=False
+    )
+    FlakyMemory.down.set()
+    try:
+        with pytest.warns(CadenceWarning, match="kept locally"):
+            if comes_back:
+                engine.fit(RegressionStep(), loader(), max_steps=2)
+            else:
+                with pytest.raises(CheckpointError, match="never reached") as raised:
+                    engine.fit(RegressionStep(), loader(), max_steps=2)
+                assert str(tmp_path / "checkpoints" / "checkpoint_0") in str(raised.value)
+    finally:
+        FlakyMemory.down.clear()
+    committed = PublishedCheckpoints(open_storage(url))
+    # The failed upload claimed checkpoint_0 and never committed it; the retry where fit() ends claims the next one.
+    assert [name for _, name in committed.numbered()] == ["checkpoint_1", "checkpoint_0"]
+    assert committed.manifest("checkpoint_0") is None
+    assert comes_back == (committed.manifest("checkpoint_1") is not None)
+    assert (tmp_path / "checkpoints" / "checkpoint_0" / MANIFEST).is_file()  # the local copy, in both cases

@@ -188,6 +188,25 @@ class CheckpointDirectory:
             self._remote_names[committed.absolute()] = name
         return published
 
+    def settle_uploads(self) -> CheckpointError | None:
+        """Where ``fit()`` ends: upload the newest checkpoint whose upload failed, once more; the error naming its
+        local copy if it still cannot reach the store (None when every checkpoint of the run is there)."""
+        if self.remote is None or not self.unpublished:
+            return None
+        newest = self.unpublished[-1]
+        try:
+            name, _ = self.remote.publish(newest, self.run_id, self.next_number())
+        except Exception as error:
+            return CheckpointError(
+                f"The run's newest checkpoint never reached {self.remote.describe()} ({type(error).__name__}: "
+                f"{error}). It is kept locally at {newest}: resume from it with fit(resume={str(newest)!r}) on this "
+                "machine, or upload it with engine.save_state(<url>) after loading it."
+            )
+        self.unpublished.clear()
+        if name != newest.name:
+            self._remote_names[newest.absolute()] = name
+        return None
+
     def load_latest(self, load: Callable[[Path], dict[str, Any]]) -> tuple[Path, dict[str, Any]]:
         """``load(directory)`` of the newest checkpoint it accepts, and its manifest. ``load`` checks every file and
         structure before it applies anything, so a damaged or malformed checkpoint (``CheckpointCorrupted``)
