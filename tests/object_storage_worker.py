@@ -13,9 +13,11 @@ import argparse
 import os
 import signal
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
+from torch.utils.data import DataLoader
 
 import cadence
 from cadence.callbacks import Checkpoint
@@ -81,3 +83,50 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def ddp_train_and_save(url: str, local_dir: str, save_after: int, batch_size: int, blocking: bool) -> dict[str, Any]:
+    """A rank of a DDP job to ``url`` (spawned by ``cadence.testing.spawn``): train, save the automatically numbered
+    checkpoint after ``save_after`` steps, train on; the global sample ids after the save and the weights at it."""
+    from tests.distributed import workers
+
+    engine = cadence.Engine(
+        accelerator="cpu", strategy="ddp", seed=5, project_dir=url, local_dir=local_dir, progress_bar=False
+    )
+    net = workers.model()
+    net, optimizer, data = engine.prepare(
+        net, torch.optim.AdamW(net.parameters(), lr=0.01), DataLoader(workers.dataset(), batch_size, shuffle=True)
+    )
+    after: list[int] = []
+    weights: list[torch.Tensor] = []
+    for _ in range(2):
+        for inputs, targets, ids in data:
+            workers.train_step(engine, net, optimizer, inputs, targets)
+            if weights:
+                after.extend(engine.gather(ids).tolist())
+            if engine.state.step == save_after and not weights:
+                engine.save_state(blocking=blocking)
+                weights = workers.full_weights(engine, net)
+    committed = engine.wait_for_checkpoint()
+    return {"after": after, "weights": weights, "committed": str(committed) if committed else None}
+
+
+def ddp_resume(url: str, local_dir: str, batch_size: int) -> dict[str, Any]:
+    """A rank of a DDP job on another machine: load the newest checkpoint in the store and train on."""
+    from tests.distributed import workers
+
+    engine = cadence.Engine(
+        accelerator="cpu", strategy="ddp", seed=5, project_dir=url, local_dir=local_dir, progress_bar=False
+    )
+    net = workers.model()
+    net, optimizer, data = engine.prepare(
+        net, torch.optim.AdamW(net.parameters(), lr=0.01), DataLoader(workers.dataset(), batch_size, shuffle=True)
+    )
+    loaded = engine.load_state()
+    weights = workers.full_weights(engine, net)
+    seen: list[int] = []
+    while data.epoch < 2:
+        for inputs, targets, ids in data:
+            workers.train_step(engine, net, optimizer, inputs, targets)
+            seen.extend(engine.gather(ids).tolist())
+    return {"after": seen, "weights": weights, "loaded": str(loaded)}

@@ -348,3 +348,22 @@ def test_save_model_to_a_url_uploads_the_index_last(bucket: str, tmp_path: Path)
     assert_bitwise_equal(parameters(step.model), parameters(fresh.model))
     with pytest.raises(CheckpointError, match="already holds objects"):
         run.save_model(step.model, f"{bucket}/export")
+
+
+@pytest.mark.slow
+def test_ddp_saves_to_s3_in_the_background_and_resumes_on_another_machine(bucket: str, tmp_path: Path) -> None:
+    from cadence.testing.spawn import spawn
+    from tests import object_storage_worker
+
+    url = f"{bucket}/ddp"
+    saved = spawn(2, object_storage_worker.ddp_train_and_save, url, str(tmp_path / "a"), 3, 4, False)
+    assert saved[0]["committed"] == saved[1]["committed"] == str(tmp_path / "a" / "checkpoints" / "checkpoint_0")
+    committed = PublishedCheckpoints(open_storage(url))
+    record = committed.manifest("checkpoint_0")
+    assert record is not None and record["world_size"] == 2 and "rank_1.json" in record["files"]
+    # Both ranks of the new job share an empty local directory: one downloads, the other uses its copy.
+    resumed = spawn(2, object_storage_worker.ddp_resume, url, str(tmp_path / "b"), 4)
+    assert resumed[0]["loaded"] == str(tmp_path / "b" / "checkpoints" / "checkpoint_0")
+    assert resumed[0]["after"] == saved[0]["after"], "the resumed run saw another sample order"
+    for rank in range(2):
+        assert_bitwise_equal(resumed[rank]["weights"], saved[0]["weights"])
