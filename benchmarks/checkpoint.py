@@ -27,7 +27,8 @@ most one (~1.2 GB) at a time.
 ``ratio`` is the time an operation took over the time its reference would take for the same bytes (the
 reference's MB/s over the operation's): 1.00 runs at the reference's speed, 2.00 at half of it.
 
-    python benchmarks/checkpoint.py [--params 100_000_000] [--repeats 5] [--dir PATH] [--loads | --background]
+    python benchmarks/checkpoint.py [--params 100_000_000] [--repeats 5] [--dir PATH]
+        [--loads | --background | --object-store]
         [--threads N]
 
 ``--loads`` times only the full loads (cadence, Accelerate, torch) against the raw cold read of the same bytes,
@@ -35,6 +36,10 @@ and cadence's save, taking turns round after round (after a warm-up round), from
 each time, the peak resident memory of the process during it, over the checkpoint's size; then the peak of a save
 and of two loads (into live state, and into a fresh model and optimizer), each in a process of its own that holds
 only the model and its optimizer, so the interpreter's own memory can be told apart.
+
+``--object-store`` starts moto's S3 server on localhost and times cadence's upload of a committed checkpoint
+against s3fs's own ``put`` of the same files (the bound), and saves to ``s3://`` (blocking, and until a background
+save returns) against a blocking local save of the same state.
 
 ``--background`` measures background saves (``save_state(blocking=False)``) while the same model trains (AdamW,
 batches of ``BACKGROUND_BATCH``): the training stall per checkpoint (the time ``save_state`` takes to return, plus
@@ -790,6 +795,91 @@ def run_background(root: Path, params: int, repeats: int) -> None:
         )
 
 
+UPLOAD_BOUND = "s3fs put of the same files (bound)"
+
+
+def run_object_store(root: Path, params: int, repeats: int) -> None:
+    """Checkpoints on object storage, against moto's S3 server on localhost (started here, on a thread): cadence's
+    upload of a committed checkpoint (claim, files, manifest last) against s3fs's own ``put`` of the same files to
+    the same server (the bound); and what a save to ``s3://`` costs the training thread, blocking and in the
+    background, against a blocking local save of the same state."""
+    import socket
+
+    import boto3
+    import s3fs
+    from moto.server import ThreadedMotoServer
+
+    from cadence.checkpoint.published import publish
+    from cadence.checkpoint.storage import FsspecStorage
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    for name, value in (
+        ("AWS_ACCESS_KEY_ID", "bench"),
+        ("AWS_SECRET_ACCESS_KEY", "bench"),
+        ("AWS_DEFAULT_REGION", "us-east-1"),
+        ("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}"),
+    ):
+        os.environ[name] = value
+    try:
+        boto3.client("s3").create_bucket(Bucket="bench")
+        torch.manual_seed(0)
+        model = make_model(params)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        step_once(model, optimizer)
+        remote = cadence.Engine(
+            accelerator="cpu", progress_bar=False, model_summary=False, project_dir="s3://bench/run",
+            local_dir=root / "remote",
+        )  # fmt: skip
+        remote.prepare(model, optimizer)
+        saved = remote.save_state(root / "saved")
+        files = list(files_under(saved))
+        total = sum(path.stat().st_size for path in files)
+        fs = s3fs.S3FileSystem()
+        storage = FsspecStorage("s3://bench/uploads")
+        print(f"server: moto {ThreadedMotoServer.__module__} on 127.0.0.1:{port}, s3fs {s3fs.__version__}")
+        print(f"bytes:  {total:,} B ({total / MB:,.0f} MB) in {len(files)} files; repeats {repeats}")
+        bench = Bench()
+        for round_number in range(repeats):
+            prefix = f"round-{round_number}"
+            targets = [f"bench/bound/{prefix}/{path.name}" for path in files]
+            bench.time(
+                UPLOAD_BOUND, None, lambda: total, lambda targets=targets: fs.put([str(p) for p in files], targets)
+            )
+            bench.time(
+                "cadence upload (claim, files, manifest)", UPLOAD_BOUND, lambda: total,
+                lambda prefix=prefix: publish(storage, saved, prefix, "bench"),
+            )  # fmt: skip
+            here = root / f"local-{round_number}"
+            bench.time("blocking save_state, local", None, lambda: total, lambda here=here: remote.save_state(here))
+            remove(here)
+            bench.time("blocking save_state to s3://", "blocking save_state, local", lambda: total, remote.save_state)
+            pending = bench.time(
+                "save_state(blocking=False) to s3://, until it returns", "blocking save_state, local", lambda: total,
+                lambda: remote.save_state(blocking=False),
+            )  # fmt: skip
+            if pending is not None:
+                pending.result()
+            remote.checkpoints.prune(keep=1)
+        print(
+            bench.table(
+                [
+                    UPLOAD_BOUND,
+                    "cadence upload (claim, files, manifest)",
+                    "blocking save_state, local",
+                    "blocking save_state to s3://",
+                    "save_state(blocking=False) to s3://, until it returns",
+                ]
+            )
+        )
+    finally:
+        server.stop()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--params", type=int, default=100_000_000, help="model parameters (default 100M)")
@@ -810,6 +900,11 @@ def main() -> None:
     )
     modes.add_argument(
         "--background", action="store_true", help="background saves: training stall and run time (see above)"
+    )
+    modes.add_argument(
+        "--object-store",
+        action="store_true",
+        help="uploads to a local S3 server (moto) against s3fs's own put, and saves to s3:// (see run_object_store)",
     )
     parser.add_argument(
         "--threads",
@@ -832,6 +927,8 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="checkpoint-", dir=args.dir))
     try:
         mode = run_loads if args.loads else run_background if args.background else run
+        if args.object_store:
+            mode = run_object_store
         mode(root, args.params, args.repeats)
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -80,3 +80,13 @@ def test_overhead_benchmark_times_import_cadence_against_import_torch() -> None:
     assert result.returncode == 0, result.stderr
     rows = {line.split(" | ")[0].removeprefix("| "): line for line in result.stdout.splitlines() if "| import" in line}
     assert rows["import torch"].endswith("| 1.00x |") and "import cadence" in rows
+
+
+def test_checkpoint_benchmark_object_store_mode_measures_uploads_against_s3fs(tmp_path: Path) -> None:
+    pytest.importorskip("moto.server")
+    output = run_checkpoint_benchmark(tmp_path, "--repeats", "1", "--object-store")
+    rows = {line.split(" | ")[0].removeprefix("| "): line for line in output.splitlines() if line.startswith("| ")}
+    assert "s3fs put of the same files (bound)" in rows
+    for name in ("cadence upload (claim, files, manifest)", "blocking save_state to s3://"):
+        assert name in rows and "failed" not in rows[name], rows
+    assert list(tmp_path.iterdir()) == []

@@ -20,6 +20,16 @@ from cadence.checkpoint.background import CheckpointSaves, PendingCheckpoint
 from cadence.checkpoint.engine_state import load_engine_state
 from cadence.checkpoint.export import model_configs, save_weights
 from cadence.checkpoint.layout import CheckpointDirectory
+from cadence.checkpoint.remote_state import (
+    check_storage_arguments,
+    export_to_url,
+    load_url,
+    project_location,
+    publish_state,
+    remote_checkpoints,
+    url_save_target,
+)
+from cadence.checkpoint.storage import is_url
 from cadence.compile import CompileSetting, check_compile_sources, compile_options, compile_prepared, split_compiled
 from cadence.data import batches_per_epoch, check_shardable, draw_seed, make_batch_mover, to_stateful
 from cadence.evaluation import run_predict, run_test
@@ -58,7 +68,9 @@ class Engine:
             ``ModelParallelStrategy(...)`` for FSDP x tensor parallelism).
         callbacks: features, run in the order given at every event.
         seed: seeds python, numpy and torch, and the prepared dataloaders' shuffling.
-        project_dir: where logs and checkpoints go (``project_dir/checkpoints/checkpoint_{n}``).
+        project_dir: where logs and checkpoints go (``project_dir/checkpoints/checkpoint_{n}``): a local path, or
+            any fsspec URL (``s3://bucket/run``, ``gs://...``): checkpoints are then saved locally first (in
+            ``local_dir``) and published to the store, which ``resume="latest"`` reads (docs/scaling.md).
         progress_bar: ``fit()`` adds a progress bar when no callback shows one; False turns it off.
         model_summary: ``fit()`` prints each prepared model's modules and parameter counts when it starts (unless a
             ``ModelSummary`` callback is attached); False turns it off.
@@ -69,6 +81,10 @@ class Engine:
             or a dict of ``torch.compile`` arguments (``{"backend": "inductor", "mode": "max-autotune"}``), checked
             here. Checkpoints and ``save_model`` hold the module's own keys, compiled or not. A model compiled by
             hand before ``prepare`` is recompiled the same way around the strategy's wrapper (leave this False).
+        storage_options: options for a URL's fsspec filesystem (``{"endpoint_url": ...}``, credentials), as
+            pandas and Lightning take them; also used by ``save_state(url)`` / ``load_state(url)``.
+        local_dir: with a URL ``project_dir``, the local working copy (logs, checkpoints before their upload);
+            by default a directory named after the URL under the system's temporary directory.
     """
 
     def __init__(
@@ -83,14 +99,21 @@ class Engine:
         timeout: timedelta = DEFAULT_TIMEOUT,
         compile: CompileSetting = False,
         model_summary: bool = True,
+        storage_options: Mapping[str, Any] | None = None,
+        local_dir: str | Path | None = None,
     ) -> None:
         check_engine_arguments(seed, project_dir, progress_bar, checkpoint_total_limit, timeout, model_summary)
+        self.storage_options = check_storage_arguments(storage_options, local_dir)
+        self.project_url, project_path = project_location(project_dir, local_dir)
+        """``project_dir`` when it is a URL (then ``project_dir`` is its local working copy), else None."""
+        # Before anything is built: a URL whose package is missing, or a store that does not answer, stops here.
+        remote = remote_checkpoints(self.project_url, self.storage_options) if self.project_url else None
         callbacks = check_callbacks(callbacks)
         self._compile_options = compile_options(compile)
         self.strategy = resolve_strategy(strategy, accelerator, timeout)
         self.state = State()
         self.seed = seed
-        self.project_dir = Path(project_dir)
+        self.project_dir = project_path
         self.progress_bar = progress_bar
         self.model_summary = model_summary
         self._precision = Precision()
@@ -104,7 +127,7 @@ class Engine:
         self._fitting = False
         self._registered: list[Any] = []
         self.checkpoint_total_limit = checkpoint_total_limit
-        self.checkpoints = CheckpointDirectory(self.project_dir / "checkpoints")
+        self.checkpoints = CheckpointDirectory(self.project_dir / "checkpoints", remote)
         """The automatically named checkpoints: ``checkpoint_{n}`` under ``project_dir/checkpoints``."""
         self._saves = CheckpointSaves()
         self._move_batch = make_batch_mover(self.strategy.device)
@@ -523,7 +546,14 @@ class Engine:
         (``.result()`` waits and gives the directory). One save runs at a time: the next save, ``load_state``,
         ``wait_for_checkpoint()``, the end of ``fit()`` and ``close()`` wait for it, raise its failure, and then
         fire ``Event.SAVE_STATE`` for it (on this thread, never the background one).
+
+        A URL (``s3://bucket/ckpt``) is saved locally under ``project_dir/uploads``, then uploaded and committed
+        there (manifest last); it must name an empty prefix. The local copy's path is returned.
         """
+        if is_url(path):
+            local = self.save_state(url_save_target(self, str(path), blocking))
+            publish_state(self, str(path), local)
+            return local
         return self._saves.save(self, Path(path) if path is not None else None, blocking)
 
     def wait_for_checkpoint(self) -> Path | None:
@@ -536,7 +566,9 @@ class Engine:
         ``project_dir/checkpoints`` (an incomplete, corrupted or malformed newer one is skipped with a warning).
         Every file and structure is checked before anything changes. Prints where the run resumes from."""
         self._saves.wait(self)
-        if path is not None:
+        if is_url(path):
+            directory, manifest = load_url(self, str(path))
+        elif path is not None:
             directory = Path(path)
             manifest = load_engine_state(self, directory)
         else:
@@ -557,13 +589,22 @@ class Engine:
         """Export the unwrapped model's weights on the main process: ``model.safetensors`` or shards with
         ``model.safetensors.index.json``; ``safe_serialization=False`` writes ``pytorch_model.bin``. Tied
         weights are written once. A ``transformers`` model's ``config.json`` (and ``generation_config.json``) go
-        beside them, for ``from_pretrained(save_directory)``. Returns the files written (empty on other ranks)."""
+        beside them, for ``from_pretrained(save_directory)``. Returns the files written (empty on other ranks).
+        A URL is exported locally under ``project_dir/exports``, then uploaded, the index last, into an empty prefix;
+        the local files are returned."""
         # Every rank takes part (FSDP gathers the full weights from their shards); the main rank writes.
         module = self.unwrap_model(model)
         state_dict = self.strategy.model_state_dict(module)
         if not self.is_main_process:
             return []
         configs = model_configs(module, state_dict)
+        if is_url(save_directory):
+            return export_to_url(
+                str(save_directory),
+                self.storage_options,
+                self.project_dir,
+                lambda local: save_weights(state_dict, local, max_shard_size, safe_serialization, configs),
+            )
         return save_weights(state_dict, save_directory, max_shard_size, safe_serialization, configs)
 
     # --- metrics -------------------------------------------------------------------------------------------

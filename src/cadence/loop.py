@@ -47,6 +47,7 @@ from torch.optim.lr_scheduler import ReduceLROnPlateau
 from torch.utils.data import DataLoader
 
 from cadence.checkpoint.errors import CheckpointError
+from cadence.checkpoint.storage import is_url
 from cadence.errors import CadenceWarning
 from cadence.evaluation import evaluating
 from cadence.event import Event
@@ -428,7 +429,7 @@ def _finish(engine: Engine) -> None:
     state = engine.state
     save_failure = _finish_background_save(engine)
     engine.fire(Event.FIT_END)
-    save_failure = _finish_background_save(engine) or save_failure
+    save_failure = _finish_background_save(engine) or save_failure or engine.checkpoints.settle_uploads()
     _raise_save_failure(save_failure, failing=state.exception)
     state.exception = None
 
@@ -610,8 +611,8 @@ def _check_resume(engine: Engine, resume: Any) -> None:
             f"fit(resume=...) takes 'latest' or the path of a checkpoint directory; got {type(resume).__name__} "
             f"{resume!r}. Pass resume='latest' to continue from the newest checkpoint in {engine.checkpoints.root}."
         )
-    if os.path.lexists(resume):
-        return  # a real path, even one named "last": load_state checks it is a checkpoint
+    if os.path.lexists(resume) or is_url(resume):
+        return  # a real path (even one named "last") or a URL: load_state checks it is a checkpoint
     word = str(resume).strip().lower()
     if word in _LATEST_MEANT or difflib.get_close_matches(word, ["latest"], cutoff=0.6):
         raise ValueError(

@@ -21,6 +21,7 @@ from cadence.stacklevel import user_stacklevel
 
 if TYPE_CHECKING:
     from cadence.checkpoint.files import CheckpointWriter
+    from cadence.checkpoint.published import PublishedCheckpoints
 
 _NAME = re.compile(r"^checkpoint_(\d+)$")
 
@@ -36,15 +37,25 @@ class CheckpointDirectory:
     Each run has an identity, ``run_id``: random for a fresh run, the loaded checkpoint's after a resume (a resumed
     run continues the run that wrote it). Every commit records it in the manifest, and ``prune`` and ``delete``
     touch only checkpoints that carry it: a run never deletes another run's checkpoints in the same directory.
-    The main process's identity is the one recorded; it alone commits and deletes."""
+    The main process's identity is the one recorded; it alone commits and deletes.
 
-    def __init__(self, root: Path) -> None:
+    With ``remote`` (``Engine(project_dir="s3://...")``), ``root`` is the local working copy and the store is the
+    truth: every commit is published there (``published.py``), numbers follow the store's too, ``load_latest``
+    reads the store's committed checkpoints (from the local copy when it holds the same files), and retention
+    deletes remotely, and locally only what the store holds."""
+
+    def __init__(self, root: Path, remote: PublishedCheckpoints | None = None) -> None:
         self.root = root
+        self.remote = remote
+        self.unpublished: list[Path] = []
+        """Local checkpoints whose upload failed, oldest first: retried at the next save, never deleted."""
         self.run_id = secrets.token_hex(8)  # os.urandom: seeding the run's RNGs must not make two runs one
         self._resumed = False
         self._told: str | None = None  # the run_id warn_about_other_runs last checked for
         self._next = 0
         self._protected: dict[Path, set[str]] = {}
+        self._remote_seen: list[tuple[int, str]] = []
+        self._remote_names: dict[Path, str] = {}  # a local copy's name in the store, where the two differ
 
     def path(self, number: int) -> Path:
         return self.root / f"checkpoint_{number}"
@@ -55,7 +66,30 @@ class CheckpointDirectory:
         return path.absolute().parent == self.root.absolute() and _NAME.match(path.name) is not None
 
     def numbered(self) -> list[tuple[int, Path]]:
-        """Existing ``checkpoint_{n}`` directories, newest first."""
+        """Existing ``checkpoint_{n}`` directories, newest first (with a remote store, its prefixes too, named by
+        the local path they would have)."""
+        found = set(self._local_numbered())
+        if self.remote is not None:
+            found |= {(number, self.root / name) for number, name in self._remote_numbered()}
+        return sorted(found, reverse=True)
+
+    def _remote_numbered(self) -> list[tuple[int, str]]:
+        """The store's prefixes; while the store does not answer, the ones this run saw last (with a warning), so
+        a save still commits locally and numbers past them (its claim settles any collision when it uploads)."""
+        if self.remote is None:  # pragma: no cover - called only with a remote
+            return []
+        try:
+            self._remote_seen = self.remote.numbered()
+        except Exception as error:
+            warnings.warn(
+                f"Listing {self.remote.describe()} failed ({type(error).__name__}: {error}); numbering from the "
+                "checkpoints this run saw there last.",
+                CadenceWarning,
+                stacklevel=user_stacklevel(),
+            )
+        return self._remote_seen
+
+    def _local_numbered(self) -> list[tuple[int, Path]]:
         if not self.root.is_dir():
             return []
         found = [(int(match.group(1)), entry) for entry in self.root.iterdir() if (match := _NAME.match(entry.name))]
@@ -123,17 +157,64 @@ class CheckpointDirectory:
             if target is None:
                 first = self.next_number()
                 committed, number = writer.commit_numbered(files, self.path, first, **manifest, run=self.run_id)
+                if self.remote is not None:
+                    number = self._publish(committed, number)
                 return committed, number, None
             number = self.next_number()
             return writer.commit(files, checkpoint_number=number, **manifest, run=self.run_id), number, None
         except CheckpointError as error:
             return None, -1, str(error)
 
+    def _publish(self, committed: Path, number: int) -> int:
+        """Upload ``committed`` as the store's first free ``checkpoint_{n}`` from ``number`` on; the number it got
+        there. An upload that fails (after ``published.with_retries``) warns and keeps the local copy, which
+        retention then never deletes; the next save uploads its own, newer state, superseding it."""
+        if self.remote is None:  # pragma: no cover - called only with a remote
+            return number
+        try:
+            name, published = self.remote.publish(committed, self.run_id, number)
+        except Exception as error:
+            self.unpublished.append(committed)
+            warnings.warn(
+                f"Uploading the checkpoint {committed} to {self.remote.describe()} failed ({type(error).__name__}: "
+                f"{error}). It is kept locally; the next save uploads its newer state. Until one does, the newest "
+                "checkpoint in the store is an older one.",
+                CadenceWarning,
+                stacklevel=user_stacklevel(),
+            )
+            return number
+        self.unpublished.clear()  # superseded: a newer state is in the store
+        if name != committed.name:
+            self._remote_names[committed.absolute()] = name
+        return published
+
+    def settle_uploads(self) -> CheckpointError | None:
+        """Where ``fit()`` ends: upload the newest checkpoint whose upload failed, once more; the error naming its
+        local copy if it still cannot reach the store (None when every checkpoint of the run is there)."""
+        if self.remote is None or not self.unpublished:
+            return None
+        newest = self.unpublished[-1]
+        try:
+            name, _ = self.remote.publish(newest, self.run_id, self.next_number())
+        except Exception as error:
+            return CheckpointError(
+                f"The run's newest checkpoint never reached {self.remote.describe()} ({type(error).__name__}: "
+                f"{error}). It is kept locally at {newest}: resume from it with fit(resume={str(newest)!r}) on this "
+                "machine, or upload it with engine.save_state(<url>) after loading it."
+            )
+        self.unpublished.clear()
+        if name != newest.name:
+            self._remote_names[newest.absolute()] = name
+        return None
+
     def load_latest(self, load: Callable[[Path], dict[str, Any]]) -> tuple[Path, dict[str, Any]]:
         """``load(directory)`` of the newest checkpoint it accepts, and its manifest. ``load`` checks every file and
         structure before it applies anything, so a damaged or malformed checkpoint (``CheckpointCorrupted``)
         leaves the run untouched and is skipped with a warning for the next older one; any other refusal (a
-        checkpoint that does not fit this run) stops the search."""
+        checkpoint that does not fit this run) stops the search. With a remote store, its committed checkpoints
+        are the candidates (an uncommitted prefix is skipped with a warning)."""
+        if self.remote is not None:
+            return self._load_latest_remote(load)
         problems = []
         for _, directory in self.numbered():
             try:
@@ -143,6 +224,46 @@ class CheckpointDirectory:
                 warnings.warn(f"Skipping {directory.name}: {error}", CadenceWarning, stacklevel=user_stacklevel())
         detail = f" Checked: {' | '.join(problems)}" if problems else ""
         raise CheckpointError(f"No valid checkpoint in {self.root}.{detail}")
+
+    def _load_latest_remote(self, load: Callable[[Path], dict[str, Any]]) -> tuple[Path, dict[str, Any]]:
+        remote = self.remote
+        if remote is None:  # pragma: no cover - called only with a remote
+            raise CheckpointError("No remote store.")
+        problems = []
+        for _, name in remote.numbered():
+            try:
+                record = remote.manifest(name)
+                if record is None:
+                    warnings.warn(
+                        f"Skipping {remote.describe(name)}: it is not committed (it has no {MANIFEST}; an upload that "
+                        "did not finish, or one in progress).",
+                        CadenceWarning,
+                        stacklevel=user_stacklevel(),
+                    )
+                    continue
+                directory = self._local_copy(name, record)
+                return directory, load(directory)
+            except CheckpointCorrupted as error:
+                problems.append(str(error))
+                warnings.warn(
+                    f"Skipping {remote.describe(name)}: {error}", CadenceWarning, stacklevel=user_stacklevel()
+                )
+        detail = f" Checked: {' | '.join(problems)}" if problems else ""
+        raise CheckpointError(f"No valid checkpoint in {remote.describe()}.{detail}")
+
+    def _local_copy(self, name: str, record: dict[str, Any]) -> Path:
+        """A local directory holding the store's committed ``name``: the working copy's own when it holds the same
+        files (this machine saved it), else a fresh download (never over a local directory)."""
+        if self.remote is None:  # pragma: no cover - called only with a remote
+            raise CheckpointError("No remote store.")
+        local = self.path(int(name.removeprefix("checkpoint_")))
+        if is_checkpoint(local) and _files_of(local) == record["files"]:
+            return local
+        target = (
+            local if not os.path.lexists(local) else self.root.parent / "downloads" / f"{name}-{secrets.token_hex(4)}"
+        )
+        self.remote.fetch(name, target)
+        return target
 
     def protect(self, path: Path, holder: str) -> None:
         """Keep ``path`` from ``prune`` until ``holder`` (a name, e.g. a callback's ``state_key``) releases it.
@@ -169,18 +290,73 @@ class CheckpointDirectory:
         True if it was."""
         if not self.names(path) or path.is_symlink():
             return False
-        if self.is_protected(path) or not self.wrote(path):
+        if self.is_protected(path) or path in self.unpublished:
+            return False
+        if self.remote is not None:
+            return self._delete_remote(path)
+        if not self.wrote(path):
             return False
         shutil.rmtree(path, ignore_errors=True)
+        return True
+
+    def _delete_remote(self, path: Path) -> bool:
+        """Delete the store's copy of ``path`` when this run committed it there, then the local copy (if this run
+        wrote it): nothing is deleted locally that the store does not hold."""
+        if self.remote is None:  # pragma: no cover - called only with a remote
+            return False
+        name = self._remote_names.get(path.absolute(), path.name)
+        record = self.remote.manifest(name)
+        if record is None or record.get(RUN_KEY) != self.run_id:
+            return False
+        self.remote.delete(name)
+        self._remote_names.pop(path.absolute(), None)
+        if self.wrote(path):
+            shutil.rmtree(path, ignore_errors=True)
         return True
 
     def prune(self, keep: int) -> None:
         """Delete this run's checkpoints older than its newest ``keep``, except protected ones: ``keep`` counts
         this run's checkpoints, protected ones too, and a protected one older than the newest ``keep`` stays
         beyond it. Other runs' checkpoints are neither counted nor deleted (see ``delete``)."""
+        if self.remote is not None:
+            self._prune_remote(keep)
+            return
         own = [directory for _, directory in self.numbered() if self.wrote(directory)]
         for directory in own[keep:]:
             self.delete(directory)
+
+    def _prune_remote(self, keep: int) -> None:
+        """``prune`` against the store: this run's committed checkpoints there are counted and deleted; this run's
+        uncommitted prefixes older than its newest commit (uploads that died) are removed; a local copy goes with
+        its remote one, or, when the store never had it under that name, once it is older than what is kept."""
+        if self.remote is None:  # pragma: no cover - called only with a remote
+            return
+        own: list[tuple[int, str]] = []
+        dead: list[str] = []
+        for number, name in self.remote.numbered():
+            record = self.remote.manifest(name)
+            if record is not None and record.get(RUN_KEY) == self.run_id:
+                own.append((number, name))
+            elif record is None and own and (self.remote.claim_of(name) or {}).get(RUN_KEY) == self.run_id:
+                dead.append(name)
+        kept = own[:keep]
+        for _, name in own[keep:]:
+            local = self.root / name
+            if not self.is_protected(local):
+                self.remote.delete(name)
+                if self.wrote(local) and local not in self.unpublished:
+                    shutil.rmtree(local, ignore_errors=True)
+        for name in dead:
+            self.remote.delete(name)
+        oldest_kept = kept[-1][0] if len(kept) == keep else -1
+        for number, local in self._local_numbered():
+            if (
+                number < oldest_kept
+                and self.wrote(local)
+                and local not in self.unpublished
+                and not self.is_protected(local)
+            ):
+                shutil.rmtree(local, ignore_errors=True)
 
     def warn_about_other_runs(self) -> None:
         """Warn, once per run, when this directory holds checkpoints another run wrote, and say how this run treats
@@ -230,6 +406,13 @@ class CheckpointDirectory:
                 "metrics as 'val/<name>'), or load a checkpoint by path."
             )
         return min(scored)[2]
+
+
+def _files_of(directory: Path) -> Any:
+    try:
+        return json.loads((directory / MANIFEST).read_text()).get("files")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return None
 
 
 def _recorded_run(directory: Path) -> str | None:

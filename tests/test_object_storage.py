@@ -1,0 +1,369 @@
+"""Checkpoints on S3, against a real S3 API: moto's server on localhost, reached through s3fs as users run it.
+
+A full fit to ``s3://``, a resume on an empty local disk that continues bit for bit, an uncommitted (torn) prefix
+skipped, two runs on one prefix that never overwrite each other, a missing package and missing credentials
+refused at ``Engine()``, a failed upload that warns and keeps the local copy."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import cadence
+from cadence.callbacks import Checkpoint
+from cadence.checkpoint.errors import CheckpointError
+from cadence.checkpoint.published import PublishedCheckpoints
+from cadence.checkpoint.storage import open_storage
+from cadence.errors import CadenceWarning
+from tests.helpers import RegressionStep, assert_bitwise_equal, loader, parameters
+
+ROOT = Path(__file__).resolve().parents[1]
+moto_server = pytest.importorskip("moto.server")
+boto3 = pytest.importorskip("boto3")
+s3fs = pytest.importorskip("s3fs")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint() -> Iterator[str]:
+    """moto's S3 server on a free localhost port (in this process, on a thread), for this module's tests."""
+    port = free_port()
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    yield f"http://127.0.0.1:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def bucket(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A new bucket, with credentials and the endpoint where boto3 and s3fs look for them (the environment)."""
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    s3fs.S3FileSystem.clear_instance_cache()  # an s3fs made under another test's environment is not reused
+    name = f"cadence-{secrets.token_hex(6)}"
+    boto3.client("s3").create_bucket(Bucket=name)
+    return f"s3://{name}"
+
+
+def engine(project_dir: str | Path, local_dir: Path | None = None, **kwargs: Any) -> cadence.Engine:
+    return cadence.Engine(
+        project_dir=project_dir, local_dir=local_dir, seed=0, progress_bar=False, model_summary=False, **kwargs
+    )
+
+
+def keys(url: str) -> list[str]:
+    bucket, _, prefix = url.removeprefix("s3://").partition("/")
+    listing = boto3.client("s3").list_objects_v2(Bucket=bucket, Prefix=prefix)
+    return sorted(item["Key"].removeprefix(f"{prefix}/") for item in listing.get("Contents", []))
+
+
+def test_fit_to_s3_then_resume_on_an_empty_disk_continues_bitwise(bucket: str, tmp_path: Path) -> None:
+    reference = RegressionStep()
+    engine(tmp_path / "reference").fit(reference, loader(shuffle=True), max_steps=12)
+
+    url = f"{bucket}/run"
+    first = RegressionStep()
+    saver = Checkpoint(every_n_steps=4, save_last=False)
+    engine(url, tmp_path / "machine-a", callbacks=[saver]).fit(first, loader(shuffle=True), max_steps=6)
+    stored = keys(f"{url}/checkpoints")
+    assert "checkpoint_0/manifest.json" in stored and not any(k.startswith("checkpoint_1") for k in stored)
+
+    # Another machine: its local disk holds nothing of the run.
+    resumed = RegressionStep(seed=1)
+    fresh = engine(url, tmp_path / "machine-b", callbacks=[Checkpoint(every_n_steps=4, save_last=False)])
+    assert not (tmp_path / "machine-b").exists()
+    fresh.fit(resumed, loader(shuffle=True), max_steps=12, resume="latest")
+    assert fresh.state.step == 12
+    assert_bitwise_equal(parameters(reference.model), parameters(resumed.model))
+
+
+def test_resume_from_an_explicit_url_and_save_to_one(bucket: str, tmp_path: Path) -> None:
+    first = RegressionStep()
+    run = engine(tmp_path / "local")
+    run.fit(first, loader(), max_steps=3)
+    run.save_state(f"{bucket}/exported")
+    assert "manifest.json" in keys(f"{bucket}/exported")
+    with pytest.raises(CheckpointError, match="already holds objects"):
+        run.save_state(f"{bucket}/exported")  # never written over: an object store cannot replace in one step
+
+    second = RegressionStep(seed=1)
+    other = engine(tmp_path / "elsewhere")
+    other.fit(second, loader(), max_steps=3, resume=f"{bucket}/exported")
+    assert other.state.step == 3
+    assert_bitwise_equal(parameters(first.model), parameters(second.model))
+
+
+def test_an_uncommitted_prefix_is_skipped(bucket: str, tmp_path: Path) -> None:
+    url = f"{bucket}/run"
+    step = RegressionStep()
+    run = engine(url, tmp_path / "a")
+    run.prepare(step.model, step.optimizer)
+    run.save_state()
+    saved = parameters(step.model)
+    # An upload that died after its claim and some objects, before its manifest: the newest prefix is torn.
+    storage = open_storage(f"{url}/checkpoints")
+    storage.create("checkpoint_1/claim.json", json.dumps({"run": run.checkpoints.run_id}).encode())
+    storage.upload(tmp_path / "a" / "checkpoints" / "checkpoint_0" / "state.json", "checkpoint_1/state.json")
+
+    other = RegressionStep(seed=1)
+    fresh = engine(url, tmp_path / "b")
+    fresh.prepare(other.model, other.optimizer)
+    with pytest.warns(CadenceWarning, match="checkpoint_1: it is not committed"):
+        loaded = fresh.load_state()
+    assert loaded.name == "checkpoint_0"
+    assert_bitwise_equal(saved, parameters(other.model))
+    assert fresh.checkpoints.next_number() == 2  # the torn number is never reused
+
+
+class SaveAnotherRunFirst:
+    """A registered object whose ``state_dict`` (asked during a save, after the save was numbered) has another run
+    save first: the two saves race for one number, deterministically."""
+
+    def __init__(self, other: cadence.Engine) -> None:
+        self.other = other
+        self.raced = False
+
+    def state_dict(self) -> dict[str, Any]:
+        if not self.raced:
+            self.raced = True
+            self.other.save_state()
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def test_two_runs_on_one_prefix_do_not_overwrite_each_other(bucket: str, tmp_path: Path) -> None:
+    url = f"{bucket}/shared"
+    steps = [RegressionStep(seed=0), RegressionStep(seed=1)]
+    runs = [engine(url, tmp_path / machine) for machine in ("a", "b")]
+    for run, step in zip(runs, steps, strict=True):
+        run.prepare(step.model, step.optimizer)
+    runs[1].register_for_checkpointing(SaveAnotherRunFirst(runs[0]))
+    local = runs[1].save_state()  # numbered 0; run a commits checkpoint_0 in the store meanwhile
+
+    committed = PublishedCheckpoints(open_storage(url))
+    assert [name for _, name in committed.numbered()] == ["checkpoint_1", "checkpoint_0"]
+    locals_ = [tmp_path / "a" / "checkpoints" / "checkpoint_0", local]
+    for name, run, copy in zip(("checkpoint_0", "checkpoint_1"), runs, locals_, strict=True):
+        record = committed.manifest(name)
+        assert record is not None and record["run"] == run.checkpoints.run_id
+        saved = json.loads((copy / "manifest.json").read_text())
+        assert record["files"] == saved["files"]  # each prefix holds exactly its own run's bytes
+    assert runs[1].checkpoints.next_number() == 2
+
+    # The second run's checkpoint, read on a third machine, is the second run's state.
+    reader = RegressionStep(seed=2)
+    third = engine(url, tmp_path / "c")
+    third.prepare(reader.model, reader.optimizer)
+    third.register_for_checkpointing(SaveAnotherRunFirst(third))
+    third.load_state()
+    assert_bitwise_equal(parameters(steps[1].model), parameters(reader.model))
+
+
+def test_retention_deletes_only_this_runs_checkpoints_in_the_store(bucket: str, tmp_path: Path) -> None:
+    url = f"{bucket}/run"
+    other = engine(url, tmp_path / "other")
+    step = RegressionStep(seed=1)
+    other.prepare(step.model, step.optimizer)
+    other.save_state()  # checkpoint_0, another run's
+    run = engine(url, tmp_path / "a", checkpoint_total_limit=2, callbacks=[Checkpoint(every_n_steps=1)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CadenceWarning)  # "holds 1 checkpoint(s) that this run did not write"
+        run.fit(RegressionStep(), loader(), max_steps=4)
+    committed = PublishedCheckpoints(open_storage(url))
+    assert [name for _, name in committed.numbered()] == ["checkpoint_4", "checkpoint_3", "checkpoint_0"]
+    local = sorted(path.name for path in (tmp_path / "a" / "checkpoints").iterdir())
+    assert local == ["checkpoint_3", "checkpoint_4"]  # local copies go with their remote ones
+
+
+def test_a_failed_upload_warns_and_keeps_the_local_copy(bucket: str, tmp_path: Path) -> None:
+    url = f"{bucket}/run"
+    step = RegressionStep()
+    run = engine(url, tmp_path / "a", checkpoint_total_limit=1)
+    run.prepare(step.model, step.optimizer)
+    first = run.save_state()
+    # The bucket goes away (a revoked grant, a deleted bucket): every request for it fails from now on.
+    storage = open_storage(bucket)
+    storage.delete("run")
+    boto3.client("s3").delete_bucket(Bucket=bucket.removeprefix("s3://"))
+    with pytest.warns(CadenceWarning, match="kept locally"):
+        second = run.save_state()
+    assert second.is_dir() and first.is_dir()  # nothing is deleted before its replacement reached the store
+    assert run.checkpoints.unpublished == [second]
+
+
+def test_a_missing_filesystem_package_is_refused_at_engine(tmp_path: Path) -> None:
+    if importlib.util.find_spec("gcsfs") is not None:
+        pytest.skip("gcsfs is installed here")
+    with pytest.raises(ImportError, match=r'pip install "cadence\[gcs\]"'):
+        engine("gs://bucket/run", tmp_path)
+
+
+def test_missing_credentials_are_refused_at_engine(
+    bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    s3fs.S3FileSystem.clear_instance_cache()
+    with pytest.raises(CheckpointError, match="credentials"):
+        engine(f"{bucket}/run", tmp_path / "a")
+    assert not (tmp_path / "a").exists()
+
+
+def test_a_missing_bucket_is_refused_at_engine(bucket: str, tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="does not exist"):
+        engine(f"{bucket}-missing/run", tmp_path / "a")
+
+
+def run_worker(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tests.object_storage_worker", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("kill", "torn"),
+    [
+        # Save 1 uploads 5 files; the 7th upload is the second file of save 2 (claim and one file in the store).
+        (["--kill-at-upload", "7"], "checkpoint_1"),
+        # Save 3 has uploaded every file and is about to create its manifest.
+        (["--kill-before-commit", "3"], "checkpoint_2"),
+    ],
+)
+def test_sigkill_during_an_upload_leaves_the_previous_checkpoint_and_resumes_bitwise(
+    bucket: str, tmp_path: Path, kill: list[str], torn: str
+) -> None:
+    reference = RegressionStep()
+    engine(tmp_path / "reference", callbacks=[Checkpoint(every_n_steps=2)]).fit(
+        reference, loader(shuffle=True), max_steps=8
+    )
+    url = f"{bucket}/run"
+    killed = run_worker(url, str(tmp_path / "a"), str(tmp_path / "a.safetensors"), *kill)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    committed = PublishedCheckpoints(open_storage(url))
+    newest = committed.numbered()[0][1]
+    assert newest == torn and committed.manifest(torn) is None  # the upload in flight: claimed, never committed
+    assert committed.manifest(committed.numbered()[1][1]) is not None  # the previous one is whole
+
+    resumed = run_worker(url, str(tmp_path / "b"), str(tmp_path / "b.safetensors"), "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "it is not committed" in resumed.stderr  # the torn prefix was skipped, and said so
+    weights = load_file(tmp_path / "b.safetensors")
+    expected = reference.model.state_dict()
+    assert weights.keys() == expected.keys()
+    assert all(torch.equal(weights[name], expected[name]) for name in expected)
+    assert committed.manifest(torn) is None  # never loaded, never written into by the resumed run
+
+
+@pytest.mark.slow  # runs long: every request to the stopped server is retried with backoff
+def test_a_store_that_stops_answering_then_comes_back(
+    bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store goes down mid-run (a server stopped, then restarted on the same port): the save in between warns and
+    keeps its local copy; the next one reaches the store and becomes the newest there."""
+    port = free_port()
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+        s3fs.S3FileSystem.clear_instance_cache()
+        name = f"cadence-{secrets.token_hex(6)}"
+        boto3.client("s3").create_bucket(Bucket=name)
+        url = f"s3://{name}/run"
+        step = RegressionStep()
+        run = engine(
+            url,
+            tmp_path / "a",
+            storage_options={"config_kwargs": {"connect_timeout": 1, "retries": {"max_attempts": 1}}},
+        )
+        run.prepare(step.model, step.optimizer)
+        run.save_state()
+        server.stop()
+        with pytest.warns(CadenceWarning) as caught:
+            kept = run.save_state()
+        messages = [str(warning.message) for warning in caught]
+        assert any("numbering from the checkpoints this run saw there last" in m for m in messages), messages
+        assert any("It is kept locally" in m for m in messages), messages
+        assert run.checkpoints.unpublished == [kept] and kept.is_dir()
+        server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        server.start()  # moto keeps its buckets in this process: the store is back as it was
+        newest = run.save_state()
+        assert run.checkpoints.unpublished == []
+        committed = PublishedCheckpoints(open_storage(url, {"config_kwargs": {"retries": {"max_attempts": 1}}}))
+        numbered = committed.numbered()
+        assert numbered[0][1] == newest.name and committed.manifest(newest.name) is not None
+        assert [n for n, _ in numbered] == [2, 0]  # the failed save never appeared in the store
+    finally:
+        server.stop()
+
+
+def test_save_model_to_a_url_uploads_the_index_last(bucket: str, tmp_path: Path) -> None:
+    step = RegressionStep()
+    run = engine(tmp_path / "local")
+    run.prepare(step.model, step.optimizer)
+    files = run.save_model(step.model, f"{bucket}/export", max_shard_size=200)  # sharded: an index and 2+ shards
+    names = [file.name for file in files]
+    assert "model.safetensors.index.json" in names and len(names) >= 3
+    assert keys(f"{bucket}/export") == sorted(names)
+    bucket_name = bucket.removeprefix("s3://")
+    listing = boto3.client("s3").list_objects_v2(Bucket=bucket_name, Prefix="export/")["Contents"]
+    written = {item["Key"].removeprefix("export/"): item["LastModified"] for item in listing}
+    assert written["model.safetensors.index.json"] == max(written.values())
+    downloaded = tmp_path / "downloaded"
+    s3fs.S3FileSystem().get(f"{bucket}/export/", str(downloaded), recursive=True)
+    fresh = RegressionStep(seed=1)
+    cadence.load_checkpoint_in_model(fresh.model, downloaded)
+    assert_bitwise_equal(parameters(step.model), parameters(fresh.model))
+    with pytest.raises(CheckpointError, match="already holds objects"):
+        run.save_model(step.model, f"{bucket}/export")
+
+
+@pytest.mark.slow
+def test_ddp_saves_to_s3_in_the_background_and_resumes_on_another_machine(bucket: str, tmp_path: Path) -> None:
+    from cadence.testing.spawn import spawn
+    from tests import object_storage_worker
+
+    url = f"{bucket}/ddp"
+    saved = spawn(2, object_storage_worker.ddp_train_and_save, url, str(tmp_path / "a"), 3, 4, False)
+    assert saved[0]["committed"] == saved[1]["committed"] == str(tmp_path / "a" / "checkpoints" / "checkpoint_0")
+    committed = PublishedCheckpoints(open_storage(url))
+    record = committed.manifest("checkpoint_0")
+    assert record is not None and record["world_size"] == 2 and "rank_1.json" in record["files"]
+    # Both ranks of the new job share an empty local directory: one downloads, the other uses its copy.
+    resumed = spawn(2, object_storage_worker.ddp_resume, url, str(tmp_path / "b"), 4)
+    assert resumed[0]["loaded"] == str(tmp_path / "b" / "checkpoints" / "checkpoint_0")
+    assert resumed[0]["after"] == saved[0]["after"], "the resumed run saw another sample order"
+    for rank in range(2):
+        assert_bitwise_equal(resumed[rank]["weights"], saved[0]["weights"])
