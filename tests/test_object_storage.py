@@ -123,6 +123,7 @@ def test_an_uncommitted_prefix_is_skipped(bucket: str, tmp_path: Path) -> None:
     run = engine(url, tmp_path / "a")
     run.prepare(step.model, step.optimizer)
     run.save_state()
+    run.wait_for_checkpoint()  # its upload, which the save left running
     saved = parameters(step.model)
     # An upload that died after its claim and some objects, before its manifest: the newest prefix is torn.
     storage = open_storage(f"{url}/checkpoints")
@@ -151,6 +152,7 @@ class SaveAnotherRunFirst:
         if not self.raced:
             self.raced = True
             self.other.save_state()
+            self.other.wait_for_checkpoint()  # its upload commits first
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -165,6 +167,7 @@ def test_two_runs_on_one_prefix_do_not_overwrite_each_other(bucket: str, tmp_pat
         run.prepare(step.model, step.optimizer)
     runs[1].register_for_checkpointing(SaveAnotherRunFirst(runs[0]))
     local = runs[1].save_state()  # numbered 0; run a commits checkpoint_0 in the store meanwhile
+    runs[1].wait_for_checkpoint()
 
     committed = PublishedCheckpoints(open_storage(url))
     assert [name for _, name in committed.numbered()] == ["checkpoint_1", "checkpoint_0"]
@@ -191,6 +194,7 @@ def test_retention_deletes_only_this_runs_checkpoints_in_the_store(bucket: str, 
     step = RegressionStep(seed=1)
     other.prepare(step.model, step.optimizer)
     other.save_state()  # checkpoint_0, another run's
+    other.wait_for_checkpoint()
     run = engine(url, tmp_path / "a", checkpoint_total_limit=2, callbacks=[Checkpoint(every_n_steps=1)])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CadenceWarning)  # "holds 1 checkpoint(s) that this run did not write"
@@ -207,12 +211,14 @@ def test_a_failed_upload_warns_and_keeps_the_local_copy(bucket: str, tmp_path: P
     run = engine(url, tmp_path / "a", checkpoint_total_limit=1)
     run.prepare(step.model, step.optimizer)
     first = run.save_state()
+    run.wait_for_checkpoint()
     # The bucket goes away (a revoked grant, a deleted bucket): every request for it fails from now on.
     storage = open_storage(bucket)
     storage.delete("run")
     boto3.client("s3").delete_bucket(Bucket=bucket.removeprefix("s3://"))
     with pytest.warns(CadenceWarning, match="kept locally"):
         second = run.save_state()
+        run.wait_for_checkpoint()  # where a failed upload is taken in
     assert second.is_dir() and first.is_dir()  # nothing is deleted before its replacement reached the store
     assert run.checkpoints.unpublished == [second]
 
@@ -310,9 +316,11 @@ def test_a_store_that_stops_answering_then_comes_back(
         )
         run.prepare(step.model, step.optimizer)
         run.save_state()
+        run.wait_for_checkpoint()
         server.stop()
         with pytest.warns(CadenceWarning) as caught:
             kept = run.save_state()
+            run.wait_for_checkpoint()
         messages = [str(warning.message) for warning in caught]
         assert any("numbering from the checkpoints this run saw there last" in m for m in messages), messages
         assert any("It is kept locally" in m for m in messages), messages
@@ -320,6 +328,7 @@ def test_a_store_that_stops_answering_then_comes_back(
         server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
         server.start()  # moto keeps its buckets in this process: the store is back as it was
         newest = run.save_state()
+        run.wait_for_checkpoint()
         assert run.checkpoints.unpublished == []
         committed = PublishedCheckpoints(open_storage(url, {"config_kwargs": {"retries": {"max_attempts": 1}}}))
         numbered = committed.numbered()
