@@ -376,3 +376,43 @@ def test_ddp_saves_to_s3_in_the_background_and_resumes_on_another_machine(bucket
     assert resumed[0]["after"] == saved[0]["after"], "the resumed run saw another sample order"
     for rank in range(2):
         assert_bitwise_equal(resumed[rank]["weights"], saved[0]["weights"])
+
+
+def test_the_checkpoint_commands_read_a_store(bucket: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from cadence.cli import main
+
+    url = f"{bucket}/run"
+    run = engine(url, tmp_path / "a", callbacks=[Checkpoint(every_n_steps=2, save_last=False)])
+    run.fit(RegressionStep(), loader(), max_steps=4)
+    storage = open_storage(f"{url}/checkpoints")
+    storage.create("checkpoint_2/claim.json", json.dumps({"run": run.checkpoints.run_id}).encode())  # a torn upload
+    capsys.readouterr()
+
+    assert main(["checkpoint", "list", "--json", f"{url}/checkpoints"]) == 0
+    listing = json.loads(capsys.readouterr().out)
+    rows = [(e["name"], e["status"], e["step"], e["newest"]) for e in listing["checkpoints"]]
+    assert rows == [
+        ("checkpoint_0", "committed", 2, False),
+        ("checkpoint_1", "committed", 4, True),
+        ("checkpoint_2", "incomplete", None, False),
+    ]
+    assert main(["checkpoint", "list", "--verify", f"{url}/checkpoints"]) == 0
+    table = capsys.readouterr().out
+    assert "incomplete (no manifest" in table and table.count("yes") == 2
+
+    assert main(["checkpoint", "verify", f"{url}/checkpoints/checkpoint_1"]) == 0
+    assert "files match the manifest" in capsys.readouterr().out
+    assert main(["checkpoint", "inspect", f"{url}/checkpoints/checkpoint_1"]) == 0
+    assert json.loads(capsys.readouterr().out)["checkpoint_number"] == 1
+    assert main(["checkpoint", "verify", f"{url}/checkpoints/checkpoint_2"]) == 1
+    assert "not a committed checkpoint" in capsys.readouterr().err
+
+    # Damage in the store: an object whose bytes differ from what the commit record says.
+    damaged = tmp_path / "damaged.json"
+    damaged.write_text("{}")
+    storage.upload(damaged, "checkpoint_0/state.json")
+    assert main(["checkpoint", "verify", f"{url}/checkpoints/checkpoint_0"]) == 1
+    assert "state.json" in capsys.readouterr().err
+    assert main(["checkpoint", "list", "--verify", "--json", f"{url}/checkpoints"]) == 1
+    statuses = {e["name"]: e["status"] for e in json.loads(capsys.readouterr().out)["checkpoints"]}
+    assert statuses == {"checkpoint_0": "damaged", "checkpoint_1": "committed", "checkpoint_2": "incomplete"}
