@@ -25,9 +25,11 @@ from safetensors.torch import load_file
 import cadence
 from cadence.callbacks import Checkpoint
 from cadence.checkpoint.errors import CheckpointError
-from cadence.checkpoint.published import PublishedCheckpoints
+from cadence.checkpoint.listing import verify
+from cadence.checkpoint.published import PublishedCheckpoints, fetch
 from cadence.checkpoint.storage import open_storage
 from cadence.errors import CadenceWarning
+from tests.failing_store import FAULTS, FailingStore
 from tests.helpers import RegressionStep, assert_bitwise_equal, loader, parameters
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -416,3 +418,47 @@ def test_the_checkpoint_commands_read_a_store(bucket: str, tmp_path: Path, capsy
     assert main(["checkpoint", "list", "--verify", "--json", f"{url}/checkpoints"]) == 1
     statuses = {e["name"]: e["status"] for e in json.loads(capsys.readouterr().out)["checkpoints"]}
     assert statuses == {"checkpoint_0": "damaged", "checkpoint_1": "committed", "checkpoint_2": "incomplete"}
+
+
+@pytest.mark.slow  # runs long: each fault waits out a backoff
+def test_a_store_that_fails_requests_loses_nothing(bucket: str, s3_endpoint: str, tmp_path: Path) -> None:
+    """Every 4th request fails once the run is under way (500, 503 SlowDown, a reset before the store sees the
+    request, a reset after it carried it out), and so do the first claim and the first commit record after the
+    store wrote them (their answers lost): saves, retention and a resume on an empty disk retry through all of it,
+    warn of nothing, and end bit for bit where the uninterrupted local run does."""
+    reference = RegressionStep()
+    engine(tmp_path / "reference").fit(reference, loader(shuffle=True), max_steps=10)
+
+    url = f"{bucket}/run"
+    lost_answers = (("PUT /" + url.removeprefix("s3://") + "/checkpoints/checkpoint_0/claim.json", "reset after"),
+                    ("/manifest.json", "reset after"))  # fmt: skip
+    with FailingStore(s3_endpoint, every=4, once=lost_answers) as store:
+        # The client's own retries off: every fault reaches cadence's.
+        options = {"endpoint_url": store.url, "config_kwargs": {"retries": {"max_attempts": 1}}}
+        first = engine(
+            url, tmp_path / "a", storage_options=options, checkpoint_total_limit=2,
+            callbacks=[Checkpoint(every_n_steps=2, save_last=False)],
+        )  # fmt: skip
+        store.armed = True
+        first.fit(RegressionStep(), loader(shuffle=True), max_steps=6)
+        store.armed = False
+        # Saves at steps 2, 4, 6 under their own numbers (the lost answer to the first claim did not push the save
+        # to another number), the oldest deleted by retention once a newer one was committed.
+        stored = PublishedCheckpoints(open_storage(url, options)).numbered()
+        assert stored == [(2, "checkpoint_2"), (1, "checkpoint_1")], stored
+        fresh = engine(
+            url, tmp_path / "b", storage_options=options, callbacks=[Checkpoint(every_n_steps=2, save_last=False)]
+        )
+        store.armed = True
+        resumed = RegressionStep(seed=1)
+        fresh.fit(resumed, loader(shuffle=True), max_steps=10, resume="latest")
+    assert {kind for _, kind in store.faults} == set(FAULTS) and store.once == [], store.faults
+    assert fresh.state.step == 10
+    assert_bitwise_equal(parameters(reference.model), parameters(resumed.model))
+    committed = PublishedCheckpoints(open_storage(url))
+    names = [name for _, name in committed.numbered()]
+    for name in names:
+        record = committed.manifest(name)
+        assert record is not None, f"{name} is not committed: {names}"
+        fetch(committed.storage, committed.key(name), tmp_path / "check" / name)
+        verify(tmp_path / "check" / name)
