@@ -133,7 +133,7 @@ def test_bad_input_is_refused_by_name_before_any_work(
 def test_a_step_without_data_is_refused_before_any_work(tmp_path: Path) -> None:
     bad = tmp_path / "no_data.yaml"
     bad.write_text("data: null\n")
-    with pytest.raises(ConfigError, match=r"no `data` section, and the step blobs.Classifier defines no train_datal"):
+    with pytest.raises(ConfigError, match=r"no data section, and the step blobs.Classifier defines no train_datal"):
         run([*small(tmp_path / "exp"), "--config", str(bad)])
     assert not (tmp_path / "exp").exists()
 

@@ -125,11 +125,10 @@ def parse(command: str, arguments: Sequence[str]) -> tuple[ArgumentParser, Names
     from argparse import ArgumentError
 
     if command not in COMMANDS:
-        raise ConfigError(f"cadence: unknown command {command!r}; the config-driven ones are {', '.join(COMMANDS)}.")
+        raise ConfigError(f"unknown command {command!r}; the config-driven ones are {', '.join(COMMANDS)}.")
     if importlib.util.find_spec("jsonargparse") is None:
         raise ModuleNotFoundError(
-            f"cadence {command} reads its config with jsonargparse, which is not installed: "
-            'pip install "cadence[cli]".'
+            f'cadence {command} reads its config with jsonargparse, which is not installed: pip install "cadence[cli]".'
         )
     parser = build_parser(command)
     try:
@@ -144,7 +143,7 @@ def run(arguments: Sequence[str]) -> Any:
     """``cadence fit|test|predict ...`` from Python: the final ``State`` (fit), the metrics (test) or the predictions
     (predict). A config refused before any work raises ``ConfigError``."""
     if not arguments:
-        raise ConfigError(f"cadence: name a command first: {', '.join(COMMANDS)} (e.g. fit --config run.yaml).")
+        raise ConfigError(f"name a command first: {', '.join(COMMANDS)} (e.g. fit --config run.yaml).")
     command = arguments[0]
     parser, config = parse(command, arguments[1:])
     text = parser.dump(config, skip_unset=False)
@@ -183,7 +182,7 @@ def main(arguments: Sequence[str]) -> int:
     try:
         result = run(arguments)
     except ConfigError as error:
-        print(error, file=sys.stderr)
+        print(f"cadence {arguments[0] if arguments else ''}: error: {error}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as error:
         if error.name is not None:  # a module a class_path or the run itself imports: its own traceback says more
@@ -220,8 +219,8 @@ def _check_data(command: str, config: Namespace) -> None:
     if config.data is not None or callable(getattr(_import(config.step.class_path), method, None)):
         return
     raise ConfigError(
-        f"cadence {command}: no `data` section, and the step {config.step.class_path} defines no {method}(). Add "
-        f"`data: {{class_path: ..., init_args: ...}}` naming a class with {method}(), or define {method}() on the step."
+        f"no data section, and the step {config.step.class_path} defines no {method}(). Add a data section "
+        f"(class_path: ..., init_args: ...) naming a class with {method}(), or define {method}() on the step."
     )
 
 
@@ -243,7 +242,7 @@ def explain(command: str, message: str, parser: ArgumentParser) -> str:
     """jsonargparse's refusal, without its noise, with the closest valid names where a name was unknown."""
     key, candidates = _unknown(message, parser)
     lines = [line for line in message.splitlines() if "NoneType" not in line and "Given value type" not in line]
-    text = f"cadence {command}: error: " + "\n  ".join(line.rstrip() for line in lines if line.strip())
+    text = "\n  ".join(line.rstrip() for line in lines if line.strip())
     if key is not None:
         close = difflib.get_close_matches(key, candidates, n=3, cutoff=0.5)
         text += f"\n  unknown: {key}; closest valid names: {', '.join(close) if close else 'none close'}"

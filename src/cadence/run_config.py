@@ -2,8 +2,8 @@
 ``project_dir/config.yaml`` before any work, written there before training, and carried in every checkpoint by the
 ``RunConfig`` callback, so a checkpoint says what it was made with.
 
-A fresh run never replaces another run's config; a resumed run (``fit.resume``) may change settings, and then the
-earlier config is kept beside the new one as ``config.N.yaml``. Only files that carry cadence's mark are ever
+A fresh run never replaces another run's config; a resumed run (``--fit.resume latest``) may change settings, and
+then the earlier config is kept beside the new one as ``config.N.yaml``. Only files that carry cadence's mark are ever
 replaced: a ``config.yaml`` of the user's own in ``project_dir`` is refused, never touched.
 """
 
