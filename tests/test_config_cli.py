@@ -8,13 +8,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
 
-from cadence import CadenceWarning
+from cadence import CadenceWarning, Callback, Engine
 from cadence.checkpoint.files import CheckpointReader
 from cadence.cli import main, run
 from cadence.config_cli import parse
@@ -44,11 +45,23 @@ def weights(project: Path) -> dict[str, torch.Tensor]:
     return load_file(newest / "model_0.safetensors")
 
 
+class ConfigFileAtStart(Callback):
+    """Records, as ``fit()`` starts, what ``project_dir/config.yaml`` holds."""
+
+    seen: ClassVar[list[str | None]] = []
+
+    def on_fit_start(self, engine: Engine) -> None:
+        path = engine.project_dir / "config.yaml"
+        self.seen.append(path.read_text() if path.is_file() else None)
+
+
 def test_fit_trains_from_a_config_and_writes_the_resolved_config_before_training(tmp_path: Path) -> None:
     project = tmp_path / "exp"
-    state = run(small(project, "--fit.max_epochs", "2"))
+    callbacks = ["--engine.callbacks+=tests.test_config_cli.ConfigFileAtStart"]
+    state = run(small(project, "--fit.max_epochs", "2", *callbacks))
     assert state.step == 4
     text = (project / "config.yaml").read_text()
+    assert ConfigFileAtStart.seen.pop() == text  # there, whole, before the first step
     assert text.startswith(MARK)
     saved = yaml.safe_load(text)
     assert saved["fit"]["max_epochs"] == 2 and saved["fit"]["val_every_n_epochs"] == 1  # defaults included
@@ -56,8 +69,9 @@ def test_fit_trains_from_a_config_and_writes_the_resolved_config_before_training
         "class_path": "blobs.Classifier",
         "init_args": {"hidden": 32, "lr": 0.01, "weight_decay": 0.0},
     }
-    assert [c["class_path"] for c in saved["engine"]["callbacks"]][:2] == [
-        "cadence.callbacks.Checkpoint", "cadence.callbacks.GradientClipping",
+    assert [c["class_path"] for c in saved["engine"]["callbacks"]] == [
+        "cadence.callbacks.Checkpoint", "cadence.callbacks.GradientClipping", "cadence.callbacks.CSVLogger",
+        "tests.test_config_cli.ConfigFileAtStart",
     ]  # fmt: skip
     for checkpoint in (project / "checkpoints").iterdir():  # every checkpoint carries the config it was made with
         with CheckpointReader(checkpoint) as reader:
@@ -71,6 +85,18 @@ def test_later_configs_and_dotted_overrides_win() -> None:
     assert config.fit.max_epochs == 5 and config.step.init_args.lr == 0.1  # flag over file
     assert config.step.init_args.hidden == 16 and config.data.init_args.samples == 128  # quick.yaml over run.yaml
     assert config.data.init_args.batch_size == 32 and config.engine.seed == 0  # run.yaml where quick.yaml is silent
+
+
+def test_environment_variables_set_what_files_and_flags_do_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CADENCE_FIT__VAL_BATCHES", "2")
+    monkeypatch.setenv("CADENCE_FIT__MAX_EPOCHS", "7")
+    _, config = parse("fit", ["--config", RUN])
+    assert config.fit.val_batches == 2 and config.fit.max_epochs == 3  # run.yaml's max_epochs wins over the variable
+    monkeypatch.setenv("CADENCE_CONFIG", RUN)  # read as --config is, but under the other variables
+    _, config = parse("fit", [])
+    assert config.step.class_path == "blobs.Classifier" and config.fit.max_epochs == 7
+    _, config = parse("fit", ["--fit.max_epochs", "4"])
+    assert config.fit.max_epochs == 4
 
 
 def test_print_config_prints_the_resolved_config_and_runs_nothing(

@@ -10,7 +10,9 @@ whole config is checked before any work):
   ``predict_dataloader()`` as the command needs); without it the step's own methods of those names are used.
 - ``fit``: ``Engine.fit``'s keyword arguments; ``test`` and ``predict``: the options of those commands.
 
-Settings given later win: several ``--config`` files merge in order, then dotted overrides (``--fit.max_epochs 5``).
+Settings given later win: environment variables over the defaults (``CADENCE_FIT__MAX_EPOCHS=5``; a config named by
+``CADENCE_CONFIG`` under the other variables), then ``--config`` files merged in order, then dotted flags
+(``--fit.max_epochs 5``).
 ``fit`` checks the resolved config against ``project_dir/config.yaml``, writes it there and stores it in every
 checkpoint (``cadence.run_config``).
 """
@@ -106,6 +108,8 @@ def build_parser(command: str) -> ArgumentParser:
         epilog=_EPILOG.format(command=command),
         exit_on_error=False,
         allow_abbrev=False,  # --fit.max_epoch must be refused, not read as --fit.max_epochs
+        env_prefix="CADENCE",  # CADENCE_FIT__MAX_EPOCHS=5: over the defaults, under config files and flags
+        default_env=True,
     )
     parser.add_argument("--config", action=ActionConfigFile, help="a YAML config; several merge in order")
     parser.add_class_arguments(Engine, "engine", help="cadence.Engine's arguments")
