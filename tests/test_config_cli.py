@@ -118,6 +118,12 @@ def test_help_lists_the_arguments_of_a_class_with_their_docstrings(capsys: pytes
     assert "--step.lr LR" in out and "AdamW's learning rate" in out
     assert main(["fit", "--help"]) == 0
     assert "--fit.max_epochs" in capsys.readouterr().out
+    assert main(["fit", "--config", RUN, "--help"]) == 0  # and the classes the config chose
+    out = capsys.readouterr().out
+    assert "--fit.max_epochs" in out and "step (blobs.Classifier):" in out and "AdamW's learning rate" in out
+    chosen = out.split("step (blobs.Classifier):")[1]
+    assert "engine.callbacks[1] (cadence.callbacks.GradientClipping):" in chosen
+    assert "Path to a configuration" not in chosen
 
 
 BAD = {

@@ -135,6 +135,9 @@ def parse(command: str, arguments: Sequence[str]) -> tuple[ArgumentParser, Names
             f'cadence {command} reads its config with jsonargparse, which is not installed: pip install "cadence[cli]".'
         )
     parser = build_parser(command)
+    if "--help" in arguments or "-h" in arguments:
+        print_help(parser, [argument for argument in arguments if argument not in ("--help", "-h")])
+        raise SystemExit(0)
     try:
         config = parser.parse_args(list(arguments))
     except ArgumentError as error:
@@ -215,6 +218,43 @@ def _load_weights(step: Any, weights: str | None) -> None:
         from cadence.checkpoint.export import load_checkpoint_in_model
 
         load_checkpoint_in_model(step.model, weights)
+
+
+def print_help(parser: ArgumentParser, arguments: Sequence[str]) -> None:
+    """The command's help, then, when ``arguments`` (the rest of the command line) make a valid config, the arguments
+    of the classes it chose, with their docstrings (``--step.help CLASS`` shows any one class's)."""
+    from argparse import ArgumentError
+
+    from jsonargparse import ArgumentParser
+
+    parser.print_help()
+    try:
+        config = parser.parse_args(list(arguments)) if arguments else None
+    except ArgumentError:
+        return  # help never fails on a config still being written
+    chosen = [] if config is None else _chosen_classes(config)
+    for key, class_path in chosen:
+        classes = ArgumentParser(prog=parser.prog, add_help=False)
+        classes.add_class_arguments(_import(class_path), f"{key}.init_args", help=f"{key} ({class_path})")
+        lines = classes.format_help().split("\n\n", 1)[1].rstrip().splitlines()  # without the usage line
+        # Without the option naming a file of the class's arguments alone: this help is about the config.
+        print("\n" + "\n".join(line for n, line in enumerate(lines) if not _file_option(lines, n)))
+
+
+def _file_option(lines: list[str], index: int) -> bool:
+    line = lines[index]
+    return line.endswith(" CONFIG") or (index > 0 and lines[index - 1].endswith(" CONFIG") and "Path to a" in line)
+
+
+def _chosen_classes(config: Namespace) -> list[tuple[str, str]]:
+    """(key, class path) of every class the config chose: the step, the data, each callback, a strategy object."""
+    chosen = [("step", config.step.class_path)]
+    if config.data is not None:
+        chosen.append(("data", config.data.class_path))
+    chosen += [(f"engine.callbacks[{index}]", c.class_path) for index, c in enumerate(config.engine.callbacks or [])]
+    if not isinstance(config.engine.strategy, str):
+        chosen.append(("engine.strategy", config.engine.strategy.class_path))
+    return chosen
 
 
 def _check_data(command: str, config: Namespace) -> None:
