@@ -196,7 +196,7 @@ def main(arguments: Sequence[str]) -> int:
             raise
         print(error, file=sys.stderr)
         return 1
-    except SystemExit as stop:  # --help, --print_config
+    except SystemExit as stop:  # --help, --print_config, and a run stopped with an exit code (Preemption: 75)
         return stop.code if isinstance(stop.code, int) else 0
     if arguments[0] == "test":
         print("\n".join(f"{name} {value:.6g}" for name, value in result.items()))
