@@ -87,6 +87,25 @@ def test_later_configs_and_dotted_overrides_win() -> None:
     assert config.data.init_args.batch_size == 32 and config.engine.seed == 0  # run.yaml where quick.yaml is silent
 
 
+def test_strategies_and_precision_are_classes_of_the_config_too(tmp_path: Path) -> None:
+    extra = tmp_path / "scale.yaml"
+    extra.write_text(
+        "engine:\n  strategy: {class_path: cadence.strategies.FSDPStrategy, init_args: {cpu_offload: true}}\n"
+        "  callbacks:\n    - {class_path: cadence.callbacks.MixedPrecision, init_args: {precision: bf16}}\n"
+    )
+    _, config = parse(
+        "fit", ["--config", RUN, "--config", str(extra), "--engine.strategy.init_args.activation_checkpointing", "true"]
+    )
+    assert config.engine.strategy.class_path == "cadence.strategies.FSDPStrategy"
+    options = config.engine.strategy.init_args
+    assert options.cpu_offload is True and options.activation_checkpointing is True
+    assert [c.class_path for c in config.engine.callbacks] == ["cadence.callbacks.MixedPrecision"]  # a list replaces
+    _, config = parse("fit", ["--config", RUN, "--engine.strategy", "ddp"])
+    assert config.engine.strategy == "ddp"
+    with pytest.raises(ConfigError, match=r"--engine.strategy.class_path cadence.strategies.FSDPStrategy"):
+        parse("fit", ["--config", RUN, "--engine.strategy", "cadence.strategies.FSDPStrategy"])
+
+
 def test_environment_variables_set_what_files_and_flags_do_not(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CADENCE_FIT__VAL_BATCHES", "2")
     monkeypatch.setenv("CADENCE_FIT__MAX_EPOCHS", "7")

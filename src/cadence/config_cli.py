@@ -143,6 +143,7 @@ def parse(command: str, arguments: Sequence[str]) -> tuple[ArgumentParser, Names
     except ArgumentError as error:
         raise ConfigError(explain(command, str(error), parser)) from None
     _check_data(command, config)
+    _check_strategy_name(config.engine.strategy)
     return parser, config
 
 
@@ -266,6 +267,16 @@ def _check_data(command: str, config: Namespace) -> None:
         f"no data section, and the step {config.step.class_path} defines no {method}(). Add a data section "
         f"(class_path: ..., init_args: ...) naming a class with {method}(), or define {method}() on the step."
     )
+
+
+def _check_strategy_name(strategy: Any) -> None:
+    """``engine.strategy`` is a name or a class: a class path given as a plain string matches the name first."""
+    if isinstance(strategy, str) and "." in strategy:
+        raise ConfigError(
+            f"engine.strategy {strategy!r} is read as a strategy name (auto, single, ddp, fsdp). To name a class, "
+            f"give its class_path: --engine.strategy.class_path {strategy}, or in the config "
+            f"`strategy: {{class_path: {strategy}}}`."
+        )
 
 
 def _import(path: str) -> Any:
