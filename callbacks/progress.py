@@ -43,8 +43,9 @@ class RichProgressBar(Callback):
     Each display shows the epoch, the batch within the epoch (``i/N``, counted from the epoch's start, also in a
     resumed epoch), the optimizer step, the loss, the epoch's rate in batches per second and its ETA (none on a
     fit's or a pass's first line, ``-- it/s``: the batches before it include torch.compile's compilation, so the
-    rate counts from that line on; later epochs count from their start). The fit's last position is shown when it
-    ends (unless it raised), and validation metrics on a line of their own.
+    rate counts from that line on; later epochs count from their start). When ``fit(max_steps=...)`` ends the run
+    before the epoch ends, the ETA is the run's end, from the steps' own rate (so gradient accumulation counts).
+    The fit's last position is shown when it ends (unless it raised), and validation metrics on a line of their own.
     ``engine.test()`` and ``engine.predict()`` passes show ``test`` / ``predict``, the batch, the rate and the ETA,
     by the same refresh rule, and their last position; a test's metrics follow on a line of their own.
 
@@ -78,8 +79,8 @@ class RichProgressBar(Callback):
         """The batches the countdown last started from: those run since the last clock check when it hits 0."""
         self._next_draw_at = 0.0
         self._checked_at = 0.0
-        self._timed_from: tuple[int, float] | None = None
-        """The position and time the rate counts from; None until a fit's first line (see ``_draw``)."""
+        self._timed_from: tuple[int, float, int] | None = None
+        """The position, time and step the rate counts from; None until a fit's first line (see ``_draw``)."""
         self._drawn_at: tuple[int, int] | None = None
         self._pass: _EvaluationPass | None = None
         """The ``test()`` or ``predict()`` pass being shown."""
@@ -110,7 +111,7 @@ class RichProgressBar(Callback):
         # A resumed epoch starts part-way: positions and the rate count from where this process started it.
         position = state.batch_idx + 1
         if self._timed_from is not None:  # the fit's first epoch is timed from its first line instead
-            self._timed_from = (position, now)
+            self._timed_from = (position, now, state.step)
         if self.refresh_every_n_batches is not None:
             self._countdown = self.refresh_every_n_batches - position % self.refresh_every_n_batches
         elif self._countdown == NEVER:  # the fit's first epoch (or a hand-written loop's): draw its first batch
@@ -195,12 +196,14 @@ class RichProgressBar(Callback):
         # The batches before a fit's first line took torch.compile's compilation, the first CUDA kernels' loading
         # and the workers' start: the rate counts from that line on, so it shows none until a second line.
         # Later epochs count from their start, only the batches this process ran.
-        timed_from, self._timed_from = self._timed_from, self._timed_from or (position, now)
+        timed_from, self._timed_from = self._timed_from, self._timed_from or (position, now, state.step)
         left = None if state.num_batches is None else state.num_batches - position
         current_loss = state.loss
         loss = "-" if current_loss is None else f"{current_loss.item():.4f}"
         total = "?" if state.num_batches is None else str(state.num_batches)
-        counts = f"{position}/{total} | step {state.step} | loss {loss} | {_speed(position, timed_from, now, left)}"
+        timed = None if timed_from is None else timed_from[:2]
+        speed = _speed(position, timed, now, left, _seconds_to_max_steps(engine, timed_from, now))
+        counts = f"{position}/{total} | step {state.step} | loss {loss} | {speed}"
         if self._live is not None:
             self._live.update(_bar_line(f"epoch {state.epoch}", position, state.num_batches, counts), refresh=True)
         else:
@@ -324,13 +327,32 @@ def _bar_line(label: str, position: int, total: int | None, counts: str) -> Text
     )
 
 
-def _speed(position: int, timed_from: tuple[int, float] | None, now: float, left: int | None) -> str:
-    """``12.5 it/s | ETA 00:01:02`` over the batches since ``timed_from``; dashes before any was timed."""
+def _speed(
+    position: int, timed_from: tuple[int, float] | None, now: float, left: int | None, run_ends_in: float | None = None
+) -> str:
+    """``12.5 it/s | ETA 00:01:02`` over the batches since ``timed_from``, the ETA of the ``left`` batches, or
+    ``run_ends_in`` seconds when the run ends sooner; dashes before any was timed."""
     if timed_from is None:
         return "-- it/s | ETA --:--:--"
     rate = (position - timed_from[0]) / max(now - timed_from[1], 1e-9)
-    eta = _clock_time(left / rate) if left is not None and rate > 0 else "?"
-    return f"{rate:.1f} it/s | ETA {eta}"
+    seconds = left / rate if left is not None and rate > 0 else None
+    if run_ends_in is not None:
+        seconds = run_ends_in if seconds is None else min(seconds, run_ends_in)
+    return f"{rate:.1f} it/s | ETA {'?' if seconds is None else _clock_time(seconds)}"
+
+
+def _seconds_to_max_steps(engine: Engine, timed_from: tuple[int, float, int] | None, now: float) -> float | None:
+    """When ``fit(max_steps=...)`` ends the run, the seconds its steps left take at the steps' rate since
+    ``timed_from`` (steps, not batches: gradient accumulation runs several batches per step); None when there is
+    no step limit or no step was timed yet."""
+    state = engine.state
+    if state.max_steps is None or timed_from is None:
+        return None
+    left = state.max_steps - state.step
+    if left <= 0:
+        return 0.0
+    timed_steps = state.step - timed_from[2]
+    return left * (now - timed_from[1]) / timed_steps if timed_steps > 0 else None
 
 
 def _clock_time(seconds: float) -> str:

@@ -73,7 +73,10 @@ def test_a_command_missing_its_arguments_is_a_usage_error(
 def test_a_bad_torchrun_option_value_prints_torchrun_s_message_not_a_traceback() -> None:
     # In a subprocess: torchrun renames the calling thread and reads the environment before it checks the value.
     result = subprocess.run(
-        [*CADENCE, "launch", "--nproc-per-node", "abc", "train.py"], capture_output=True, text=True, timeout=120
+        [*CADENCE, "launch", "--nproc-per-node", "abc", str(ROOT / "tests" / "failing_rank.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 2
     assert result.stderr.splitlines() == [
@@ -198,6 +201,9 @@ def test_a_rank_that_raises_fails_the_job_instead_of_hanging() -> None:
     assert result.returncode == 1
     assert "rank 1 failed on purpose" in result.stdout + result.stderr
     assert "Root Cause (first observed failure)" in result.stderr  # torchrun's summary: which rank, which exit code
+    # The summary names the user's script, not launch_child.py, which cadence runs it through.
+    assert f"\n{ROOT / 'tests' / 'failing_rank.py'} FAILED\n" in result.stderr
+    assert "launch_child.py FAILED" not in result.stderr
     assert time.monotonic() - started < 120
 
 
@@ -209,6 +215,50 @@ def test_restarts_over_a_static_multi_node_rendezvous_are_refused_before_anythin
     [line] = capsys.readouterr().err.splitlines()
     assert "the static one (--master-addr/--master-port) reuses its store" in line
     assert "--rdzv-backend c10d --rdzv-endpoint HOST:PORT" in line
+
+
+@pytest.mark.parametrize(
+    ("options", "refusal"),
+    [
+        (["missing.py"], "the training script missing.py does not exist (looked in {cwd}); give its path, absolute "
+         "or relative to the folder you launch from"),
+        (["--module", "no_such_module.train"], "--module no_such_module.train: no module 'no_such_module' in {cwd} "
+         "or on the Python path; check its name and the folder"),
+        (["--no-python", "no-such-program"], "--no-python runs a program, and 'no-such-program' is neither a file "
+         "here ({cwd}) nor on PATH"),
+    ],
+    ids=["script", "module", "program"],
+)  # fmt: skip
+def test_a_missing_script_is_one_line_and_status_2_before_any_process_starts(
+    options: list[str],
+    refusal: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Unmarked: conftest fails this test if a worker starts, which is what used to happen (39 lines, status 1).
+    monkeypatch.chdir(tmp_path)
+    assert main(["launch", "--nproc-per-node", "2", *free_master_port(), *options]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == f"cadence launch: error: {refusal.format(cwd=tmp_path)} (see cadence launch --help)\n"
+
+
+def test_a_program_that_is_not_executable_is_named_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    program = tmp_path / "train.sh"
+    program.write_text("#!/bin/sh\n")
+    assert main(["launch", "--nproc-per-node", "2", *free_master_port(), "--no-python", str(program)]) == 2
+    assert f"and {program} is not executable: chmod +x {program} (see" in capsys.readouterr().err
+
+
+def test_a_module_is_looked_for_where_the_workers_will_look(tmp_path: Path) -> None:
+    from cadence.cli import _importable
+
+    (tmp_path / "my_training.py").write_text("raise SystemExit('imported: the check must not import it')\n")
+    assert _importable("my_training", str(tmp_path))  # the launch folder, first on a worker's path
+    assert _importable("json", str(tmp_path)) and _importable("sys", str(tmp_path))  # the path, a builtin
+    assert _importable("cadence", str(tmp_path))  # as this interpreter finds it (an editable install's finder)
+    assert not _importable("my_training", str(tmp_path / "elsewhere"))
 
 
 LAUNCHED = ROOT / "tests" / "distributed" / "launched_training.py"

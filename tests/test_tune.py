@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorDataset
 
 import cadence
@@ -426,3 +427,59 @@ def test_the_default_install_stays_light(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+def lazy_step() -> MLPStep:
+    step = MLPStep()
+    step.model = nn.Sequential(nn.LazyLinear(16), nn.Tanh(), nn.LazyLinear(1))
+    step.optimizer = torch.optim.Adam(step.model.parameters(), lr=0.01)
+    step.scheduler = None
+    return step
+
+
+def test_both_finders_refuse_a_lazy_model_not_yet_initialised_and_leave_it_lazy(tmp_path: Path) -> None:
+    # Once materialised a lazy module is another class: the finder could not put it back as it was.
+    step = lazy_step()
+    for finder, data in ((lr_find, shuffled()), (batch_size_find, regression(samples=64))):
+        with pytest.raises(
+            ValueError,
+            match=r"\(\) needs a model whose parameters exist, but 0.weight, 0.bias, "
+            r"2.weight and 1 more belong to lazy modules .* Run one forward pass on a batch first",
+        ):
+            finder(FakeEngine(project_dir=tmp_path), step, data)  # type: ignore[operator]
+        assert all(is_lazy(parameter) for parameter in step.model.parameters())
+    assert step.batch_sizes == [] and not list(tmp_path.iterdir())
+
+
+def test_a_lazy_model_run_once_is_searched_and_put_back() -> None:
+    step = lazy_step()
+    with torch.no_grad():
+        step.model(torch.zeros(1, 8))
+    weights = parameters(step.model)
+    result = lr_find(FakeEngine(), step, shuffled(samples=64), num_steps=10, plot=False)
+    assert len(result.lrs) == 10
+    assert_bitwise_equal(parameters(step.model), weights)
+
+
+def warming_up(kind: str) -> MLPStep:
+    step = MLPStep(lr=0.01)
+    if kind == "LinearLR":
+        step.scheduler = torch.optim.lr_scheduler.LinearLR(step.optimizer, start_factor=0.1, total_iters=5)
+    else:  # transformers' get_linear_schedule_with_warmup: a LambdaLR from 0
+        step.scheduler = cadence.Schedule(torch.optim.lr_scheduler.LambdaLR(step.optimizer, lambda s: min(1.0, s / 5)))
+    return step
+
+
+@pytest.mark.parametrize(("kind", "start"), [("LinearLR", "0.001"), ("LambdaLR", "0")])
+def test_lr_find_warns_that_a_warmup_scheduler_is_left_out(kind: str, start: str) -> None:
+    with pytest.warns(
+        CadenceWarning,
+        match=rf"lr_find: the scheduler \({kind}\) warms up, from lr {start} to 0.01, "
+        r"but .* runs without the warmup\. The suggestion is the rate to warm up to",
+    ) as seen:
+        lr_find(FakeEngine(), warming_up(kind), shuffled(samples=64), num_steps=10, plot=False)
+    assert len(seen) == 1 and seen[0].filename == __file__
+
+
+def test_lr_find_says_nothing_of_a_scheduler_that_does_not_warm_up() -> None:
+    lr_find(FakeEngine(), MLPStep(), shuffled(samples=64), num_steps=10, plot=False)  # StepLR: warnings are errors

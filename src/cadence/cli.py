@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
+import shutil
 import sys
 import time
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from importlib.machinery import PathFinder
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -79,7 +82,7 @@ def environment_report() -> str:
 
 def _checkpoint(options: argparse.Namespace) -> int:
     from cadence.checkpoint.files import CheckpointError, CheckpointReader
-    from cadence.checkpoint.listing import verify
+    from cadence.checkpoint.listing import cannot_be_read, strict_json, unreadable, verify
 
     directory: Path = options.directory
     try:
@@ -93,11 +96,17 @@ def _checkpoint(options: argparse.Namespace) -> int:
 
                     print(stored_config(reader) or f"{directory} holds no config (not saved by cadence fit --config).")
                     return 0
-    except CheckpointError as error:
-        print(f"{directory}: {error}", file=sys.stderr)
-        return 1
-    except OSError as error:
-        print(f"{directory}: cannot be read ({error}).", file=sys.stderr)
+    except (CheckpointError, OSError) as error:
+        refusal = unreadable(error)
+        if refusal is not None:
+            # A permission (or the disk) stopped the read: nothing is known of the checkpoint's bytes yet.
+            print(
+                f"{directory}: {cannot_be_read(refusal, directory)}. That says nothing of the checkpoint's "
+                "contents: run as a user who can read every file of it to check it.",
+                file=sys.stderr,
+            )
+        else:
+            print(f"{directory}: {error}", file=sys.stderr)
         return 1
     except (ValueError, KeyError, TypeError) as error:
         # Damage the reader's own checks do not name yet: one line still beats a traceback.
@@ -113,12 +122,12 @@ def _checkpoint(options: argparse.Namespace) -> int:
             "document is well formed"
         )
     else:
-        print(json.dumps(manifest, indent=2, sort_keys=True))
+        print(json.dumps(strict_json(manifest), indent=2, sort_keys=True, allow_nan=False))
     return 0
 
 
 def _list(options: argparse.Namespace) -> int:
-    from cadence.checkpoint.listing import list_checkpoints
+    from cadence.checkpoint.listing import cannot_be_read, list_checkpoints
 
     directory: Path = options.directory
     if not directory.is_dir():
@@ -128,12 +137,20 @@ def _list(options: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
-    entries = list_checkpoints(directory, check_checksums=options.verify)
+    try:
+        entries = list_checkpoints(directory, check_checksums=options.verify)
+    except OSError as error:  # the folder itself: each checkpoint's own refusal is listed on its row
+        print(
+            f"cadence checkpoint list: {directory} {cannot_be_read(error, directory)}. Run as a user who can list it.",
+            file=sys.stderr,
+        )
+        return 1
     if options.json:
-        print(json.dumps({"directory": str(directory), "checkpoints": [e.as_json() for e in entries]}, indent=2))
+        listing = {"directory": str(directory), "checkpoints": [e.as_json() for e in entries]}
+        print(json.dumps(listing, indent=2, allow_nan=False))
     else:
         _print_table(directory, entries, options.verify)
-    return 1 if any(entry.status == "damaged" for entry in entries) else 0
+    return 1 if any(entry.status in ("damaged", "unreadable") for entry in entries) else 0
 
 
 def _print_table(directory: Path, entries: list[Entry], verified: bool) -> None:
@@ -179,7 +196,7 @@ def _marks(entry: Entry) -> list[str]:
 
 
 def _verified(entry: Entry) -> str:
-    if entry.status in ("incomplete", "foreign"):
+    if entry.status in ("incomplete", "foreign", "unreadable"):
         return "-"
     if entry.verified is None:
         return "sizes only" if entry.status == "committed" else "FAILED (sizes)"
@@ -217,17 +234,19 @@ def _launch(arguments: list[str]) -> int:
         options = parser.parse_args(arguments)
     except SystemExit as stop:
         return _exit_status(stop)
-    refusal = _rendezvous_per_attempt(options)
+    refusal = _rendezvous_per_attempt(options) or _missing_program(options)
     if refusal:
         print(f"cadence launch: error: {refusal} (see cadence launch --help)", file=sys.stderr)
         return 2
+    program = options.training_script
     _end_workers_with_the_launcher(options)
     try:
         with _fresh_worker_store_per_attempt():
             record(run.run)(options)
     except ChildFailedError as error:
-        # torchrun's summary of the failure: the first rank that failed, its exit code and traceback.
-        print(error, file=sys.stderr)
+        # torchrun's summary of the failure: the first rank that failed, its exit code and traceback. torchrun
+        # names it after the file it ran, launch_child.py: the user's own script is the one that failed.
+        print(ChildFailedError(program, error.failures), file=sys.stderr)
         return 1
     except (ValueError, AssertionError) as error:
         # torchrun checks the values of its options (--nproc-per-node abc) only here, before starting a process.
@@ -237,6 +256,42 @@ def _launch(arguments: list[str]) -> int:
         print(f"cadence launch: {type(error).__name__}: {error}", file=sys.stderr)
         return 1
     return 0
+
+
+def _missing_program(options: argparse.Namespace) -> str | None:
+    """Why the script (module, program) cannot be run from here, if it cannot: checked before any worker starts,
+    where each of them would fail with a traceback of its own, and torchrun's summary after them."""
+    target = options.training_script
+    folder = os.getcwd()
+    if options.no_python:
+        if shutil.which(target) is not None:
+            return None
+        if os.sep in target and Path(target).is_file():
+            return f"--no-python runs a program, and {target} is not executable: chmod +x {target}"
+        return f"--no-python runs a program, and {target!r} is neither a file here ({folder}) nor on PATH"
+    if options.module:
+        top = target.split(".")[0]
+        if _importable(top, folder):
+            return None
+        return f"--module {target}: no module {top!r} in {folder} or on the Python path; check its name and the folder"
+    if not Path(target).exists():
+        return (
+            f"the training script {target} does not exist (looked in {folder}); give its path, absolute or relative "
+            "to the folder you launch from"
+        )
+    return None
+
+
+def _importable(name: str, folder: str) -> bool:
+    """Whether a worker can import the top-level module ``name``: from ``folder``, which launch_child.py puts first
+    on the path as ``python -m`` does, or as this interpreter finds it (its path, an editable install's finder).
+    Nothing is imported."""
+    if name in sys.builtin_module_names or PathFinder.find_spec(name, [folder, *sys.path[1:]]) is not None:
+        return True
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a module in sys.modules without a spec
+        return False
 
 
 def _end_workers_with_the_launcher(options: argparse.Namespace) -> None:

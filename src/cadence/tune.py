@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 from torch.utils.data import DataLoader
 
 from cadence.checkpoint.rng import capture_rng_states, restore_rng_states
@@ -165,6 +166,22 @@ def _check_inputs(owner: str, engine: Engine, step: Any, data: Any) -> None:
             "and move its position. Pass the plain DataLoader (the one you give fit())."
         )
     check_training_step(owner, step)
+    _check_materialised(owner, step.model)
+
+
+def _check_materialised(owner: str, model: nn.Module) -> None:
+    """Refuse a model with lazy parameters not yet materialised: the finder could not put it back as it was (a
+    lazy module becomes another class once its first forward has run), and weights initialised during the search
+    would come from other random numbers than ``fit()``'s first forward draws."""
+    lazy = [name for name, parameter in model.named_parameters() if is_lazy(parameter)]
+    if lazy:
+        shown = ", ".join(lazy[:3]) + (f" and {len(lazy) - 3} more" if len(lazy) > 3 else "")
+        raise ValueError(
+            f"{owner}() needs a model whose parameters exist, but {shown} belong to lazy modules (nn.LazyLinear, "
+            f"...) not yet initialised: {owner}() could not put the model back as it was. Run one forward pass on a "
+            f"batch first (with torch.no_grad(): model(inputs)), then call {owner}(); fit() starts from those "
+            "weights."
+        )
 
 
 def _loss_of(output: Any) -> torch.Tensor:
@@ -258,6 +275,7 @@ def lr_find(
     """
     _check_inputs("lr_find", engine, step, dataloader)
     num_steps = _check_lr_arguments(min_lr, max_lr, num_steps)
+    _warn_of_warmup(step)
     snapshot = _Snapshot(engine, step, dataloader)
     try:
         step.model.train()
@@ -268,6 +286,32 @@ def lr_find(
     path = _plot(engine, lrs, losses, suggestion) if plot else None
     engine.print(_summary(suggestion, path, reason, plot))
     return LRFindResult(lrs=lrs, losses=losses, suggestion=suggestion, plot=path, stop_reason=reason)
+
+
+def _warn_of_warmup(step: TrainingStep) -> None:
+    """Warn when the step's scheduler warms up (a group's rate starts below the ``initial_lr`` every torch scheduler
+    records): the sweep sets the rates itself and never steps the scheduler, so it runs without that warmup."""
+    scheduler = step.scheduler
+    while hasattr(scheduler, "scheduler"):
+        scheduler = scheduler.scheduler  # a Schedule, or what prepare() returned, around the scheduler
+    optimizer = getattr(scheduler, "optimizer", None)
+    if not isinstance(optimizer, torch.optim.Optimizer) or getattr(scheduler, "last_epoch", 0) != 0:
+        return  # none, or one a fit already stepped: what it does next is not a warmup from the start
+    below = [
+        (group["lr"], group["initial_lr"])
+        for group in optimizer.param_groups
+        if is_number(group.get("initial_lr")) and is_number(group.get("lr")) and group["lr"] < group["initial_lr"]
+    ]
+    if below:
+        start, peak = below[0]
+        warnings.warn(
+            f"lr_find: the scheduler ({type(scheduler).__name__}) warms up, from lr {start:.3g} to {peak:.3g}, but "
+            "the sweep sets the learning rates itself and never steps it: the sweep runs without the warmup. The "
+            "suggestion is the rate to warm up to: set it as the optimizer's lr, then build the scheduler, whose "
+            "warmup then ends at it.",
+            CadenceWarning,
+            stacklevel=user_stacklevel(),
+        )
 
 
 def _exponential(min_lr: float, max_lr: float, num_steps: int) -> list[float]:

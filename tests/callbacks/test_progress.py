@@ -155,7 +155,9 @@ class LossReads:
     def __init__(self, num_batches: int) -> None:
         self.reads = 0
         self.is_main_process = True
-        self.state = SimpleNamespace(epoch=0, batch_idx=-1, step=0, num_batches=num_batches, exception=None)
+        self.state = SimpleNamespace(
+            epoch=0, batch_idx=-1, step=0, num_batches=num_batches, exception=None, max_steps=None
+        )
         engine = self
 
         class CountingState(SimpleNamespace):
@@ -193,6 +195,21 @@ def test_an_eta_of_days_does_not_wrap_around(clock: FakeClock) -> None:
     bar = RichProgressBar(refresh_every_n_batches=1, console=Console(file=output, force_terminal=False))
     LossReads(num_batches=10_002).train(bar, clock, batches=2, seconds=100.0)
     assert output.getvalue().rstrip().endswith("| ETA 277:46:40")  # 10,000 batches left at 100 s each
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_the_eta_is_the_run_s_end_when_max_steps_ends_it_before_the_epoch(clock: FakeClock, accumulation: int) -> None:
+    from cadence.callbacks import GradientAccumulation
+
+    output = io.StringIO()
+    bar = RichProgressBar(refresh_every_n_batches=accumulation, console=Console(file=output, force_terminal=False))
+    engine = Engine(accelerator="cpu", callbacks=[bar, GradientAccumulation(accumulation)], model_summary=False)
+    # 20 batches an epoch, 1 s each, but max_steps=4 ends the run after batch 4 * accumulation.
+    engine.fit(TimedStep(clock, seconds=1.0), tiny_dataloader(batches=20), max_epochs=3, max_steps=4)
+    speeds = [line.split(" | ", 4)[-1] for line in output.getvalue().splitlines()]
+    assert speeds == ["-- it/s | ETA --:--:--"] + [
+        f"1.0 it/s | ETA 00:00:{left * accumulation:02d}" for left in (2, 1, 0)
+    ]  # the epoch's batches left would say 18, 17, 16 seconds (16, 14, 12 at accumulation 2)
 
 
 class CompilesFirst(TimedStep):

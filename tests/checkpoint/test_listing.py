@@ -4,7 +4,10 @@ as JSON, with a directory cadence did not write, a torn save and damaged files b
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +18,8 @@ from cadence import Engine
 from cadence.callbacks import Checkpoint
 from cadence.cli import main
 from cadence.testing import TinyStep, tiny_dataloader
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -163,3 +168,112 @@ def test_a_malformed_score_record_lists_no_score_instead_of_failing(
     entries = listed(run.root, "--verify", capsys=capsys)
     assert entries[run.best[0]]["scores"] == {} and entries[run.best[0]]["verified"] is True
     assert entries[run.best[1]]["best"] == ["val/loss"]
+
+
+def strict_json(text: str) -> Any:
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_json_is_strict_even_for_an_infinite_score(run: Run, capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.checkpoint.test_state_document import rewrite
+
+    def infinite(document: dict[str, Any]) -> None:
+        for state in document["callbacks"].values():
+            if "checkpoint_score" in state:
+                state["checkpoint_score"]["value"] = float("-inf")
+
+    rewrite(run.root / run.best[0], "state.json", infinite)  # a real record: json writes -Infinity, reads it back
+    assert main(["checkpoint", "list", "--json", str(run.root)]) == 0
+    entries = {entry["name"]: entry for entry in strict_json(capsys.readouterr().out)["checkpoints"]}
+    assert entries[run.best[0]]["scores"] == {"val/loss": "-Infinity"} and float("-Infinity") == float("-inf")
+    assert entries[run.best[0]]["best"] == ["val/loss"]
+
+
+# --- a checkpoint, or the folder, that cannot be read ----------------------------------------------------------
+# As root, chmod 000 does not stop a read (CAP_DAC_OVERRIDE): the commands run under setpriv with the two
+# capabilities that bypass file permissions dropped from its bounding set, so root reads as any owner would.
+# One process runs them all: starting Python with torch costs seconds.
+RUN_COMMANDS = """
+import contextlib, io, json, sys
+from cadence.cli import main
+results = []
+for arguments in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main(arguments)
+    results.append([status, out.getvalue(), err.getvalue()])
+print(json.dumps(results))
+"""
+
+
+def unprivileged() -> list[str]:
+    if os.geteuid() != 0:
+        return []
+    if shutil.which("setpriv") is None:
+        pytest.skip("running as root without setpriv: nothing here can deny a read")
+    return ["setpriv", "--bounding-set=-dac_override,-dac_read_search"]
+
+
+def run_denied(*commands: list[str]) -> list[tuple[int, str, str]]:
+    """Each command's exit status, stdout and stderr, run by a user that file permissions apply to."""
+    done = subprocess.run(
+        [*unprivileged(), sys.executable, "-c", RUN_COMMANDS, json.dumps(commands)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr
+    return [tuple(result) for result in json.loads(done.stdout)]
+
+
+@pytest.mark.slow
+def test_what_cannot_be_read_is_listed_as_such_never_as_damage(run: Run) -> None:
+    assert len(run.names) == 3
+    whole, no_manifest, no_model = (run.root / name for name in reversed(run.names))  # newest first
+    folder = run.root.parent / "locked"
+    shutil.copytree(run.root, folder)
+    modes = {path: path.stat().st_mode for path in (whole, no_manifest / "manifest.json", no_model, folder)}
+    for path in modes:
+        path.chmod(0)
+    no_model.chmod(0o755)
+    modes[no_model / "model_0.safetensors"] = 0o644
+    (no_model / "model_0.safetensors").chmod(0)
+    try:
+        results = run_denied(
+            ["checkpoint", "list", str(run.root)],
+            ["checkpoint", "list", "--json", str(run.root)],
+            ["checkpoint", "list", "--json", "--verify", str(run.root)],
+            ["checkpoint", "list", str(folder)],
+            ["checkpoint", "verify", str(no_manifest)],
+            ["checkpoint", "inspect", str(no_manifest)],
+            ["checkpoint", "verify", str(no_model)],
+        )
+    finally:
+        for path, mode in modes.items():
+            path.chmod(mode)
+    (status, table, error), *listings, locked, verify_manifest, inspect_manifest, verify_model = results
+    assert status == 1 and error == "", error
+    problems = {
+        whole: f"cannot be read: permission denied ({whole / 'manifest.json'})",
+        no_manifest: f"cannot be read: permission denied ({no_manifest / 'manifest.json'})",
+        no_model: f"cannot be read: permission denied ({no_model / 'model_0.safetensors'})",
+    }
+    for path, problem in problems.items():
+        assert f"│ {path.name} " in table and f"{path.name}: {problem}" in table
+    assert "damaged" not in table and table.count("cannot be read") == 6  # a mark and a line each
+    for status, out, error in listings:
+        assert status == 1 and error == "", error
+        entries = {entry["name"]: entry for entry in strict_json(out)["checkpoints"]}
+        assert list(entries) == run.names
+        assert all(entries[path.name]["status"] == "unreadable" for path in problems)
+        assert all(entries[path.name]["problem"] == problem for path, problem in problems.items())
+    assert locked == (1, "", f"cadence checkpoint list: {folder} cannot be read: permission denied. Run as a "
+                      "user who can list it.\n")  # fmt: skip
+    for status, out, error in (verify_manifest, inspect_manifest):
+        assert (status, out) == (1, "") and error.startswith(f"{no_manifest}: {problems[no_manifest]}. That says")
+        assert "damaged" not in error and "JSON" not in error
+    assert verify_model[:2] == (1, "") and verify_model[2].startswith(f"{no_model}: {problems[no_model]}. That")

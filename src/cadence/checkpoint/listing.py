@@ -4,6 +4,7 @@ matches its checksums. Reads only: nothing here loads, repairs or deletes anythi
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -14,11 +15,12 @@ from cadence.checkpoint.files import CheckpointReader, read_manifest
 from cadence.checkpoint.layout import RUN_KEY, CheckpointDirectory
 from cadence.checkpoint.state_document import Recorded, check_documents, read_recorded
 
-Status = Literal["committed", "incomplete", "damaged", "foreign"]
+Status = Literal["committed", "incomplete", "damaged", "unreadable", "foreign"]
 STATUS_TEXT: dict[Status, str] = {
     "committed": "committed",
     "incomplete": "incomplete (no manifest: its save did not finish)",
     "damaged": "damaged",
+    "unreadable": "cannot be read",
     "foreign": "not a cadence checkpoint",
 }
 
@@ -48,7 +50,42 @@ class Entry:
         return self.status == "committed"
 
     def as_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """The entry as strict JSON values: a score that is not finite becomes the string ``"Infinity"``,
+        ``"-Infinity"`` or ``"NaN"`` (JSON has no such number; ``float()`` reads each back)."""
+        entry: dict[str, Any] = strict_json(asdict(self))
+        return entry
+
+
+def strict_json(value: Any) -> Any:
+    """``value`` with every float that is not finite replaced by its name as a string, so ``json.dumps(...,
+    allow_nan=False)`` writes it (Python would write ``Infinity``, which JSON parsers refuse)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
+    if isinstance(value, dict):
+        return {key: strict_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(item) for item in value]
+    return value
+
+
+def unreadable(error: BaseException) -> OSError | None:
+    """The operating system's refusal behind ``error`` (a permission, an I/O error), raised or wrapped by the
+    reader (which calls a manifest it could not read "not valid JSON"), or None when ``error`` is damage."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError):
+            return seen
+        seen = seen.__cause__
+    return None
+
+
+def cannot_be_read(error: OSError, about: Path | None = None) -> str:
+    """``cannot be read: permission denied (PATH)``: what stopped the read, not a verdict on the checkpoint (the
+    path is left out when it is ``about``, the one the message is already about)."""
+    reason = error.strerror.lower() if error.strerror else str(error)
+    named = error.filename is not None and (about is None or Path(error.filename) != about)
+    where = f" ({error.filename})" if named else ""
+    return f"cannot be read: {reason}{where}"
 
 
 def verify(directory: Path) -> dict[str, Any]:
@@ -84,14 +121,28 @@ def list_checkpoints(root: Path, check_checksums: bool = False) -> list[Entry]:
 
 def _entry(path: Path, numbered: int | None, check_checksums: bool) -> tuple[Entry, Recorded]:
     """``numbered``: the number in the name ``checkpoint_{n}``, None for any other name."""
-    if not (path / MANIFEST).exists() or (numbered is None and not is_checkpoint(path)):
-        return Entry(path.name, "foreign" if numbered is None else "incomplete", numbered), Recorded()
     try:
-        manifest = verify(path) if check_checksums else read_manifest(path)
+        return _read_entry(path, numbered, check_checksums)
     except (CheckpointError, OSError, ValueError, KeyError, TypeError) as error:
         # ValueError, KeyError, TypeError: damage the reader's own checks do not name yet.
+        refusal = unreadable(error)
+        if refusal is not None:  # a permission or an I/O error says nothing about the checkpoint's bytes
+            return Entry(path.name, "unreadable", numbered, problem=cannot_be_read(refusal)), Recorded()
         entry = Entry(path.name, "damaged", numbered, verified=False if check_checksums else None, problem=str(error))
         return entry, Recorded()
+
+
+def _read_entry(path: Path, numbered: int | None, check_checksums: bool) -> tuple[Entry, Recorded]:
+    if (path / MANIFEST).exists():
+        (path / MANIFEST).open("rb").close()  # unreadable is not "not a cadence checkpoint", which is_checkpoint says
+    if not (path / MANIFEST).exists() or (numbered is None and not is_checkpoint(path)):
+        return Entry(path.name, "foreign" if numbered is None else "incomplete", numbered), Recorded()
+    if check_checksums:
+        manifest = verify(path)
+    else:
+        manifest = read_manifest(path)
+        for name in manifest["files"]:
+            (path / name).open("rb").close()  # sizes alone would not tell a file a load cannot open
     recorded = read_recorded(path)
     number = manifest.get("checkpoint_number") if numbered is None else numbered
     entry = Entry(

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from cadence.errors import CheckpointError
 from cadence.strategies.matching import mismatch
@@ -44,6 +45,15 @@ def check_model_shapes(index: int, expected: dict[str, tuple[int, ...]], saved: 
             f"Model {index} does not match the checkpoint ({problem}). It was saved from a different "
             "architecture: build the same model as the run that saved it."
         )
+
+
+def model_shapes(module: nn.Module, saved: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """The shape of each entry of ``module``'s state dict; a lazy module's parameter not yet materialised has none
+    until its first forward, so it takes the saved one (its ``load_state_dict`` materialises it with that shape)."""
+    return {
+        name: saved.get(name, ()) if is_lazy(tensor) else tuple(tensor.shape)
+        for name, tensor in module.state_dict().items()
+    }
 
 
 def write_full_model(
@@ -83,8 +93,8 @@ def read_model(strategy: Strategy, module: nn.Module, reader: TensorSource, inde
 
         return read_sharded_model(module, reader, index)
     weights = reader.tensors(model_file(index), entry["aliases"])
-    expected = {name: tuple(tensor.shape) for name, tensor in module.state_dict().items()}
-    check_model_shapes(index, expected, {name: tuple(tensor.shape) for name, tensor in weights.items()})
+    saved = {name: tuple(tensor.shape) for name, tensor in weights.items()}
+    check_model_shapes(index, model_shapes(module, saved), saved)
     grads = _saved_gradients(strategy, reader, index, entry)
 
     def apply() -> None:
