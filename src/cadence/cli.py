@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from importlib.machinery import PathFinder
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from cadence.checkpoint.listing import Entry
@@ -91,6 +91,11 @@ def _checkpoint(options: argparse.Namespace) -> int:
         else:
             with CheckpointReader(directory) as reader:
                 manifest = reader.manifest
+                if options.action == "inspect" and options.config:
+                    from cadence.run_config import stored_config
+
+                    print(stored_config(reader) or f"{directory} holds no config (not saved by cadence fit --config).")
+                    return 0
     except (CheckpointError, OSError) as error:
         refusal = unreadable(error)
         if refusal is not None:
@@ -362,6 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     # Listed for --help only: main() hands everything after `launch` to torchrun before this parser runs.
     commands.add_parser("launch", add_help=False, help="run a script on N processes through torchrun")
+    for command in ("fit", "test", "predict"):  # read by cadence.config_cli (jsonargparse), like launch by torchrun
+        commands.add_parser(command, add_help=False, help=f"{command} as a YAML config says (cadence {command} --help)")
 
     env = commands.add_parser(
         "env",
@@ -390,6 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Print the checkpoint's manifest (format version, step, world size, each file's size and "
         "checksums) after checking that every file it lists is there with that size.",
     )
+    inspect.add_argument("--config", action="store_true", help="print the config of the run that saved it instead")
     for action in (verify, inspect):
         action.add_argument("directory", type=Path, metavar="DIRECTORY", help="e.g. checkpoints/checkpoint_3")
         action.set_defaults(run=_checkpoint)
@@ -413,10 +421,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def run(arguments: Sequence[str]) -> Any:
+    """``cadence fit|test|predict ...`` from Python (a notebook, a test): the final ``State``, the test metrics or the
+    predictions. A config refused before any work raises ``cadence.run_config.ConfigError``."""
+    from cadence.config_cli import run as run_config
+
+    return run_config(arguments)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
     if arguments[:1] == ["launch"]:
         return _launch(arguments[1:])
+    if arguments[:1] in (["fit"], ["test"], ["predict"]):
+        from cadence.config_cli import main as config_main
+
+        return config_main(arguments)
     try:
         options = build_parser().parse_args(arguments)
     except SystemExit as stop:
