@@ -159,7 +159,7 @@ class MLflowLogger(Logger):
             client.log_batch(run_id, metrics=self._metrics[start : start + _BATCH["metrics"]])
         self._metrics = []
 
-    def resume(self, step: int) -> None:
+    def resume(self, step: int, kept: list[dict[str, Any]] | None) -> None:
         self._read_last_steps = True  # each metric goes on after its last point in the store
 
     def close(self) -> None:
