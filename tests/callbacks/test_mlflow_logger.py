@@ -27,7 +27,7 @@ from cadence.callbacks import Checkpoint, CSVLogger, MLflowLogger
 from cadence.callbacks.mlflow_logger import CHECKPOINT_TAG
 from cadence.checkpoint.errors import CheckpointCorrupted
 from cadence.testing import FakeEngine
-from tests.callbacks.test_csv_logger import FailingStep
+from tests.callbacks.test_csv_logger import FailingStep, train_past_a_pre_validation_checkpoint
 from tests.helpers import loader
 
 needs_mlflow = pytest.mark.skipif(importlib.util.find_spec("mlflow") is None, reason='needs "cadence[mlflow]"')
@@ -148,6 +148,24 @@ def test_a_resumed_run_continues_its_mlflow_run_with_one_point_per_step(
     assert [step for step, _ in history(store, run.info.run_id, "loss")] == list(range(1, 16))
     assert run.data.params == {"lr": "0.01", "model/width": "8", "model/act": "tanh", "sizes": "[4, 8]"}
     assert run.data.tags[CHECKPOINT_TAG] == str((project / "checkpoints" / "checkpoint_3").resolve())
+
+
+@needs_mlflow
+@pytest.mark.slow
+def test_a_resume_from_before_a_validation_logs_each_metric_once_per_step(tmp_path: Path, store: str) -> None:
+    def mlflow(experiment: str) -> MLflowLogger:
+        return MLflowLogger(experiment_name=experiment, tracking_uri=store, flush_every_n_rows=1)
+
+    train_past_a_pre_validation_checkpoint(tmp_path / "straight", [mlflow("before-validation-straight")])
+    interrupted = tmp_path / "interrupted"
+    with pytest.raises(RuntimeError, match="node lost"):
+        train_past_a_pre_validation_checkpoint(interrupted, [mlflow("before-validation")], fail_at=8)
+    train_past_a_pre_validation_checkpoint(interrupted, [mlflow("before-validation")], resume=True)
+    run, straight = only_run(store, "before-validation"), only_run(store, "before-validation-straight")
+    assert run.data.metrics.keys() == straight.data.metrics.keys()
+    for name in straight.data.metrics:
+        assert history(store, run.info.run_id, name) == history(store, straight.info.run_id, name), name
+    assert [step for step, _ in history(store, run.info.run_id, "val/mse")] == [5, 10]
 
 
 @needs_mlflow

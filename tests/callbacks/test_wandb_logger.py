@@ -25,7 +25,7 @@ from cadence.callbacks import Checkpoint, CSVLogger, WandbLogger
 from cadence.callbacks.wandb_logger import CHECKPOINT_KEY
 from cadence.checkpoint.errors import CheckpointCorrupted
 from cadence.testing import FakeEngine
-from tests.callbacks.test_csv_logger import FailingStep
+from tests.callbacks.test_csv_logger import FailingStep, train_past_a_pre_validation_checkpoint
 from tests.helpers import loader
 
 needs_wandb = pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason='needs "cadence[wandb]"')
@@ -127,7 +127,8 @@ def test_a_resumed_offline_run_keeps_its_id_and_logs_each_step_once(tmp_path: Pa
     assert resumed["resumed"] and final_save["resumed"]
     assert killed["exit_code"] == 1 and resumed["exit_code"] == final_save["exit_code"] == 0
     assert [row["_step"] for row in killed["history"]] == list(range(1, 11))
-    assert [row["_step"] for row in resumed["history"]] == list(range(9, 16))  # from the step after the checkpoint
+    # From the step after the killed run's last one: its rows of steps 9 and 10, logged after the checkpoint, stay.
+    assert [row["_step"] for row in resumed["history"]] == list(range(11, 16))
 
     # One history row per step, holding the step's training and validation metrics; values as CSVLogger's.
     expected: dict[int, dict[str, float]] = {}
@@ -143,6 +144,24 @@ def test_a_resumed_offline_run_keeps_its_id_and_logs_each_step_once(tmp_path: Pa
     assert resumed["summary"] == {CHECKPOINT_KEY: str(checkpoints / "checkpoint_2")}
     assert final_save["summary"] == {CHECKPOINT_KEY: str(checkpoints / "checkpoint_3")}
     assert final_save["history"] == [] and final_save["config"] == {}
+
+
+@needs_wandb
+@pytest.mark.slow
+def test_a_resume_from_before_a_validation_logs_no_step_in_two_directories(tmp_path: Path) -> None:
+    def wandb() -> WandbLogger:
+        return WandbLogger(project="cadence-tests", mode="offline", flush_every_n_rows=1)
+
+    train_past_a_pre_validation_checkpoint(tmp_path / "straight", [wandb()])
+    interrupted = tmp_path / "interrupted"
+    with pytest.raises(RuntimeError, match="node lost"):
+        train_past_a_pre_validation_checkpoint(interrupted, [wandb()], fail_at=8)
+    train_past_a_pre_validation_checkpoint(interrupted, [wandb()], resume=True)
+    killed, resumed, *_ = offline_runs(interrupted)
+    assert [row["_step"] for row in killed["history"]] == list(range(1, 8))
+    assert [row["_step"] for row in resumed["history"]] == list(range(8, 11))
+    (straight, *_) = offline_runs(tmp_path / "straight")
+    assert killed["history"] + resumed["history"] == straight["history"]  # step 5's validation once, in one row
 
 
 @needs_wandb
@@ -163,7 +182,8 @@ def test_state_dict_names_the_run_and_a_new_logger_continues_it(tmp_path: Path) 
     resumed.run(steps=2)
     runs = offline_runs(tmp_path)
     assert [run["id"] for run in runs] == [first.run_id, first.run_id]
-    assert [[row["_step"] for row in run["history"]] for run in runs] == [[1, 2, 3], [3, 4]]
+    # Step 3 is replayed, and the first directory holds it already: only step 4 is logged again.
+    assert [[row["_step"] for row in run["history"]] for run in runs] == [[1, 2, 3], [4]]
     assert runs[1]["config"] == {"seed": 3}
 
 
