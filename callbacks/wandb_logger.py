@@ -164,7 +164,7 @@ def last_offline_step(directory: Path, run_id: str) -> int:
     last = -1
     for path in directory.glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"):
         for data in _log_records(path.read_bytes()):
-            record = wandb_internal_pb2.Record()
+            record = wandb_internal_pb2.Record()  # type: ignore[attr-defined]
             try:
                 record.ParseFromString(data)
             except Exception:  # protobuf's DecodeError: the crash's torn record; nothing whole follows it
