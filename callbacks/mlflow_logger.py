@@ -83,6 +83,7 @@ class MLflowLogger(Logger):
         self._params: dict[str, str] = {}
         self._refused: set[str] = set()
         self._refused_params: set[str] = set()
+        self._cut_params: set[str] = set()  # hyperparameters MLflow shortens, each warned about once
 
     def setup(self, engine: Engine) -> None:
         super().setup(engine)
@@ -135,6 +136,7 @@ class MLflowLogger(Logger):
             problem = _name_problem(name)
             if problem is None:
                 self._params[name] = _param_value(value)
+                self._warn_if_cut(name, value)
             elif name not in self._refused_params:
                 self._refused_params.add(name)
                 warnings.warn(
@@ -143,6 +145,21 @@ class MLflowLogger(Logger):
                     CadenceWarning,
                     stacklevel=user_stacklevel(),
                 )
+
+    def _warn_if_cut(self, name: str, value: str | int | float | bool) -> None:
+        from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH
+
+        length = len(str(value))
+        if length <= MAX_PARAM_VAL_LENGTH or name in self._cut_params:
+            return
+        self._cut_params.add(name)
+        warnings.warn(
+            f"MLflowLogger: hyperparameter {name!r} is {length} characters long and MLflow keeps at most "
+            f"{MAX_PARAM_VAL_LENGTH}, so its param holds the first {MAX_PARAM_VAL_LENGTH - 3} followed by '...' "
+            "(CSVLogger keeps it whole). Log a shorter value (a path or a hash of it) to see it all in MLflow.",
+            CadenceWarning,
+            stacklevel=user_stacklevel(),
+        )
 
     def persist(self) -> None:
         if not self._metrics and not self._params:

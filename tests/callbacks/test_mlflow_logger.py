@@ -211,6 +211,19 @@ def test_hyperparameters_are_params_and_a_changed_one_keeps_its_first_value(tmp_
 
 
 @needs_mlflow
+def test_a_hyperparameter_mlflow_cuts_short_warns_once(tmp_path: Path) -> None:
+    logger = MLflowLogger()
+    with pytest.warns(UserWarning) as caught:
+        logger.write_hyperparams({"prompt": "x" * 10_000, "lr": 0.1})
+        logger.write_hyperparams({"prompt": "y" * 10_000, "lr": 0.1})  # every one so far is written again
+    (message,) = [str(w.message) for w in caught]
+    assert message.startswith(
+        "MLflowLogger: hyperparameter 'prompt' is 10000 characters long and MLflow keeps at most 6000, so its param "
+        "holds the first 5997 followed by '...'"
+    )
+
+
+@needs_mlflow
 @pytest.mark.slow
 def test_a_metric_mlflow_cannot_hold_is_left_out_with_one_warning(tmp_path: Path, store: str) -> None:
     logger = MLflowLogger(experiment_name="refused", tracking_uri=store)
