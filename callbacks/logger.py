@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import re
 import warnings
 from collections import defaultdict
@@ -414,6 +415,22 @@ def missing_package(logger: str, package: str, error: ImportError) -> ImportErro
         f"{logger} needs the {package} package, which is not installed ({error}). Install it with "
         f'`pip install "cadence[{package}]"`, or log with CSVLogger instead.'
     )
+
+
+def unwritable(directory: Path) -> str | None:
+    """Why nothing could be written in ``directory`` (made with its missing parents), or None. Asks the file system
+    only: nothing is created to find out; a read-only mount is unwritable even to root, whom permission bits do not
+    stop. For a backend's ``check``."""
+    existing = directory.absolute()
+    while not os.path.lexists(existing):
+        existing = existing.parent  # ends at the file system's root, which exists
+    if not existing.is_dir():
+        return f"{existing} is not a directory"
+    if os.access(existing, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids):
+        return None
+    if hasattr(os, "statvfs") and os.statvfs(existing).f_flag & os.ST_RDONLY:
+        return f"{existing} is on a read-only file system"
+    return f"this user may not write in {existing}"
 
 
 def check_run_id(logger: Logger, state_dict: dict[str, Any], pattern: re.Pattern[str], what: str) -> None:
