@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from .logger import Logger, check_run_id, missing_package
+from .logger import Logger, check_run_id, missing_package, unwritable
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -95,6 +95,17 @@ class WandbLogger(Logger):
 
     def write_hyperparams(self, params: dict[str, str | int | float | bool]) -> None:
         self._config.update(params)
+
+    def check(self, engine: Engine) -> None:
+        if self.mode == "disabled" or self.project_dir is None:
+            return
+        directory = self.project_dir / "wandb"
+        problem = unwritable(directory)
+        if problem is not None:
+            raise RuntimeError(
+                f"WandbLogger cannot write its run into {directory}: {problem}. Nothing was trained; make "
+                "Engine(project_dir=...) writable or pass another, or WandbLogger(mode='disabled') to log nothing."
+            )
 
     def persist(self) -> None:
         if not (self._rows or self._config or self._checkpoint):

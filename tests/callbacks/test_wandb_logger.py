@@ -100,6 +100,9 @@ def read_run(directory: Path) -> dict[str, Any]:
 
 
 def offline_runs(project: Path) -> list[dict[str, Any]]:
+    # wandb-core, a process of its own, writes the run files: on a busy machine it may still be writing them after
+    # finish() returned. Ending the service waits for it (the next wandb.init starts another).
+    sys.modules["wandb"].teardown()
     return [read_run(directory) for directory in sorted((project / "wandb").glob("offline-run-*"))]
 
 
@@ -233,3 +236,18 @@ def test_importing_the_callbacks_imports_no_tracker() -> None:
     code = "import sys, cadence.callbacks; print(sorted({'mlflow', 'wandb'} & set(sys.modules)))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+@needs_wandb
+def test_a_wandb_folder_that_cannot_be_written_is_refused_at_fit_start(tmp_path: Path) -> None:
+    (tmp_path / "wandb").write_text("mine")
+    logger = WandbLogger(project="cadence-tests", mode="offline")
+    engine = Engine(accelerator="cpu", project_dir=tmp_path, callbacks=[Checkpoint(every_n_steps=1), logger])
+    with pytest.raises(
+        RuntimeError,
+        match=rf"WandbLogger cannot write its run into {tmp_path / 'wandb'}: {tmp_path / 'wandb'} is not a directory\. "
+        "Nothing was trained",
+    ):
+        engine.fit(FailingStep(engine, None), loader(), max_steps=2)
+    assert engine.state.step == 0 and not (tmp_path / "checkpoints").exists()
+    assert (tmp_path / "wandb").read_text() == "mine"
