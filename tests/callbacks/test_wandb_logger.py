@@ -251,3 +251,32 @@ def test_a_wandb_folder_that_cannot_be_written_is_refused_at_fit_start(tmp_path:
         engine.fit(FailingStep(engine, None), loader(), max_steps=2)
     assert engine.state.step == 0 and not (tmp_path / "checkpoints").exists()
     assert (tmp_path / "wandb").read_text() == "mine"
+
+
+READ_ONLY_PROJECT = """
+import sys
+from cadence import Engine
+from cadence.callbacks import WandbLogger
+from tests.helpers import RegressionStep, loader
+engine = Engine(accelerator="cpu", project_dir=sys.argv[1], callbacks=[WandbLogger(mode="offline")], progress_bar=False)
+try:
+    engine.fit(RegressionStep(), loader(), max_steps=2)
+except RuntimeError as error:
+    print("refused:", error, "steps:", engine.state.step)
+"""
+
+
+@needs_wandb
+@pytest.mark.slow
+def test_a_read_only_wandb_folder_is_refused_at_fit_start(tmp_path: Path) -> None:
+    from tests.checkpoint.test_writable import ROOT, _read_only_mount
+
+    project = tmp_path / "project"
+    project.mkdir()
+    command = [*_read_only_mount(project), sys.executable, "-c", READ_ONLY_PROJECT, str(project)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"refused: WandbLogger cannot write its run into {project}/wandb: {project} is on a read-only file " in (
+        done.stdout
+    )
+    assert done.stdout.rstrip().endswith("steps: 0") and list(project.iterdir()) == []
