@@ -25,6 +25,7 @@ from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from cadence.strategies.base import ReduceOp
 from cadence.strategies.distributed import DEFAULT_TIMEOUT, torchrun_world_size
+from cadence.strategies.environment import adopt_slurm_environment
 from cadence.strategies.fsdp import FSDPStrategy
 from cadence.validators import is_integer
 
@@ -61,6 +62,8 @@ class ModelParallelStrategy(FSDPStrategy):
         accelerator: str = "auto",
         timeout: timedelta = DEFAULT_TIMEOUT,
     ) -> None:
+        if not dist.is_initialized():
+            adopt_slurm_environment(os.environ)  # under srun without torchrun, the world is SLURM's tasks
         world_size = dist.get_world_size() if dist.is_initialized() else torchrun_world_size()
         self._sizes = mesh_sizes(parallelize, data_parallel_size, tensor_parallel_size, world_size)
         self._parallelize = parallelize
@@ -94,6 +97,9 @@ class ModelParallelStrategy(FSDPStrategy):
     def setup_module(self, module: nn.Module) -> nn.Module:
         before = dict(module.named_parameters())
         module = module.to(self.device)
+        # Each rank keeps its own slice of what it holds (and the tensor-parallel plan scatters from each group's
+        # first rank): weights loaded on rank 0 alone would mix with the others' initialisation.
+        self.broadcast_module_state(module)
         returned = self._parallelize(module, self._mesh)
         if returned is not None and returned is not module:
             raise TypeError(
