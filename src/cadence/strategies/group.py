@@ -14,6 +14,7 @@ from __future__ import annotations
 import gc
 import os
 import socket
+import sys
 import time
 from datetime import timedelta
 from typing import Any
@@ -60,6 +61,8 @@ class OwnedGroup:
             if _listening(address):  # still held: tell the others it stays
                 TCPStore(*address, is_master=False, timeout=self._timeout).set(f"{self._prefix}/kept", "")
             return
+        if sys.exc_info()[0] is not None:
+            return  # leaving on an error (a rank died or hangs): the job is ending, and must not wait for rank 0
         deadline = time.monotonic() + self._timeout.total_seconds()
         try:
             while _listening(address) and not store.check([f"{self._prefix}/kept"]):
