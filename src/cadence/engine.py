@@ -22,6 +22,7 @@ from cadence.checkpoint.export import model_configs, save_weights
 from cadence.checkpoint.layout import CheckpointDirectory
 from cadence.compile import CompileSetting, check_compile_sources, compile_options, compile_prepared, split_compiled
 from cadence.data import batches_per_epoch, check_shardable, draw_seed, make_batch_mover, to_stateful
+from cadence.epoch_metrics import EpochMetrics, Reduce, is_metric
 from cadence.evaluation import run_predict, run_test
 from cadence.event import Event
 from cadence.hyperparams import flatten_hyperparams
@@ -103,6 +104,9 @@ class Engine:
         self._fit_loaders = FitLoaders()
         self._fitting = False
         self._registered: list[Any] = []
+        self.epoch_metrics = EpochMetrics()
+        """What ``log(..., reduce=...)`` and the metric objects the steps return accumulate until their epoch's
+        (pass's) end."""
         self.checkpoint_total_limit = checkpoint_total_limit
         self.checkpoints = CheckpointDirectory(self.project_dir / "checkpoints")
         """The automatically named checkpoints: ``checkpoint_{n}`` under ``project_dir/checkpoints``."""
@@ -214,6 +218,9 @@ class Engine:
         """Call every attached callback's hook for ``event``, in order. The engine, its prepared objects and
         ``fit()`` fire every event at its documented point (``cadence.event``); a hand-written loop never needs
         to, and a callback must not (firing from inside a hook re-enters the dispatch)."""
+        if event is Event.EPOCH_END:
+            # The epoch's aggregates first, so every callback's EPOCH_END (loggers, checkpoints) sees them.
+            self.epoch_metrics.end_training_epoch(self)
         self._dispatcher.fire(event, self)
 
     def trace_events(self, tracer: EventTracer | None) -> None:
@@ -567,14 +574,27 @@ class Engine:
         return save_weights(state_dict, save_directory, max_shard_size, safe_serialization, configs)
 
     # --- metrics -------------------------------------------------------------------------------------------
-    def log(self, name: str, value: Any) -> None:
-        """Record a metric's latest value in ``state.metrics``; loggers write it at their next row."""
-        self.state.metrics[name] = value
+    def log(self, name: str, value: Any, reduce: Reduce | None = None, weight: Any = None) -> None:
+        """Record a metric. Without ``reduce``: its latest value, in ``state.metrics`` now; loggers write it at their
+        next row. With ``reduce`` (``"mean"``, ``"sum"``, ``"max"``, ``"min"``): accumulated over the training
+        epoch's batches on every rank (over the pass, when called in ``validation_step`` / ``test_step``) and put
+        in ``state.metrics`` once, at the epoch's end (the pass's), as a float; a mean weighs each value by
+        ``weight`` (default: the batch's real samples, repeats left out). A ``torchmetrics`` ``Metric`` or
+        ``MetricCollection`` the step updated is computed at the epoch's (pass's) end, over every rank, and reset.
+        Nothing waits for the device or the other ranks before the end."""
+        if reduce is None and weight is None and not is_metric(value):
+            self.state.metrics[name] = value
+            return
+        self.epoch_metrics.log(self, name, value, reduce, weight)
 
-    def log_dict(self, metrics: Mapping[str, Any]) -> None:
-        """``engine.log(name, value)`` for every item of ``metrics``. Tensors are kept as they are (no device sync);
-        loggers read them when they write."""
-        self.state.metrics.update(metrics)
+    def log_dict(self, metrics: Mapping[str, Any], reduce: Reduce | None = None, weight: Any = None) -> None:
+        """``engine.log(name, value, reduce, weight)`` for every item of ``metrics``. Tensors are kept as they are (no
+        device sync); loggers read them when they write."""
+        if reduce is None and weight is None and not any(is_metric(value) for value in metrics.values()):
+            self.state.metrics.update(metrics)
+            return
+        for name, value in metrics.items():
+            self.log(name, value, reduce, weight)
 
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
         """Record the run's hyperparameters for every attached logger (``Event.LOG_HYPERPARAMS``). A nested mapping

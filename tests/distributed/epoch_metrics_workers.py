@@ -1,0 +1,93 @@
+"""What each rank runs for tests/distributed/test_epoch_metrics.py: fit() and test() on DDP over uneven data, with
+plain means, torchmetrics objects and ``engine.log(..., reduce=...)``, returning the logged values."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+from torchmetrics import MetricCollection
+from torchmetrics.classification import BinaryAccuracy, BinaryAUROC, BinaryF1Score
+
+import cadence
+from cadence.testing import TinyStep, tiny_dataloader
+
+
+def scored(samples: int) -> TensorDataset:
+    """``(features, score, target, id)`` per sample, made from the sample count alone (the parent rebuilds it)."""
+    generator = torch.Generator().manual_seed(samples)
+    scores = torch.rand(samples, generator=generator)
+    targets = (torch.rand(samples, generator=generator) < 0.3 + 0.4 * scores).long()
+    ids = torch.arange(samples, dtype=torch.float64)
+    return TensorDataset(torch.zeros(samples, 4), scores, targets, ids)
+
+
+class Scored(TinyStep):
+    """Returns plain means of the sample ids and torchmetrics objects updated with each batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.f1 = BinaryF1Score()
+        self.auroc = BinaryAUROC()
+        self.collection = MetricCollection({"acc": BinaryAccuracy(), "f1_in_collection": BinaryF1Score()})
+
+    def validation_step(self, batch: Any) -> dict[str, Any]:
+        _, scores, targets, ids = batch
+        for metric in (self.f1, self.auroc, self.collection):
+            metric.update(scores, targets)
+        return {"x": ids.mean(), "f1": self.f1, "auroc": self.auroc, "more": self.collection}
+
+
+def _engine() -> cadence.Engine:
+    return cadence.Engine(
+        accelerator="cpu", strategy="ddp", progress_bar=False, model_summary=False, timeout=timedelta(seconds=60)
+    )
+
+
+def evaluate(samples: int, batch_size: int) -> dict[str, float]:
+    """One validation (inside fit) and one test() over ``samples`` samples in batches of ``batch_size``."""
+    engine = _engine()
+    step = Scored()
+    data = DataLoader(scored(samples), batch_size=batch_size)
+    engine.fit(step, tiny_dataloader(batches=2), max_epochs=1, val_dataloader=data)
+    values = {name: float(value) for name, value in engine.state.metrics.items() if name.startswith("val/")}
+    values.update(engine.test(step, data))
+    return values
+
+
+class LogsIds(TinyStep):
+    """Logs each batch's mean, sum, max and min of sample ids with reduce=..., and updates an accuracy metric."""
+
+    def __init__(self, engine: cadence.Engine) -> None:
+        super().__init__()
+        self.engine = engine
+        self.accuracy = BinaryAccuracy()
+
+    def training_step(self, batch: Any) -> Any:
+        features, scores, targets, ids = batch
+        log = self.engine.log
+        log("ids/mean", ids.mean(), reduce="mean")
+        log("ids/sum", ids.sum(), reduce="sum")
+        log("ids/max", ids.max(), reduce="max")
+        log("ids/min", ids.min(), reduce="min")
+        self.accuracy.update(scores, targets)
+        loss = self.model(features).pow(2).mean()
+        return {"loss": loss, "train/acc": self.accuracy}
+
+
+def train(samples: int, batch_size: int, epochs: int) -> list[dict[str, float]]:
+    """The epoch aggregates ``state.metrics`` holds after every epoch."""
+    engine = _engine()
+    step = LogsIds(engine)
+    seen: list[dict[str, float]] = []
+
+    class Record(cadence.Callback):
+        def on_epoch_end(self, engine: cadence.Engine) -> None:
+            metrics = engine.state.metrics
+            seen.append({name: metrics[name] for name in metrics if name.startswith(("ids/", "train/"))})
+
+    engine.add_callback(Record())
+    engine.fit(step, DataLoader(scored(samples), batch_size=batch_size, shuffle=True), max_epochs=epochs)
+    return seen

@@ -1,0 +1,71 @@
+"""Epoch metrics on 2 real CPU ranks (gloo): plain means on uneven data count each sample once; torchmetrics objects
+returned by validation_step / test_step equal one process computing on the whole set (repeats never reach them);
+``engine.log(..., reduce=...)`` and metric objects in training_step's dict give one value per epoch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from torchmetrics.classification import BinaryAccuracy, BinaryAUROC, BinaryF1Score
+
+from cadence.testing.spawn import spawn
+from tests.distributed import epoch_metrics_workers as workers
+from tests.distributed.workers import results_by_job, run_jobs
+
+
+@pytest.fixture(scope="module")
+def jobs() -> dict[str, list[Any]]:
+    """Every job of this module, run in one start of 2 ranks; each job's results in rank order, by name."""
+    ranks = spawn(
+        2,
+        run_jobs,
+        [
+            ("0..6", workers.evaluate, (7, 2)),
+            ("101", workers.evaluate, (101, 8)),  # rank 1's last batch: 2 real samples
+            ("97", workers.evaluate, (97, 8)),  # rank 1's last batch: only repeats
+            ("train", workers.train, (32, 4, 2)),
+        ],
+        timeout=300.0,
+    )
+    return results_by_job(ranks)
+
+
+@pytest.mark.slow
+def test_plain_means_on_uneven_data_count_each_sample_once(jobs: dict[str, list[Any]]) -> None:
+    for result in jobs["0..6"]:
+        assert result["val/x"] == result["test/x"] == 3.0  # the mean of 0..6; with sample 0 repeated: 2.571
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("samples", [101, 97])
+def test_torchmetrics_objects_equal_one_process_on_the_whole_set(jobs: dict[str, list[Any]], samples: int) -> None:
+    _, scores, targets, ids = workers.scored(samples).tensors
+    expected = {
+        "x": ids.mean().item(),
+        "f1": BinaryF1Score()(scores, targets).item(),
+        "auroc": BinaryAUROC()(scores, targets).item(),
+        "acc": BinaryAccuracy()(scores, targets).item(),
+        "f1_in_collection": BinaryF1Score()(scores, targets).item(),
+    }
+    for result in jobs[str(samples)]:
+        for prefix in ("val", "test"):
+            got = {name.split("/", 1)[1]: value for name, value in result.items() if name.startswith(prefix + "/")}
+            assert got == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.slow
+def test_epoch_aggregates_are_over_every_rank_s_samples_once_per_epoch(jobs: dict[str, list[Any]]) -> None:
+    _, scores, targets, ids = workers.scored(32).tensors
+    expected = {
+        "ids/mean": ids.mean().item(),
+        "ids/sum": ids.sum().item(),
+        "ids/max": 31.0,
+        "ids/min": 0.0,
+        "train/acc": BinaryAccuracy()(scores, targets).item(),
+    }
+    for epochs in jobs["train"]:
+        assert len(epochs) == 2
+        for metrics in epochs:  # each epoch from scratch: the metric object was reset
+            assert metrics == pytest.approx(expected)
+            assert all(type(value) is float for value in metrics.values())
