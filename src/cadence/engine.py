@@ -543,6 +543,7 @@ class Engine:
         ``project_dir/checkpoints`` (an incomplete, corrupted or malformed newer one is skipped with a warning).
         Every file and structure is checked before anything changes. Prints where the run resumes from."""
         self._saves.wait(self)
+        self.epoch_metrics.attach(self)  # a checkpoint taken mid-epoch holds what the epoch accumulated so far
         if path is not None:
             directory = Path(path)
             manifest = load_engine_state(self, directory)

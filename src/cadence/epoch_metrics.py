@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 import torch
 from torch import nn
 
+from cadence.callback import Callback
 from cadence.validators import is_number
 
 if TYPE_CHECKING:
@@ -68,8 +69,9 @@ class Accumulator:
         self._entries: dict[str, _Entry] = {}
         self.metrics: dict[str, Any] = {}
         """The torchmetrics objects to compute at the end, by the name they were returned or logged under."""
-        self.pending: dict[str, dict[str, Any]] = {}
-        """Metric states a checkpoint restored for names whose object has not been seen yet in this process."""
+        self.pending: dict[str, list[dict[str, Any]]] = {}
+        """Metric states a checkpoint restored (one per rank that saved them) for names whose object has not been
+        seen yet in this process: merged into it when it is."""
 
     def __bool__(self) -> bool:
         return bool(self._entries or self.metrics or self.pending)
@@ -110,8 +112,7 @@ class Accumulator:
             )
         if known is None:
             self.metrics[name] = metric
-            restored = self.pending.pop(name, None)
-            if restored is not None:
+            for restored in self.pending.pop(name, []):
                 merge_metric_state(metric, restored)
 
     def reduce(self, engine: Engine, empty: str | None, mismatch: Mismatch) -> dict[str, float]:
@@ -156,8 +157,8 @@ class Accumulator:
             name: {"reduce": self._entries[name].reduce, "total": totals[2 * i], "weight": totals[2 * i + 1]}
             for i, name in enumerate(names)
         }
-        metrics = {name: metric_state(metric) for name, metric in self.metrics.items()}
-        metrics.update(self.pending)
+        metrics = {name: [*self.pending.get(name, []), metric_state(metric)] for name, metric in self.metrics.items()}
+        metrics.update((name, states) for name, states in self.pending.items() if name not in metrics)
         return {"batches": self.batches, "entries": entries, "metrics": metrics}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -167,7 +168,7 @@ class Accumulator:
             name: _Entry(str(entry["reduce"]), float(entry["total"]), float(entry["weight"]))
             for name, entry in state["entries"].items()
         }
-        self.pending = {name: dict(states) for name, states in state["metrics"].items()}
+        self.pending = {name: list(states) for name, states in state["metrics"].items()}
 
 
 def _kinds_clash(name: str, had: str, now: str) -> str:
@@ -386,6 +387,13 @@ class EpochMetrics:
         self._used = False
         """Set once this engine accumulated over a training epoch: from then on every epoch end reduces, so the
         ranks keep pairing their collectives even in an epoch where one of them logged nothing."""
+        self.saver = EpochMetricsState(self)
+        """Carries the training epoch's accumulated state in checkpoints (attached once it is needed)."""
+
+    def attach(self, engine: Engine) -> None:
+        """Attach ``saver`` (once): when the training epoch first accumulates, and before a checkpoint is loaded."""
+        if not any(callback is self.saver for callback in engine.callbacks):
+            engine.add_callback(self.saver)
 
     def log(self, engine: Engine, name: str, value: Any, reduce: str | None, weight: Any) -> None:
         """``engine.log`` with ``reduce``, ``weight`` or a metric object."""
@@ -400,7 +408,8 @@ class EpochMetrics:
                     "computed at the end of the epoch (pass), over every rank, not reduced: drop reduce= and weight=."
                 )
             target.add_metric(name, value)
-            self._used = self._used or scope is None
+            if scope is None:
+                self._start(engine)
             return
         if reduce not in REDUCES:
             hint = "pass reduce='mean' (or 'sum', 'max', 'min') with weight=" if reduce is None else ""
@@ -433,7 +442,12 @@ class EpochMetrics:
             batch_weight = 1.0 if real != 0 else 0.0
         target.add(name, accumulated, reduce, batch_weight)
         if scope is None:
+            self._start(engine)
+
+    def _start(self, engine: Engine) -> None:
+        if not self._used:
             self._used = True
+            self.attach(engine)
 
     def end_training_epoch(self, engine: Engine) -> None:
         """Reduce the training epoch's values and compute its metric objects into ``state.metrics``. Collective
@@ -466,3 +480,77 @@ def _training_mismatch(counted: list[tuple[int, list[str]]]) -> str:
         f"{', '.join(map(repr, lacking))} not on every rank. Each is reduced over every rank at the epoch's end: log "
         "each on every rank, under one name."
     )
+
+
+class EpochMetricsState(Callback):
+    """The training epoch's accumulated values and metric-object states, in every checkpoint taken mid-epoch
+    (``Checkpoint``'s, ``Preemption``'s, ``save_state()``), so the resumed run ends the epoch with the values the
+    uninterrupted run has. The engine attaches it; every rank's state is gathered into the saved one."""
+
+    def __init__(self, owner: EpochMetrics) -> None:
+        self._owner = owner
+        self._engine: Engine | None = None
+
+    @property
+    def state_key(self) -> str:
+        return "cadence.epoch_metrics"
+
+    def setup(self, engine: Engine) -> None:
+        self._engine = engine
+
+    def state_dict(self) -> dict[str, Any]:
+        owner, engine = self._owner, self._engine
+        if engine is None or not owner._used:
+            return {}
+        mine = owner.training.state_dict()
+        ranks = engine.strategy.all_gather_object(mine) if engine.world_size > 1 else [mine]
+        return {"ranks": list(ranks)}
+
+    def check_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not state_dict:
+            return  # saved before anything accumulated
+        ranks = state_dict.get("ranks")
+        if not isinstance(ranks, list) or not all(isinstance(rank, dict) for rank in ranks):
+            raise ValueError(
+                "The checkpoint's epoch metrics (callback 'cadence.epoch_metrics') are not a list of per-rank states: "
+                "it was not written by this version of cadence. Resume from a checkpoint taken at an epoch's end."
+            )
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        engine = self._engine
+        if not state_dict or engine is None:
+            return
+        ranks: list[dict[str, Any]] = state_dict["ranks"]
+        owner = self._owner
+        owner._used = True
+        if len(ranks) == engine.world_size:
+            owner.training.load_state_dict(ranks[engine.rank])
+            return
+        # Another number of ranks: the totals are sums (or extremes), so the main rank takes all of them and the
+        # others none; each metric object's saved states are merged into the main rank's in turn.
+        owner.training.load_state_dict(merged(ranks) if engine.rank == 0 else _EMPTY)
+
+
+_EMPTY: dict[str, Any] = {"batches": 0, "entries": {}, "metrics": {}}
+
+
+def merged(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several ranks' ``Accumulator.state_dict()`` as one rank's."""
+    entries: dict[str, dict[str, Any]] = {}
+    for rank in ranks:
+        for name, entry in rank["entries"].items():
+            known = entries.get(name)
+            if known is None or not known["weight"]:
+                entries[name] = dict(entry)
+            elif entry["weight"]:
+                if entry["reduce"] in ("mean", "sum"):
+                    known["total"] += entry["total"]
+                else:
+                    pick = max if entry["reduce"] == "max" else min
+                    known["total"] = pick(known["total"], entry["total"])
+                known["weight"] += entry["weight"]
+    metrics: dict[str, list[Any]] = {}
+    for rank in ranks:
+        for name, states in rank["metrics"].items():
+            metrics.setdefault(name, []).extend(states)
+    return {"batches": sum(rank["batches"] for rank in ranks), "entries": entries, "metrics": metrics}

@@ -72,7 +72,7 @@ def run_test(engine: Engine, step: TrainingStep, dataloader: DataLoader[Any] | P
         return True
 
     def finish() -> None:
-        results.update((f"test/{name}", value) for name, value in means.reduce().items())
+        results.update(means.reduce())
         engine.log_dict(results)
 
     before = dict(engine.state.metrics)

@@ -334,7 +334,7 @@ class FitRun:
         finally:
             batches.close()
             loader.end_epoch_early()  # a pass cut short (val_batches, an exception): the next starts afresh
-        engine.log_dict({f"val/{name}": value for name, value in means.reduce().items()})
+        engine.log_dict(means.reduce())
         state.validated_epochs, state.validated_step = self.train_loader.epoch, state.step
         if before_end is not None:
             before_end()

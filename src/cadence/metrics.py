@@ -164,11 +164,14 @@ class ValidationMeans:
             return 0.0
         return float(real) if num_items is None else weight * real / samples  # type: ignore[operator]
 
-    def reduce(self, engine: Engine | None = None) -> dict[str, float]:
+    def reduce(self) -> dict[str, float]:
         """Every value's mean over all ranks' samples (NaN where they weigh nothing) and every metric object's
-        value, the same on every rank. Collective: every rank calls it once per validation (test)."""
+        value, the same on every rank, each under ``<prefix>/<name>`` (a name that has the prefix keeps it).
+        Collective: every rank calls it once per validation (test)."""
         source = self.source
-        return self.accumulator.reduce(engine or self.engine, source.empty, lambda ranks: _mismatch(ranks, source))
+        results = self.accumulator.reduce(self.engine, source.empty, lambda ranks: _mismatch(ranks, source))
+        head = f"{source.prefix}/"
+        return {name if name.startswith(head) else head + name: value for name, value in results.items()}
 
 
 def _split(output: Any, source: MetricSource) -> tuple[Mapping[str, Any], Mapping[str, Any], Any]:
