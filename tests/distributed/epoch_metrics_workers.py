@@ -3,6 +3,7 @@ plain means, torchmetrics objects and ``engine.log(..., reduce=...)``, returning
 
 from __future__ import annotations
 
+import contextlib
 from datetime import timedelta
 from typing import Any
 
@@ -90,4 +91,32 @@ def train(samples: int, batch_size: int, epochs: int) -> list[dict[str, float]]:
 
     engine.add_callback(Record())
     engine.fit(step, DataLoader(scored(samples), batch_size=batch_size, shuffle=True), max_epochs=epochs)
+    return seen
+
+
+class Killed(Exception):
+    """Stands in for a SIGKILL right after a checkpoint."""
+
+
+def train_killed(directory: str, kill_at: int | None, resume: bool) -> list[dict[str, float]]:
+    """Like ``train`` over 2 epochs of 34 samples (5 steps an epoch, the last one short), saving into ``directory``
+    and stopping right after at step ``kill_at``; ``resume``: continue from that checkpoint instead."""
+    engine = _engine()
+    step = LogsIds(engine)
+    seen: list[dict[str, float]] = []
+
+    class Record(cadence.Callback):
+        def on_epoch_end(self, engine: cadence.Engine) -> None:
+            metrics = engine.state.metrics
+            seen.append({name: metrics[name] for name in metrics if name.startswith(("ids/", "train/"))})
+
+        def on_batch_end(self, engine: cadence.Engine) -> None:
+            if engine.state.step == kill_at:
+                engine.save_state(directory)
+                raise Killed
+
+    engine.add_callback(Record())
+    data = DataLoader(scored(34), batch_size=4, shuffle=True)
+    with contextlib.suppress(Killed):
+        engine.fit(step, data, max_epochs=2, resume=directory if resume else None)
     return seen

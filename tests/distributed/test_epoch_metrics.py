@@ -15,8 +15,9 @@ from tests.distributed.workers import results_by_job, run_jobs
 
 
 @pytest.fixture(scope="module")
-def jobs() -> dict[str, list[Any]]:
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Any]]:
     """Every job of this module, run in one start of 2 ranks; each job's results in rank order, by name."""
+    checkpoint = str(tmp_path_factory.mktemp("epoch_metrics") / "mid_epoch")
     ranks = spawn(
         2,
         run_jobs,
@@ -25,8 +26,11 @@ def jobs() -> dict[str, list[Any]]:
             ("101", workers.evaluate, (101, 8)),  # rank 1's last batch: 2 real samples
             ("97", workers.evaluate, (97, 8)),  # rank 1's last batch: only repeats
             ("train", workers.train, (32, 4, 2)),
+            ("straight", workers.train_killed, (checkpoint, None, False)),
+            ("killed", workers.train_killed, (checkpoint, 7, False)),  # the second epoch's second step
+            ("resumed", workers.train_killed, (checkpoint, None, True)),
         ],
-        timeout=300.0,
+        timeout=400.0,
     )
     return results_by_job(ranks)
 
@@ -69,3 +73,18 @@ def test_epoch_aggregates_are_over_every_rank_s_samples_once_per_epoch(jobs: dic
         for metrics in epochs:  # each epoch from scratch: the metric object was reset
             assert metrics == pytest.approx(expected)
             assert all(type(value) is float for value in metrics.values())
+
+
+@pytest.mark.slow
+def test_epoch_values_after_a_mid_epoch_kill_and_resume_equal_the_uninterrupted_run(
+    jobs: dict[str, list[Any]],
+) -> None:
+    for straight, killed, resumed in zip(jobs["straight"], jobs["killed"], jobs["resumed"], strict=True):
+        assert len(straight) == 2
+        assert killed == straight[:1]
+        assert resumed == straight[1:]  # every rank's sums and metric states came back from the checkpoint
+    _, scores, targets, ids = workers.scored(34).tensors
+    # 34 samples over 2 ranks in batches of 4: the last global batch is exact (2 samples, 1 a rank), so the epoch's
+    # values are the whole set's.
+    assert jobs["straight"][0][1]["ids/sum"] == ids.sum().item()
+    assert jobs["straight"][0][1]["train/acc"] == pytest.approx(BinaryAccuracy()(scores, targets).item())
