@@ -18,6 +18,7 @@ from torchmetrics import MaxMetric, MeanMetric, MetricCollection, SumMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 import cadence
+from cadence.callbacks import GradientClipping
 from cadence.data import ResumableBatchSampler
 from cadence.testing import FakeEngine, TinyStep, tiny_dataloader
 
@@ -261,3 +262,13 @@ def test_a_checkpoint_saved_with_nothing_accumulated_loads_again(tmp_path: Path)
     third = cadence.Engine(accelerator="cpu", progress_bar=False, model_summary=False, project_dir=tmp_path)
     third.fit(TinyStep(), tiny_dataloader(batches=2), max_epochs=3, resume=second.save_state(tmp_path / "b"))
     assert third.state.epoch == 2 and third.state.step == 6
+
+
+def test_state_metrics_after_fit_are_python_floats() -> None:
+    # GradientClipping logs grad_norm as a tensor each step (no device sync); after fit() it is a number, as it is
+    # after a resume (a checkpoint keeps numbers).
+    engine = cadence.Engine(
+        accelerator="cpu", progress_bar=False, model_summary=False, callbacks=[GradientClipping(1.0)]
+    )
+    state = engine.fit(TinyStep(), tiny_dataloader(batches=2), max_epochs=1, val_dataloader=tiny_dataloader(batches=1))
+    assert {name: type(value) for name, value in state.metrics.items()} == {"grad_norm": float, "val/loss": float}

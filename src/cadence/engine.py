@@ -22,7 +22,7 @@ from cadence.checkpoint.export import model_configs, save_weights
 from cadence.checkpoint.layout import CheckpointDirectory
 from cadence.compile import CompileSetting, check_compile_sources, compile_options, compile_prepared, split_compiled
 from cadence.data import batches_per_epoch, check_shardable, draw_seed, make_batch_mover, to_stateful
-from cadence.epoch_metrics import EpochMetrics, Reduce, is_metric
+from cadence.epoch_metrics import EpochMetrics, Reduce, as_numbers, is_metric
 from cadence.evaluation import run_predict, run_test
 from cadence.event import Event
 from cadence.hyperparams import flatten_hyperparams
@@ -665,6 +665,8 @@ class Engine:
             return set_up_fit(self, self._fit_loaders, step, train_dataloader, val_dataloader, resume, plan).run()
         finally:
             self._fitting = False
+            # The last values as numbers, as a resumed run has them (a checkpoint keeps tensors as numbers).
+            self.state.metrics.update(as_numbers(self.state.metrics))
 
     def test(self, step: TrainingStep, dataloader: DataLoader[Any] | PreparedDataLoader) -> dict[str, float]:
         """Run ``step.test_step`` (``validation_step`` without one) over ``dataloader`` and return each metric's mean

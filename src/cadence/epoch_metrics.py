@@ -554,3 +554,10 @@ def merged(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         for name, states in rank["metrics"].items():
             metrics.setdefault(name, []).extend(states)
     return {"batches": sum(rank["batches"] for rank in ranks), "entries": entries, "metrics": metrics}
+
+
+def as_numbers(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """``metrics`` with every one-element tensor as a Python float (one device sync for them all)."""
+    names = [name for name, value in metrics.items() if isinstance(value, torch.Tensor) and value.numel() == 1]
+    numbers_ = dict(zip(names, _host([metrics[name] for name in names]), strict=True))
+    return {name: numbers_.get(name, value) for name, value in metrics.items()}
