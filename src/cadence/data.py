@@ -212,6 +212,14 @@ class ResumableBatchSampler(Sampler[list[int]]):
         real = _real_share(len(tail), share, self.rank)
         return mine[:real] if self.trim_last_batch and real else mine
 
+    def last_batch_shares(self) -> tuple[int, list[int]]:
+        """The epoch's last global batch as split: each rank's share, and the real samples of every rank."""
+        tail = (self.num_samples - self.start_sample) % self.global_batch_size
+        if not tail or self.drop_last:
+            return self.batch_size, [self.batch_size] * self.world_size
+        share = -(-tail // self.world_size)
+        return share, [_real_share(tail, share, rank) for rank in range(self.world_size)]
+
     def real_in_last_batch(self, samples: int) -> int:
         """How many of the ``samples`` this rank got in the epoch's last batch are real, not repeats."""
         if self.trim_last_batch and not self.drop_last:

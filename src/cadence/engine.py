@@ -22,7 +22,7 @@ from cadence.checkpoint.export import model_configs, save_weights
 from cadence.checkpoint.layout import CheckpointDirectory
 from cadence.compile import CompileSetting, check_compile_sources, compile_options, compile_prepared, split_compiled
 from cadence.data import batches_per_epoch, check_shardable, draw_seed, make_batch_mover, to_stateful
-from cadence.epoch_metrics import EpochMetrics, Reduce, as_numbers, is_metric
+from cadence.epoch_metrics import EpochMetrics, Reduce, as_numbers, gather_trimmed, is_metric
 from cadence.evaluation import run_predict, run_test
 from cadence.event import Event
 from cadence.hyperparams import flatten_hyperparams
@@ -453,11 +453,24 @@ class Engine:
     def gather_for_metrics(self, data: Any) -> Any:
         """Gather ``data`` (a tensor, or a collection of tensors with one row per sample) from every rank, in the
         dataset's order, dropping the samples repeated to even out the last batch across ranks."""
+        trimmed = self._trimmed_shares()
+        if trimmed is not None:
+            return apply_to_collection(data, torch.Tensor, lambda tensor: gather_trimmed(self, tensor, *trimmed))
         gathered = apply_to_collection(data, torch.Tensor, self.gather)
         padding = self._padding_in_current_batch()
         if padding:
             gathered = apply_to_collection(gathered, torch.Tensor, lambda tensor: tensor[: len(tensor) - padding])
         return gathered
+
+    def _trimmed_shares(self) -> tuple[int, list[int]] | None:
+        """In a trimmed last batch (a validation or test pass): each rank's share and real samples."""
+        for loader in self._dataloaders:
+            sampler = loader.cursor.sampler
+            if loader.in_last_batch and sampler is not None and sampler.trim_last_batch:
+                if self.world_size != self.data_parallel_size:
+                    return None  # ranks that share a replica hold one batch: the padded rule below applies
+                return sampler.last_batch_shares()
+        return None
 
     def _padding_in_current_batch(self) -> int:
         for loader in self._dataloaders:

@@ -561,3 +561,21 @@ def as_numbers(metrics: Mapping[str, Any]) -> dict[str, Any]:
     names = [name for name, value in metrics.items() if isinstance(value, torch.Tensor) and value.numel() == 1]
     numbers_ = dict(zip(names, _host([metrics[name] for name in names]), strict=True))
     return {name: numbers_.get(name, value) for name, value in metrics.items()}
+
+
+def gather_trimmed(engine: Engine, tensor: torch.Tensor, share: int, reals: list[int]) -> torch.Tensor:
+    """``engine.gather_for_metrics`` in a trimmed last batch: each rank's rows padded to ``share`` (the collective
+    needs one shape), gathered, and only every rank's real rows kept, in rank order (the dataset's order)."""
+    if tensor.dim() == 0:
+        return engine.gather(tensor)
+    rows = len(tensor)
+    if rows < share:
+        filler = (
+            tensor[:1].expand(share - rows, *tensor.shape[1:]) if rows else tensor.new_zeros(share, *tensor.shape[1:])
+        )
+        tensor = torch.cat([tensor, filler])
+    if rows > share:
+        return engine.gather(tensor)  # not one row per sample: nothing to pad or drop
+    gathered = engine.gather(tensor)
+    keep = torch.cat([torch.arange(rank * share, rank * share + real) for rank, real in enumerate(reals)])
+    return gathered[keep.to(gathered.device)]

@@ -120,3 +120,28 @@ def train_killed(directory: str, kill_at: int | None, resume: bool) -> list[dict
     with contextlib.suppress(Killed):
         engine.fit(step, data, max_epochs=2, resume=directory if resume else None)
     return seen
+
+
+class GathersIds(TinyStep):
+    """Collects every batch's sample ids through ``engine.gather_for_metrics``."""
+
+    def __init__(self, engine: cadence.Engine) -> None:
+        super().__init__()
+        self.engine, self.gathered = engine, []
+
+    def validation_step(self, batch: Any) -> dict[str, Any]:
+        ids = batch[3]
+        self.gathered.append(self.engine.gather_for_metrics(ids))
+        return {"x": ids.mean()}
+
+
+def gather_for_metrics(samples: int) -> list[list[float]]:
+    """The ids ``gather_for_metrics`` gave in a fit() validation and in a test(), in order."""
+    engine = _engine()
+    step = GathersIds(engine)
+    data = DataLoader(scored(samples), batch_size=2)
+    engine.fit(step, tiny_dataloader(batches=2), max_epochs=1, val_dataloader=data)
+    in_fit = torch.cat(step.gathered).tolist()
+    step.gathered = []
+    engine.test(step, data)
+    return [in_fit, torch.cat(step.gathered).tolist()]

@@ -29,6 +29,8 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Any]]:
             ("straight", workers.train_killed, (checkpoint, None, False)),
             ("killed", workers.train_killed, (checkpoint, 7, False)),  # the second epoch's second step
             ("resumed", workers.train_killed, (checkpoint, None, True)),
+            ("gather 7", workers.gather_for_metrics, (7,)),  # rank 1's last batch: [6]
+            ("gather 5", workers.gather_for_metrics, (5,)),  # rank 1's last batch: a repeat only
         ],
         timeout=400.0,
     )
@@ -88,3 +90,12 @@ def test_epoch_values_after_a_mid_epoch_kill_and_resume_equal_the_uninterrupted_
     # values are the whole set's.
     assert jobs["straight"][0][1]["ids/sum"] == ids.sum().item()
     assert jobs["straight"][0][1]["train/acc"] == pytest.approx(BinaryAccuracy()(scores, targets).item())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("samples", [7, 5])
+def test_gather_for_metrics_in_a_trimmed_last_batch_gives_every_sample_once_in_order(
+    jobs: dict[str, list[Any]], samples: int
+) -> None:
+    ids = [float(i) for i in range(samples)]
+    assert jobs[f"gather {samples}"] == [[ids, ids], [ids, ids]]  # per rank: fit()'s validation, then test()
