@@ -257,6 +257,61 @@ def cadence_features(size: Size, steps: int) -> float:
     return time.process_time() - start
 
 
+METRICS_BASELINE = "plain: torchmetrics + epoch mean by hand"
+
+
+def plain_metrics(size: Size, steps: int) -> float:
+    """The hand-written reference: a torchmetrics MeanSquaredError updated per step, and the epoch's mean loss
+    summed on the device (weighted by the batch's samples); both read once, at the epoch's end."""
+    from torchmetrics import MeanSquaredError
+
+    model = make_model(size)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    metric = MeanSquaredError()
+    loader = make_loader(size, steps)
+    start = time.process_time()
+    total, samples = torch.zeros((), dtype=torch.float64), 0
+    for inputs, targets in loader:
+        outputs = model(inputs)
+        loss = nn.functional.mse_loss(outputs, targets)
+        metric.update(outputs.detach(), targets)
+        total += loss.detach().to(torch.float64) * len(inputs)
+        samples += len(inputs)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    _ = (metric.compute().item(), (total / samples).item())
+    metric.reset()
+    return time.process_time() - start
+
+
+class MetricsStep(RegressionStep):
+    """Returns a torchmetrics object and logs the loss with reduce="mean": one value each per epoch."""
+
+    def __init__(self, size: Size, engine: cadence.Engine) -> None:
+        super().__init__(size)
+        from torchmetrics import MeanSquaredError
+
+        self.engine, self.metric = engine, MeanSquaredError()
+
+    def training_step(self, batch: Any) -> Any:
+        inputs, targets = batch
+        outputs = self.model(inputs)
+        loss = nn.functional.mse_loss(outputs, targets)
+        self.metric.update(outputs.detach(), targets)
+        self.engine.log("epoch_loss", loss, reduce="mean")
+        return {"loss": loss, "mse": self.metric}
+
+
+def cadence_metrics(size: Size, steps: int) -> float:
+    engine = cadence.Engine(accelerator="cpu", progress_bar=False, model_summary=False)
+    step = MetricsStep(size, engine)
+    loader = make_loader(size, steps)
+    start = time.process_time()
+    engine.fit(step, loader, max_epochs=1)
+    return time.process_time() - start
+
+
 FIT_NO_BAR = "cadence fit(), progress_bar=False"
 FIT_PLAIN_LINES = "cadence fit(), default bar, not a terminal"
 FIT_LIVE_BAR = "cadence fit(), default bar, on a terminal"
@@ -275,6 +330,13 @@ def available_variants(live_refresh_s: float = LIVE_REFRESH_S) -> dict[str, Call
         "cadence fit() + the same 3 callbacks": cadence_features,
     }
     try:
+        import torchmetrics  # noqa: F401
+
+        variants[METRICS_BASELINE] = plain_metrics
+        variants["cadence fit() + a Metric and log(reduce='mean')"] = cadence_metrics
+    except ImportError:
+        pass
+    try:
         import accelerate  # noqa: F401
 
         variants["Accelerate"] = accelerate_loop
@@ -291,7 +353,9 @@ def available_variants(live_refresh_s: float = LIVE_REFRESH_S) -> dict[str, Call
 
 def baseline_of(name: str) -> str:
     """Feature rows compare with the hand-written loop that has the same features; the rest with plain."""
-    return FEATURES_BASELINE if "3 callbacks" in name else "plain PyTorch"
+    if "3 callbacks" in name:
+        return FEATURES_BASELINE
+    return METRICS_BASELINE if "a Metric" in name else "plain PyTorch"
 
 
 def measure(size: Size, rounds: int, steps: int, names: list[str] | None) -> dict[str, tuple[float, float]]:

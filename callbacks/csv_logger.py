@@ -35,10 +35,12 @@ class CSVLogger(Logger):
     a background save can commit), and at the end of ``fit()``; when a new metric appears the file is rewritten
     with the wider header, so every row lines up with it. Main process only.
 
-    A fresh run starts a new file. A resumed run (``Event.LOAD_STATE``) keeps the file's rows up to and including
-    the restored step, under their header, and appends after them: rows of steps the resumed run replays are
-    dropped, so no step appears twice. Every rewrite goes to a temporary file that replaces the old one only once
-    it is complete, so a crash never loses the rows already written.
+    A fresh run starts a new file. A resumed run (``Event.LOAD_STATE``) keeps the file's rows up to the
+    checkpoint's position (its step's rows that the checkpoint holds: a save before that step's validation holds
+    its training row, not its validation row), under their header, and appends after them: the rows written after
+    that position, which the resumed run writes again, move to ``metrics.after_step_<step>.csv`` beside the file
+    (the first free name), so no step appears twice and nothing is lost. Every rewrite goes to a temporary file
+    that replaces the old one only once it is complete, so a crash never loses the rows already written.
 
     Hyperparameters (``engine.log_hyperparams``) go to ``hparams_filename`` (``hparams.json``) beside the file,
     one flat JSON object whose first entry is the mark ``"_written_by": "cadence CSVLogger"`` (``MARK``),
@@ -165,13 +167,32 @@ class CSVLogger(Logger):
                 csv.DictWriter(handle, fieldnames=columns).writerows(self._unwritten)
         self._unwritten.clear()
 
-    def resume(self, step: int) -> None:
+    def resume(self, step: int, kept: list[dict[str, Any]] | None) -> None:
         self._claimed = self._resumed = True
         if self.path is None or not self.path.exists():
             return
-        columns, rows = _read_logged_rows(self.path)
         path = self.path
-        _replace_atomically(path, columns, [row for row in rows if _step_of(row, path) <= step])
+        columns, rows = _read_logged_rows(path)
+        steps = [_step_of(row, path) for row in rows]  # every row checked before the file is changed
+        at_step = 0
+        keep = len(rows)
+        for index, row_step in enumerate(steps):
+            at_step += row_step == step
+            if row_step > step or (row_step == step and kept is not None and at_step > len(kept)):
+                keep = index  # rows come in order: everything from here on was written after the checkpoint
+                break
+        later = rows[keep:]
+        if later:
+            # Set aside, never deleted: the first free name, written whole before the file loses them.
+            aside = _free_name(path.with_name(f"{path.stem}.after_step_{step}{path.suffix}"))
+            _replace_atomically(aside, columns, later)
+            _replace_atomically(path, columns, rows[:keep])
+            span = f"step {steps[keep]}" if steps[keep] == steps[-1] else f"steps {steps[keep]}-{steps[-1]}"
+            if self._engine is not None:
+                self._engine.print(
+                    f"CSVLogger: the {len(later)} row(s) of {span} that {path.name} held after the checkpoint are "
+                    f"written again by the resumed run; the earlier ones are kept in {aside.name}."
+                )
         self._written_columns = columns
 
 
@@ -239,6 +260,17 @@ def _keep_aside(path: Path) -> Path:
     )
     os.rename(path, kept)
     return kept
+
+
+def _free_name(path: Path) -> Path:
+    """``path`` if nothing is there, else the first free ``name.N.suffix`` beside it."""
+    if not path.exists():
+        return path
+    return next(
+        candidate
+        for number in range(1, 1_000_000)
+        if not (candidate := path.with_name(f"{path.stem}.{number}{path.suffix}")).exists()
+    )
 
 
 def _merged(first: list[str], second: Iterable[str]) -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import re
 import warnings
 from collections import defaultdict
@@ -47,9 +48,11 @@ class Logger(Callback):
     all-reduce (none with one process), the rows converted to Python numbers (one device-to-host copy per device and
     dtype for the whole batch, not one sync per value) and handed to the backend in order. Every rank takes part in
     those flushes, at the same points, and only the main one writes. A resume (``Event.LOAD_STATE``) drops the
-    buffered rows after the restored step and asks the backend to forget the ones it stored after it, so no step is
-    written twice; a checkpoint taken mid-window holds the window's losses so far, so the resumed step logs the
-    same loss.
+    buffered rows after the checkpoint's position and asks the backend to forget (or set aside) the ones it stored
+    after it, so no step is written twice. The position is finer than the step: a checkpoint holds the numbers of
+    the rows written at its step (a save at the end of a step's batch, before that step's validation, holds its
+    training row and not its validation row, which the resumed run writes again). A checkpoint taken mid-window holds
+    the window's losses so far, so the resumed step logs the same loss.
 
     Those flush points are alike on every rank because rows are: a step is skipped on every rank or on none (DDP
     gradients are averaged before the fp16 overflow check, FSDP2 reduces its found-inf flag, ``FiniteCheck`` and
@@ -62,9 +65,9 @@ class Logger(Callback):
     run they belong to), at once during ``fit()``, or at the next flush of a hand-written loop.
 
     A backend implements ``write(step, metrics)`` and, where it needs them, ``write_hyperparams(params)``,
-    ``persist()``, ``resume(step)`` and ``close()``; ``self.project_dir`` is the engine's. In a hand-written loop
-    (no ``fit()``), call ``flush()`` and ``close()`` at the end, as ``fit()`` does; with several processes,
-    ``flush(every_rank=True)`` on every rank.
+    ``persist()``, ``resume(step, kept)``, ``check(engine)`` and ``close()``; ``self.project_dir`` is the engine's.
+    In a hand-written loop (no ``fit()``), call ``flush()`` and ``close()`` at the end, as ``fit()`` does; with
+    several processes, ``flush(every_rank=True)`` on every rank.
     """
 
     def __init__(self, flush_every_n_rows: int = 50) -> None:
@@ -88,6 +91,10 @@ class Logger(Callback):
         self._items: Any = None
         self._last_loss: _StepLoss | None = None  # the last step's, for the rows of its other optimizers
         self._writes_lr: bool | None = None  # decided at the first row, once every callback is attached
+        # The checkpoint's position: the step of the last row handed to the backend, and the numbers of each row
+        # handed to it at that step (main process). A resume keeps those rows of the step and replays the others.
+        self._position: tuple[int, list[dict[str, Any]]] = (-1, [])
+        self._restored_position: tuple[int, list[dict[str, Any]]] | None = None  # the loaded checkpoint's
 
     # --- the backend ---------------------------------------------------------------------------------------------
     def write(self, step: int, metrics: dict[str, Any]) -> None:
@@ -103,8 +110,15 @@ class Logger(Callback):
     def persist(self) -> None:
         """Push the rows ``write`` received so far to storage; called after each batch of writes."""
 
-    def resume(self, step: int) -> None:
-        """The run restarts after ``step``: forget the rows stored for later steps (their steps are replayed)."""
+    def resume(self, step: int, kept: list[dict[str, Any]] | None) -> None:
+        """The run restarts from the checkpoint's position: forget (or set aside) the rows stored for later steps
+        and, of ``step``'s rows, all but the first ``len(kept)``: the resumed run writes them again. ``kept`` holds
+        the numbers of those first rows (their other values left out); ``None`` when the checkpoint does not say
+        (one written by cadence 0.x before positions were saved): keep every row of ``step``."""
+
+    def check(self, engine: Engine) -> None:
+        """At ``FIT_START`` on the main process, before anything is trained: refuse (raise, one line saying what
+        to fix) a store this backend can already tell it cannot write to."""
 
     def close(self) -> None:
         """Release what the backend holds open; a later ``write`` may open it again (another ``fit()``)."""
@@ -121,9 +135,19 @@ class Logger(Callback):
         # its commit.
         if self._engine is None:
             return {}
-        return self._flush_together(self._engine, window=True)
+        state = self._flush_together(self._engine, window=True)
+        if self.project_dir is not None:
+            step, rows = self._position
+            state["position"] = {"step": step, "rows": [dict(row) for row in rows]}
+        return state
 
     def check_state_dict(self, state_dict: dict[str, Any]) -> None:
+        position = state_dict.get("position")
+        if position is not None and not _is_position(position):
+            raise ValueError(
+                f"The checkpoint's {self.state_key} state holds a malformed position ({position!r}); it was damaged "
+                "or not written by cadence. Resume from another checkpoint (fit(..., resume=path))."
+            )
         window = state_dict.get("window")
         if window is None:
             return
@@ -145,6 +169,8 @@ class Logger(Callback):
         window = state_dict.get("window")
         self._last_loss = None
         self._loss_sum, self._micro_batches, self._items = 0.0, 0, None
+        position = state_dict.get("position")
+        self._restored_position = None if position is None else (position["step"], [dict(r) for r in position["rows"]])
         # The saved window is every rank's sums: the main rank carries them on, the others start from nothing.
         if window is not None and self._engine is not None and self._engine.is_main_process:
             self._loss_sum, self._micro_batches, self._items = (
@@ -154,6 +180,8 @@ class Logger(Callback):
             )
 
     def on_fit_start(self, engine: Engine) -> None:
+        if self.project_dir is not None:
+            self.check(engine)  # a store that cannot be written is refused before anything is trained
         self._fit_ended = False
         self._writes_lr = None  # callbacks may have been attached or removed since the last fit
         self._fit_running = True
@@ -239,11 +267,20 @@ class Logger(Callback):
 
     def on_load_state(self, engine: Engine) -> None:
         restored_step = engine.state.step
+        position, self._restored_position = self._restored_position, None
+        kept = None if position is None else position[1] if position[0] == restored_step else []
         self._last_loss = None
         self._losses = [loss for loss in self._losses if loss.step <= restored_step]
         if self.project_dir is not None:
-            self._pending = [(step, row) for step, row in self._pending if step <= restored_step]
-            self.resume(restored_step)
+            # Rows still buffered were never handed to the backend, so none of them is in the checkpoint's position
+            # unless the checkpoint does not say (an older one): keep those of the restored step then.
+            self._pending = [
+                (step, row)
+                for step, row in self._pending
+                if step < restored_step or (kept is None and step == restored_step)
+            ]
+            self._position = (restored_step, [dict(row) for row in kept or []])
+            self.resume(restored_step, kept)
         self._flush_together(engine)
 
     def on_fit_end(self, engine: Engine) -> None:
@@ -356,6 +393,9 @@ class Logger(Callback):
         plain = plain_rows([_with_average(row) for _, row in rows])
         for (step, _), metrics in zip(rows, plain, strict=True):
             self.write(step, metrics)
+            if step != self._position[0]:
+                self._position = (step, [])
+            self._position[1].append({name: value for name, value in metrics.items() if _is_number(value)})
         self.persist()
         if self._fit_ended:
             # Rows that came after FIT_END closed the backend (a save at FIT_END, run after the loggers) reopened
@@ -375,6 +415,22 @@ def missing_package(logger: str, package: str, error: ImportError) -> ImportErro
         f"{logger} needs the {package} package, which is not installed ({error}). Install it with "
         f'`pip install "cadence[{package}]"`, or log with CSVLogger instead.'
     )
+
+
+def unwritable(directory: Path) -> str | None:
+    """Why nothing could be written in ``directory`` (made with its missing parents), or None. Asks the file system
+    only: nothing is created to find out; a read-only mount is unwritable even to root, whom permission bits do not
+    stop. For a backend's ``check``."""
+    existing = directory.absolute()
+    while not os.path.lexists(existing):
+        existing = existing.parent  # ends at the file system's root, which exists
+    if not existing.is_dir():
+        return f"{existing} is not a directory"
+    if os.access(existing, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids):
+        return None
+    if hasattr(os, "statvfs") and os.statvfs(existing).f_flag & os.ST_RDONLY:
+        return f"{existing} is on a read-only file system"
+    return f"this user may not write in {existing}"
 
 
 def check_run_id(logger: Logger, state_dict: dict[str, Any], pattern: re.Pattern[str], what: str) -> None:
@@ -398,6 +454,22 @@ class _StepLoss:
     """The step of the first row that holds it; -1 until a row does."""
     value: torch.Tensor | None = None
     """The average, once a flush computed it."""
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float))
+
+
+def _is_position(position: Any) -> bool:
+    return (
+        isinstance(position, dict)
+        and type(position.get("step")) is int
+        and isinstance(position.get("rows"), list)
+        and all(
+            isinstance(row, dict) and all(isinstance(k, str) and _is_number(v) for k, v in row.items())
+            for row in position["rows"]
+        )
+    )
 
 
 def _unaveraged(row: dict[str, Any]) -> bool:

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import numbers
+import os
 import posixpath
 import re
+import threading
 import time
+import urllib.error
+import urllib.request
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -13,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 from cadence.errors import CadenceWarning
 from cadence.stacklevel import user_stacklevel
 
-from .logger import Logger, check_run_id, missing_package
+from .delivery import Delivery
+from .logger import Logger, check_run_id, missing_package, unwritable
 
 if TYPE_CHECKING:
     from mlflow.entities import Metric
@@ -31,6 +37,12 @@ STORE_DIRECTORY = "mlflow"
 _NAME = re.compile(r"[\w\-. :/]+")
 _RUN_ID = re.compile(r"[0-9A-Za-z_\-]{1,64}")
 _BATCH = {"metrics": 1000, "params": 100}  # MLflow's limits per log_batch request
+PROBE_TIMEOUT = 5.0
+"""Seconds ``fit()`` waits, at its start, for a tracking server to answer before it refuses to train."""
+SAVE_WAIT = 5.0
+"""Seconds a flush or a save waits for the store to take the rows while it answers; none once it failed."""
+CLOSE_WAIT = 30.0
+"""Seconds the end of ``fit()`` waits for the rows still to deliver before it keeps them in a local file."""
 
 
 class MLflowLogger(Logger):
@@ -83,6 +95,17 @@ class MLflowLogger(Logger):
         self._params: dict[str, str] = {}
         self._refused: set[str] = set()
         self._refused_params: set[str] = set()
+        self._cut_params: set[str] = set()  # hyperparameters MLflow shortens, each warned about once
+        # What waits for the store, sent in order by the delivery thread (guarded by the lock): metric points,
+        # params, the checkpoint tag, the run's final status. Notes are warnings the thread leaves for this one.
+        self._lock = threading.Lock()
+        self._outbox: list[Metric] = []
+        self._outbox_params: dict[str, str] = {}
+        self._outbox_tag: str | None = None
+        self._outbox_status: str | None = None
+        self._notes: list[str] = []
+        self._delivery = Delivery(self._send, name="cadence-mlflow")
+        self._outage: str | None = None  # the failure last warned about, until the store answers again
 
     def setup(self, engine: Engine) -> None:
         super().setup(engine)
@@ -135,6 +158,7 @@ class MLflowLogger(Logger):
             problem = _name_problem(name)
             if problem is None:
                 self._params[name] = _param_value(value)
+                self._warn_if_cut(name, value)
             elif name not in self._refused_params:
                 self._refused_params.add(name)
                 warnings.warn(
@@ -144,28 +168,55 @@ class MLflowLogger(Logger):
                     stacklevel=user_stacklevel(),
                 )
 
+    def _warn_if_cut(self, name: str, value: str | int | float | bool) -> None:
+        from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH
+
+        length = len(str(value))
+        if length <= MAX_PARAM_VAL_LENGTH or name in self._cut_params:
+            return
+        self._cut_params.add(name)
+        warnings.warn(
+            f"MLflowLogger: hyperparameter {name!r} is {length} characters long and MLflow keeps at most "
+            f"{MAX_PARAM_VAL_LENGTH}, so its param holds the first {MAX_PARAM_VAL_LENGTH - 3} followed by '...' "
+            "(CSVLogger keeps it whole). Log a shorter value (a path or a hash of it) to see it all in MLflow.",
+            CadenceWarning,
+            stacklevel=user_stacklevel(),
+        )
+
     def persist(self) -> None:
         if not self._metrics and not self._params:
             return
-        from mlflow.entities import Param
+        self._open_run()
+        with self._lock:
+            self._outbox += self._metrics
+            self._outbox_params.update(self._params)
+        self._metrics, self._params = [], {}
+        self._deliver(SAVE_WAIT)
 
-        client = self._connect()
-        run_id = self._open_run()
-        params = [Param(name, value) for name, value in self._unchanged_params(client, run_id)]
-        for start in range(0, len(params), _BATCH["params"]):
-            client.log_batch(run_id, params=params[start : start + _BATCH["params"]])
-        self._params = {}
-        for start in range(0, len(self._metrics), _BATCH["metrics"]):
-            client.log_batch(run_id, metrics=self._metrics[start : start + _BATCH["metrics"]])
-        self._metrics = []
+    def check(self, engine: Engine) -> None:
+        uri = str(self.tracking_uri)
+        problem = _unreachable(uri) or _store_unwritable(uri)
+        if problem is None:
+            try:
+                self._open_run()  # created (or continued) now, so no save waits for it
+            except Exception as error:
+                problem = f"it failed to open the run ({_first_line(error)})"
+        if problem is not None:
+            raise RuntimeError(
+                f"MLflowLogger cannot log to {uri}: {problem}. Nothing was trained; start the server or make the "
+                "store writable, or pass MLflowLogger(tracking_uri=...) a store it can reach."
+            )
 
-    def resume(self, step: int) -> None:
+    def resume(self, step: int, kept: list[dict[str, Any]] | None) -> None:
         self._read_last_steps = True  # each metric goes on after its last point in the store
 
     def close(self) -> None:
         if self._running and self._client is not None and self.run_id is not None:
             failed = self._engine is not None and self._engine.state.exception is not None
-            self._client.set_terminated(self.run_id, "FAILED" if failed else "FINISHED")
+            with self._lock:
+                self._outbox_status = "FAILED" if failed else "FINISHED"
+            self._deliver_by(time.monotonic() + CLOSE_WAIT)
+            self._keep_undelivered()
         self._running = False
 
     def on_save_state(self, engine: Engine) -> None:
@@ -173,8 +224,126 @@ class MLflowLogger(Logger):
         checkpoint = engine.state.checkpoint_dir
         if self.project_dir is not None and checkpoint is not None:
             # Tagged at every commit, not only at the end: a killed run then names the checkpoint to resume from.
-            client = self._connect()
-            client.set_tag(self.run_id or self._open_run(), CHECKPOINT_TAG, str(Path(checkpoint).resolve()))
+            if self.run_id is None:
+                self._open_run()
+            with self._lock:
+                self._outbox_tag = str(Path(checkpoint).resolve())
+            self._deliver(SAVE_WAIT)
+
+    # --- delivery: the store's calls run on a thread, so an outage never stalls training or a save ----------------
+    def _deliver(self, wait: float) -> None:
+        """Hand what is pending to the delivery thread; while the store answers, wait for it up to ``wait`` seconds
+        (the rows are then in the store before a checkpoint commits, as a crash would otherwise lose them from
+        it); once it failed, wait not at all. Then say what changed."""
+        self._delivery.start()
+        if self._delivery.error is None:
+            self._delivery.wait(wait)
+        self._report()
+
+    def _deliver_by(self, deadline: float) -> None:
+        """At the end of ``fit()``: try again until the store took everything or ``deadline`` (monotonic) passed,
+        an outage included (it may be ending now)."""
+        while True:
+            self._delivery.start()
+            self._delivery.wait(max(0.0, deadline - time.monotonic()))
+            if self._delivery.error is None and not self._undelivered():
+                break
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+        self._report()
+
+    def _undelivered(self) -> bool:
+        with self._lock:
+            return bool(self._outbox or self._outbox_params or self._outbox_tag or self._outbox_status)
+
+    def _send(self) -> None:
+        """On the delivery thread: send the params, the points, the tag and the status, in that order, removing
+        each once the store took it; a failure raises and leaves the rest for the next attempt."""
+        from mlflow.entities import Param
+
+        client, run_id = self._connect(), self.run_id
+        if run_id is None:
+            return
+        with self._lock:
+            params = dict(self._outbox_params)
+        if params:
+            batch = [Param(name, value) for name, value in self._unchanged_params(client, run_id, params)]
+            for start in range(0, len(batch), _BATCH["params"]):
+                client.log_batch(run_id, params=batch[start : start + _BATCH["params"]])
+            with self._lock:
+                for name in params:
+                    if self._outbox_params.get(name) == params[name]:
+                        del self._outbox_params[name]
+        while True:
+            with self._lock:
+                batch_metrics = self._outbox[: _BATCH["metrics"]]
+            if not batch_metrics:
+                break
+            client.log_batch(run_id, metrics=batch_metrics)
+            with self._lock:
+                del self._outbox[: len(batch_metrics)]  # only this thread removes, and only from the front
+        with self._lock:
+            tag, status = self._outbox_tag, self._outbox_status
+        if tag is not None:
+            client.set_tag(run_id, CHECKPOINT_TAG, tag)
+            with self._lock:
+                if self._outbox_tag == tag:
+                    self._outbox_tag = None
+        if status is not None:
+            client.set_terminated(run_id, status)
+            with self._lock:
+                if self._outbox_status == status:
+                    self._outbox_status = None
+
+    def _report(self) -> None:
+        """On the training thread: the notes the delivery thread left, and a warning when the store starts or
+        stops failing."""
+        with self._lock:
+            notes, self._notes = self._notes, []
+            waiting = len(self._outbox)
+        for note in notes:
+            warnings.warn(note, CadenceWarning, stacklevel=user_stacklevel())
+        error = self._delivery.error
+        if error is not None and self._outage is None:
+            self._outage = _first_line(error)
+            warnings.warn(
+                f"MLflowLogger: the tracking store {self.tracking_uri} failed ({self._outage}). Training and "
+                f"checkpoints go on; the {waiting} metric point(s) it has not taken are kept and sent again at each "
+                "flush until it answers.",
+                CadenceWarning,
+                stacklevel=user_stacklevel(),
+            )
+        elif error is None and self._outage is not None and not waiting:
+            self._outage = None
+            if self._engine is not None:
+                self._engine.print(
+                    f"MLflowLogger: the tracking store {self.tracking_uri} answers again; every kept "
+                    "metric point was delivered."
+                )
+
+    def _keep_undelivered(self) -> None:
+        """At the end of ``fit()``: the points the store still has not taken go to a JSON file in ``project_dir``,
+        named in a warning, rather than being lost with the process."""
+        with self._lock:
+            points = [(m.key, m.value, m.timestamp, m.step) for m in self._outbox]
+            params, tag = dict(self._outbox_params), self._outbox_tag
+        if not points and not params and tag is None:
+            return
+        directory = self.project_dir or Path.cwd()
+        path = directory / f"mlflow-undelivered-{self.run_id}.json"
+        document = {"tracking_uri": self.tracking_uri, "run_id": self.run_id, "params": params,
+                    "tags": {} if tag is None else {CHECKPOINT_TAG: tag}, "metrics": points}  # fmt: skip
+        path.write_text(json.dumps(document, indent=1))
+        steps = sorted({point[3] for point in points})
+        span = f" of steps {steps[0]}-{steps[-1]}" if steps else ""
+        warnings.warn(
+            f"MLflowLogger: the tracking store {self.tracking_uri} did not take {len(points)} metric point(s){span} "
+            f"by the end of fit() ({self._outage or 'no answer'}); they are kept in {path} (name, value, timestamp, "
+            "step), and CSVLogger's metrics.csv holds them too when it is attached.",
+            CadenceWarning,
+            stacklevel=user_stacklevel(),
+        )
 
     # --- the run -------------------------------------------------------------------------------------------------
     def _connect(self) -> MlflowClient:
@@ -239,21 +408,19 @@ class MLflowLogger(Logger):
                 raise
             return str(experiment.experiment_id)
 
-    def _unchanged_params(self, client: MlflowClient, run_id: str) -> list[tuple[str, str]]:
-        """The pending params, less those the run holds with another value (MLflow refuses to change a param)."""
-        if not self._params:
-            return []
+    def _unchanged_params(self, client: MlflowClient, run_id: str, params: dict[str, str]) -> list[tuple[str, str]]:
+        """``params``, less those the run holds with another value (MLflow refuses to change a param); on the
+        delivery thread, so the warning is left as a note for the training thread."""
         logged = client.get_run(run_id).data.params
-        changed = sorted(name for name, value in self._params.items() if logged.get(name, value) != value)
+        changed = sorted(name for name, value in params.items() if logged.get(name, value) != value)
         if changed:
-            warnings.warn(
-                f"MLflowLogger: the MLflow run {run_id} holds other values for the hyperparameter(s) "
-                f"{', '.join(changed)} ({', '.join(f'{n}={logged[n]!r}' for n in changed)}); MLflow cannot change a "
-                "param, so they keep those values. Start a fresh run (no resume) to log new ones.",
-                CadenceWarning,
-                stacklevel=user_stacklevel(),
-            )
-        return [(name, value) for name, value in self._params.items() if name not in changed]
+            with self._lock:
+                self._notes.append(
+                    f"MLflowLogger: the MLflow run {run_id} holds other values for the hyperparameter(s) "
+                    f"{', '.join(changed)} ({', '.join(f'{n}={logged[n]!r}' for n in changed)}); MLflow cannot "
+                    "change a param, so they keep those values. Start a fresh run (no resume) to log new ones."
+                )
+        return [(name, value) for name, value in params.items() if name not in changed]
 
     def _refuse(self, name: str, value: Any) -> None:
         if name in self._refused:
@@ -270,6 +437,40 @@ class MLflowLogger(Logger):
             CadenceWarning,
             stacklevel=user_stacklevel(),
         )
+
+
+def _unreachable(uri: str) -> str | None:
+    """Why a tracking server at ``uri`` does not answer within ``PROBE_TIMEOUT`` seconds, or None (not a server, or
+    it answered: any HTTP status will do, as it may want credentials the client has)."""
+    if not uri.startswith(("http://", "https://")):
+        return None
+    try:
+        with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=PROBE_TIMEOUT):
+            return None
+    except urllib.error.HTTPError:
+        return None
+    except (OSError, ValueError) as error:
+        reason = error.reason if isinstance(error, urllib.error.URLError) else error
+        return f"the server does not answer ({reason})"
+
+
+def _store_unwritable(uri: str) -> str | None:
+    """Why a local store (``sqlite:///path``, ``file:`` or a path) cannot be written, or None (another kind)."""
+    if uri.startswith("sqlite:///"):
+        database = Path(uri.removeprefix("sqlite:///"))
+        problem = unwritable(database.parent)
+        if problem is None and database.exists() and not os.access(database, os.W_OK):
+            problem = f"this user may not write {database}"
+        return problem
+    if uri.startswith("file:") or "://" not in uri:
+        return unwritable(Path(uri.removeprefix("file://").removeprefix("file:")))
+    return None
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    first = text[0] if text else ""
+    return f"{type(error).__name__}: {first[:300]}"
 
 
 def _metric(name: str, value: float, timestamp: int, step: int) -> Metric:

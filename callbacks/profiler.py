@@ -3,6 +3,8 @@ and every callback's hook as a named range in the trace."""
 
 from __future__ import annotations
 
+import os
+import warnings
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -12,6 +14,8 @@ import torch
 from torch.profiler import ProfilerAction, ProfilerActivity, record_function, tensorboard_trace_handler
 
 from cadence import Callback
+from cadence.errors import CadenceWarning
+from cadence.stacklevel import user_stacklevel
 from cadence.validators import boolean, integer
 
 if TYPE_CHECKING:
@@ -93,12 +97,16 @@ class Profiler(Callback):
         self._window: torch.profiler.profile | None = None
         self._directory = Path("profiler")
         self._worker = "rank0"
+        self._cannot_write: str | None = None  # why the default handler cannot write its traces, once it warned
 
     def on_fit_start(self, engine: Engine) -> None:
         self._profiling = engine.is_main_process or self.all_ranks
         self._batch = 0
         self._directory = engine.project_dir / "profiler"
         self._worker = f"rank{engine.rank}"
+        self._cannot_write = None
+        if self._profiling and self.on_trace_ready is None:
+            self._check_directory()
         if self._profiling:
             self._advance(engine)
 
@@ -146,11 +154,42 @@ class Profiler(Callback):
         if window is not None:
             window.stop()
 
+    def _check_directory(self) -> None:
+        """Warn at ``FIT_START``, before anything is profiled, when the trace folder cannot be written: the run
+        trains all the same, and the table is still printed."""
+        existing = self._directory
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if not existing.is_dir():
+            self._cannot_write_traces(f"{existing} is not a directory")
+        elif not os.access(existing, os.W_OK | os.X_OK):
+            self._cannot_write_traces(f"{existing} cannot be written to")
+
+    def _cannot_write_traces(self, reason: str) -> None:
+        if self._cannot_write is not None:
+            return
+        self._cannot_write = reason
+        warnings.warn(
+            f"Profiler cannot write its traces into {self._directory}: {reason}. Training goes on and the table of "
+            "top operators is still printed at the end; move it aside, or pass Profiler(on_trace_ready=...) to write "
+            "the traces elsewhere.",
+            CadenceWarning,
+            stacklevel=user_stacklevel(),
+        )
+
     def _trace_ready(self, prof: torch.profiler.profile) -> None:
         if self.on_trace_ready is not None:
             self.on_trace_ready(prof)
-        else:
-            tensorboard_trace_handler(str(self._directory), worker_name=self._worker)(prof)
+        elif self._cannot_write is None:
+            try:
+                tensorboard_trace_handler(str(self._directory), worker_name=self._worker)(prof)
+            except (OSError, RuntimeError) as error:
+                # A full disk, a folder made read-only since FIT_START: warn, never end fit(). torch wraps a folder
+                # it cannot create in a RuntimeError; any other RuntimeError is not about writing and goes on.
+                cause = error if isinstance(error, OSError) else error.__cause__
+                if not isinstance(cause, OSError):
+                    raise
+                self._cannot_write_traces(f"{type(cause).__name__}: {cause}")
         averages = prof.key_averages()
         self.table = averages.table(sort_by=self._sort_key(averages), row_limit=self.row_limit)
 

@@ -28,7 +28,9 @@ class TensorBoardLogger(Logger):
     Main process only; ``log_dir`` is relative to ``project_dir`` (default ``project_dir/tensorboard``).
 
     A fresh run hides the events earlier runs wrote into the directory, as ``CSVLogger`` starts a new file; a
-    resumed run (``Event.LOAD_STATE``) hides the events after the restored step, which it replays. Nothing is
+    resumed run (``Event.LOAD_STATE``) hides the events written after the checkpoint's position, which it replays:
+    those of later steps, and of the restored step itself, whose rows the checkpoint holds (its training row; not a
+    validation row written after the save) are written again from the checkpoint into the new file. Nothing is
     deleted: a new event file starts with a purge marker (``SummaryWriter(purge_step=...)``) that makes
     TensorBoard discard the older files' events from that step on when it reads the directory.
 
@@ -86,10 +88,18 @@ class TensorBoardLogger(Logger):
         if self._writer is not None:
             self._writer.flush()
 
-    def resume(self, step: int) -> None:
+    def resume(self, step: int, kept: list[dict[str, Any]] | None) -> None:
         self.close()
-        self._purge_step = step + 1
-        self._last_steps = {name: min(last, step) for name, last in self._last_steps.items()}
+        if kept is None:  # a checkpoint that does not hold its step's rows: keep them all
+            self._purge_step = step + 1
+            self._last_steps = {name: min(last, step) for name, last in self._last_steps.items()}
+            return
+        # TensorBoard hides whole steps: hide the restored step too, then write back the rows of it the checkpoint
+        # holds, so a row written after the checkpoint at that step (its validation) is hidden with the later ones.
+        self._purge_step = step
+        self._last_steps = {name: min(last, step - 1) for name, last in self._last_steps.items()}
+        for row in kept:
+            self.write(step, row)
 
     def close(self) -> None:
         if self._writer is not None:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import re
+import struct
+from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from .logger import Logger, check_run_id, missing_package
+from .logger import Logger, check_run_id, missing_package, unwritable
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -34,10 +37,11 @@ class WandbLogger(Logger):
 
     A resumed run (``fit(resume=...)``) continues the W&B run its checkpoint names (its id is the logger's checkpoint
     state), with ``wandb.init(id=..., resume="allow")``. W&B cannot delete history, and it keeps a run's steps
-    increasing: online, the points the killed run logged after the checkpoint stay and the resumed run logs from the
-    step after the run's last one (the replayed steps are not logged again, as ``MLflowLogger`` does). Offline, W&B
-    cannot know that step: each process writes its own run directory under the same id, the resumed one from the
-    step after the checkpoint, so no directory holds a step twice, and ``wandb sync`` uploads them in order.
+    increasing: the points the killed run logged after the checkpoint stay and the resumed run logs from the step
+    after the run's last one (the replayed steps are not logged again, as ``MLflowLogger`` does), so no step is
+    logged twice. Online W&B knows that step; offline each process writes its own run directory under the same id,
+    and the resumed one reads the last step from the earlier ones in ``project_dir/wandb``, so no step is in two
+    directories, and ``wandb sync`` uploads them in order.
 
     Needs the ``wandb`` package: ``pip install "cadence[wandb]"``.
     """
@@ -92,6 +96,17 @@ class WandbLogger(Logger):
     def write_hyperparams(self, params: dict[str, str | int | float | bool]) -> None:
         self._config.update(params)
 
+    def check(self, engine: Engine) -> None:
+        if self.mode == "disabled" or self.project_dir is None:
+            return
+        directory = self.project_dir / "wandb"
+        problem = unwritable(directory)
+        if problem is not None:
+            raise RuntimeError(
+                f"WandbLogger cannot write its run into {directory}: {problem}. Nothing was trained; make "
+                "Engine(project_dir=...) writable or pass another, or WandbLogger(mode='disabled') to log nothing."
+            )
+
     def persist(self) -> None:
         if not (self._rows or self._config or self._checkpoint):
             return
@@ -125,6 +140,7 @@ class WandbLogger(Logger):
     def _open(self) -> Run:
         if self._run is None:
             directory = self.project_dir
+            resumed = self.run_id is not None
             if directory is not None:
                 directory.mkdir(parents=True, exist_ok=True)
             run = self._wandb.init(
@@ -140,8 +156,51 @@ class WandbLogger(Logger):
                 reinit="create_new",  # never finish another engine's run, as reinit=True would
             )
             self._run, self.run_id = run, run.id
-            self._first_step = run.starting_step  # online, a resumed run starts after its last logged step
+            # Online, a resumed run starts after its last logged step; offline W&B cannot know that step, so it is
+            # read from the run's earlier directories here: the killed run's rows after the checkpoint stay.
+            self._first_step = run.starting_step
+            if resumed and run.offline and directory is not None:
+                self._first_step = max(self._first_step, last_offline_step(directory / "wandb", run.id) + 1)
         return self._run
+
+
+def last_offline_step(directory: Path, run_id: str) -> int:
+    """The last history step that the offline run directories of ``run_id`` in ``directory`` hold; -1 for none.
+
+    A ``run-<id>.wandb`` file is a log of ``Record`` messages in LevelDB's log format: 32 KiB blocks of records, each
+    with a 7-byte header (checksum, length, kind), a record longer than a block's room split into parts. A file cut
+    short by a crash ends at its last whole record."""
+    from wandb.proto import wandb_internal_pb2
+
+    last = -1
+    for path in directory.glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"):
+        for data in _log_records(path.read_bytes()):
+            record = wandb_internal_pb2.Record()  # type: ignore[attr-defined]
+            try:
+                record.ParseFromString(data)
+            except Exception:  # protobuf's DecodeError: the crash's torn record; nothing whole follows it
+                break
+            if record.WhichOneof("record_type") == "history":
+                last = max(last, record.history.step.num)
+    return last
+
+
+def _log_records(data: bytes) -> Iterator[bytes]:
+    block, header = 32768, 7
+    offset, parts = header, []  # the file starts with W&B's own 7-byte header
+    while offset + header <= len(data):
+        room = block - offset % block
+        if room < header:  # a block's tail too short for a header is padding
+            offset += room
+            continue
+        _, length, kind = struct.unpack_from("<IHB", data, offset)
+        if offset + header + length > len(data):
+            return
+        parts.append(data[offset + header : offset + header + length])
+        offset += header + length
+        if kind in (1, 4):  # FULL, LAST: the record is whole
+            yield b"".join(parts)
+            parts = []
 
 
 def _wandb_module() -> ModuleType:

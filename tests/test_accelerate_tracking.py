@@ -127,7 +127,10 @@ def test_a_resumed_run_keeps_each_trackers_history_up_to_the_checkpoint(tmp_path
     assert read_scalars(tmp_path / "run")["accuracy"] == expected
     rows = read_csv(tmp_path / "run" / "metrics.csv")
     assert [(int(row["step"]), float(row["accuracy"])) for row in rows] == expected
-    assert list((tmp_path / "run").glob("metrics.*.csv")) == []  # nothing set aside as another run's
+    # The killed run's row after the checkpoint is set aside (kept, never deleted), not the whole file.
+    assert [path.name for path in (tmp_path / "run").glob("metrics.*.csv")] == ["metrics.after_step_1.csv"]
+    aside = read_csv(tmp_path / "run" / "metrics.after_step_1.csv")
+    assert [(int(row["step"]), float(row["accuracy"])) for row in aside] == [(2, 2.0)]
 
 
 def test_a_tracker_started_after_load_state_continues_the_checkpoints_history(tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
 """Where cadence must give Lightning's results, checked against Lightning itself (lightning is in the dev extras):
-the sample-weighted validation mean of uneven batches, EarlyStopping's min_delta boundary with Python floats, and
-the refusal of two param groups that would log under one learning-rate name."""
+the sample-weighted validation mean of uneven batches, EarlyStopping's min_delta boundary with Python floats, the
+refusal of two param groups that would log under one learning-rate name, and ``self.log`` of torchmetrics objects,
+collections and ``on_epoch=True, reduce_fx=...`` aggregates."""
 
 from __future__ import annotations
 
@@ -15,6 +16,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import cadence
 from cadence.callbacks import EarlyStopping, LearningRateMonitor
+
+torchmetrics = pytest.importorskip("torchmetrics")  # cadence[metrics], in the dev extras
+from torchmetrics import MetricCollection  # noqa: E402
+from torchmetrics.classification import BinaryAccuracy, BinaryAUROC, BinaryF1Score, BinaryPrecision  # noqa: E402
 
 lightning = pytest.importorskip("lightning")  # a dev dependency: CI always has it
 from lightning.pytorch.callbacks import EarlyStopping as LightningEarlyStopping  # noqa: E402
@@ -121,3 +126,85 @@ def test_two_param_groups_under_one_lr_name_are_refused_as_lightning_does(tmp_pa
     assert "unique" in str(lightning_error.value).lower() or "duplicate" in str(lightning_error.value).lower()
     with pytest.raises(ValueError, match="linear"):
         cadence_engine(tmp_path, LearningRateMonitor()).fit(CadenceStep([1.0], groups=2), train_loader(), max_epochs=1)
+
+
+def scored(samples: int = 11) -> TensorDataset:
+    """``(score, target, id)`` per sample, fixed by a seed."""
+    generator = torch.Generator().manual_seed(7)
+    scores = torch.rand(samples, generator=generator)
+    targets = (torch.rand(samples, generator=generator) < scores).long()
+    return TensorDataset(scores, targets, torch.arange(samples, dtype=torch.float64))
+
+
+class LightningMetrics(lightning.LightningModule):
+    """``self.log`` of torchmetrics objects (one, and a collection) and epoch aggregates with ``reduce_fx``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(1, 1)
+        self.f1, self.auroc = BinaryF1Score(), BinaryAUROC()
+        self.collection = MetricCollection({"acc": BinaryAccuracy(), "precision": BinaryPrecision()})
+
+    def training_step(self, batch: Any, index: int) -> torch.Tensor:
+        scores, _, ids = batch
+        size = len(ids)
+        self.log("ids_mean", ids.mean(), on_step=False, on_epoch=True, batch_size=size)
+        self.log("ids_max", ids.max(), on_step=False, on_epoch=True, reduce_fx="max", batch_size=size)
+        self.log("ids_min", ids.min(), on_step=False, on_epoch=True, reduce_fx="min", batch_size=size)
+        self.log("ids_sum", ids.sum(), on_step=False, on_epoch=True, reduce_fx="sum", batch_size=size)
+        return self.layer(scores[:, None]).sum() * 0.0
+
+    def validation_step(self, batch: Any, index: int) -> None:
+        scores, targets, _ = batch
+        self.f1.update(scores, targets)
+        self.auroc.update(scores, targets)
+        self.collection.update(scores, targets)
+        self.log("f1", self.f1)
+        self.log("auroc", self.auroc)
+        self.log_dict(self.collection)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+class CadenceMetrics(cadence.TrainingStep):
+    def __init__(self, engine: cadence.Engine) -> None:
+        self.engine = engine
+        self.model = nn.Linear(1, 1)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.0)
+        self.f1, self.auroc = BinaryF1Score(), BinaryAUROC()
+        self.collection = MetricCollection({"acc": BinaryAccuracy(), "precision": BinaryPrecision()})
+
+    def training_step(self, batch: Any) -> torch.Tensor:
+        scores, _, ids = batch
+        for name, reduce in (("mean", "mean"), ("max", "max"), ("min", "min"), ("sum", "sum")):
+            value = getattr(ids, name)() if name != "mean" else ids.mean()
+            self.engine.log(f"ids_{name}", value, reduce=reduce)
+        return self.model(scores[:, None]).sum() * 0.0
+
+    def validation_step(self, batch: Any) -> dict[str, Any]:
+        scores, targets, _ = batch
+        for metric in (self.f1, self.auroc, self.collection):
+            metric.update(scores, targets)
+        return {"f1": self.f1, "auroc": self.auroc, "collection": self.collection}
+
+
+def test_metric_objects_collections_and_epoch_aggregates_give_lightnings_numbers(tmp_path: Path) -> None:
+    # 11 samples in batches of 4, 4 and 3: a mean of batch values weighs each batch by its samples in both.
+    data = DataLoader(scored(), batch_size=4)
+    trainer = lightning.Trainer(
+        max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, accelerator="cpu",
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(LightningMetrics(), data, data)
+    theirs = {name: float(value) for name, value in trainer.callback_metrics.items()}
+    engine = cadence_engine(tmp_path)
+    state = engine.fit(CadenceMetrics(engine), data, max_epochs=1, val_dataloader=data)
+    ours = {name.removeprefix("val/"): value for name, value in state.metrics.items() if name != "grad_norm"}
+    assert set(ours) == set(theirs) == {
+        "ids_mean", "ids_max", "ids_min", "ids_sum", "f1", "auroc", "acc", "precision",
+    }  # fmt: skip
+    assert ours == pytest.approx(theirs, rel=1e-6)
+    assert ours["ids_mean"] == 5.0 and ours["ids_sum"] == 55.0

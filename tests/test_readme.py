@@ -40,3 +40,16 @@ def test_the_scheduler_snippet_steps_its_one_cycle_once_per_update(
     printed = capsys.readouterr().out.strip()
     assert printed == f"{total} updates, lr {step.optimizer.param_groups[0]['lr']:.2e}"
     assert printed == code.rsplit("# ", 1)[1].strip()  # the README's comment shows the real output
+
+
+def test_the_epoch_metrics_snippet_prints_what_the_readme_shows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    heading = "### Epoch metrics: torchmetrics objects and `engine.log(..., reduce=...)`"
+    exec(compile(snippet(heading), str(README), "exec"), {"__name__": "readme"})
+    shown = re.search(
+        re.escape(heading) + r".*?```text\n\$ python epoch_metrics.py\n(.*?)\n```", README.read_text(), re.DOTALL
+    )
+    assert shown is not None
+    assert capsys.readouterr().out.strip() == shown.group(1)

@@ -96,7 +96,8 @@ class Tracker:
     def resume(self, step: int) -> None:
         """The run goes on after ``step``: the backend keeps what it logged up to it and forgets later rows."""
         if self._engine.is_main_process:
-            self.tracker.resume(step)
+            # Every row of ``step`` was logged before the checkpoint recorded it (log() writes at once): keep them all.
+            self.tracker.resume(step, None)
         self.last_step = step
 
     def store_init_configuration(self, values: Mapping[str, Any]) -> None:

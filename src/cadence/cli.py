@@ -90,9 +90,10 @@ def _location(text: str) -> Path | str:
     return text if is_url(text) else Path(text)
 
 
-def _read_checkpoint(directory: Path | str, action: str) -> dict[str, Any]:
-    """The manifest of the checkpoint at ``directory``, verified (``action`` "verify") or its files' sizes checked.
-    A URL's committed checkpoint is downloaded into a temporary directory first and checked there."""
+def _read_checkpoint(directory: Path | str, action: str, config: bool = False) -> dict[str, Any] | str:
+    """The manifest of the checkpoint at ``directory``, verified (``action`` "verify") or its files' sizes checked;
+    with ``config``, the config of the run that saved it instead (text). A URL's committed checkpoint is downloaded
+    into a temporary directory first and checked there."""
     from cadence.checkpoint.files import CheckpointReader
     from cadence.checkpoint.listing import verify
 
@@ -105,10 +106,14 @@ def _read_checkpoint(directory: Path | str, action: str) -> dict[str, Any]:
         with tempfile.TemporaryDirectory(prefix="cadence-checkpoint-") as scratch:
             local = Path(scratch) / "checkpoint"
             fetch(storage, "", local)
-            return _read_checkpoint(local, action)
+            return _read_checkpoint(local, action, config)
     if action == "verify":
         return verify(directory)
     with CheckpointReader(directory) as reader:
+        if config:
+            from cadence.run_config import stored_config
+
+            return stored_config(reader) or f"{directory} holds no config (not saved by cadence fit --config)."
         return reader.manifest
 
 
@@ -118,7 +123,7 @@ def _checkpoint(options: argparse.Namespace) -> int:
 
     directory: Path | str = options.directory
     try:
-        manifest = _read_checkpoint(directory, options.action)
+        manifest = _read_checkpoint(directory, options.action, getattr(options, "config", False))
     except ImportError as error:  # the URL's filesystem package: the message has the pip line
         print(f"{directory}: {error}", file=sys.stderr)
         return 1
@@ -143,7 +148,9 @@ def _checkpoint(options: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
-    if options.action == "verify":
+    if isinstance(manifest, str):  # inspect --config
+        print(manifest)
+    elif options.action == "verify":
         print(
             f"{directory}: {len(manifest['files'])} files match the manifest (size, sha256, crc32) and every "
             "document is well formed"
@@ -406,6 +413,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     # Listed for --help only: main() hands everything after `launch` to torchrun before this parser runs.
     commands.add_parser("launch", add_help=False, help="run a script on N processes through torchrun")
+    for command in ("fit", "test", "predict"):  # read by cadence.config_cli (jsonargparse), like launch by torchrun
+        commands.add_parser(command, add_help=False, help=f"{command} as a YAML config says (cadence {command} --help)")
 
     env = commands.add_parser(
         "env",
@@ -434,6 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Print the checkpoint's manifest (format version, step, world size, each file's size and "
         "checksums) after checking that every file it lists is there with that size.",
     )
+    inspect.add_argument("--config", action="store_true", help="print the config of the run that saved it instead")
     for action in (verify, inspect):
         action.add_argument(
             "directory", type=_location, metavar="DIRECTORY",
@@ -461,10 +471,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def run(arguments: Sequence[str]) -> Any:
+    """``cadence fit|test|predict ...`` from Python (a notebook, a test): the final ``State``, the test metrics or the
+    predictions. A config refused before any work raises ``cadence.run_config.ConfigError``."""
+    from cadence.config_cli import run as run_config
+
+    return run_config(arguments)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
     if arguments[:1] == ["launch"]:
         return _launch(arguments[1:])
+    if arguments[:1] in (["fit"], ["test"], ["predict"]):
+        from cadence.config_cli import main as config_main
+
+        return config_main(arguments)
     try:
         options = build_parser().parse_args(arguments)
     except SystemExit as stop:

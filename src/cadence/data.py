@@ -146,6 +146,10 @@ class ResumableBatchSampler(Sampler[list[int]]):
         self.start_sample = 0
         """Global samples of the epoch to skip: the prepared dataloader sets it before every pass (0, or the
         position a checkpoint resumes from)."""
+        self.trim_last_batch = False
+        """Give this rank only its real samples of the epoch's short last global batch, a shorter batch instead of
+        a padded one (validation and test passes set it, so a batch mean weighs exactly its samples); a rank with
+        none keeps its share of repeats, so every rank still gets the same number of batches."""
         self._kept_order: tuple[int, int] | None = None
 
     @property
@@ -201,10 +205,35 @@ class ResumableBatchSampler(Sampler[list[int]]):
 
     def last_batch(self, order: list[int], tail: list[int]) -> list[int]:
         """This rank's share of the epoch's short last global batch ``tail``: an even split, completed by
-        repeating the epoch's first samples."""
+        repeating the epoch's first samples (only its real samples with ``trim_last_batch``, when it has any)."""
         share = -(-len(tail) // self.world_size)
         padded = tail + (order * share)[: share * self.world_size - len(tail)]
-        return padded[self.rank * share : (self.rank + 1) * share]
+        mine = padded[self.rank * share : (self.rank + 1) * share]
+        real = _real_share(len(tail), share, self.rank)
+        return mine[:real] if self.trim_last_batch and real else mine
+
+    def last_batch_shares(self) -> tuple[int, list[int]]:
+        """The epoch's last global batch as split: each rank's share, and the real samples of every rank."""
+        tail = (self.num_samples - self.start_sample) % self.global_batch_size
+        if not tail or self.drop_last:
+            return self.batch_size, [self.batch_size] * self.world_size
+        share = -(-tail // self.world_size)
+        return share, [_real_share(tail, share, rank) for rank in range(self.world_size)]
+
+    def real_in_last_batch(self, samples: int) -> int:
+        """How many of the ``samples`` this rank got in the epoch's last batch are real, not repeats."""
+        if self.trim_last_batch and not self.drop_last:
+            tail = (self.num_samples - self.start_sample) % self.global_batch_size
+            real = _real_share(tail, -(-tail // self.world_size), self.rank) if tail else samples
+            if real and samples == real:
+                return real
+        # The untrimmed layout, this one's or a subclass's: the repeats close the global batch, on the last ranks.
+        return min(max(samples * self.world_size - self.padding - self.rank * samples, 0), samples)
+
+
+def _real_share(tail: int, share: int, rank: int) -> int:
+    """Real samples of rank ``rank`` when a last global batch of ``tail`` samples is split in shares of ``share``."""
+    return min(max(tail - rank * share, 0), share)
 
 
 def batches_per_epoch(loader: DataLoader[Any], world_size: int) -> int | None:

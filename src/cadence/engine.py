@@ -32,6 +32,7 @@ from cadence.checkpoint.remote_state import (
 from cadence.checkpoint.storage import is_url
 from cadence.compile import CompileSetting, check_compile_sources, compile_options, compile_prepared, split_compiled
 from cadence.data import batches_per_epoch, check_shardable, draw_seed, make_batch_mover, to_stateful
+from cadence.epoch_metrics import EpochMetrics, Reduce, as_numbers, gather_trimmed, is_metric
 from cadence.evaluation import run_predict, run_test
 from cadence.event import Event
 from cadence.hyperparams import flatten_hyperparams
@@ -126,6 +127,9 @@ class Engine:
         self._fit_loaders = FitLoaders()
         self._fitting = False
         self._registered: list[Any] = []
+        self.epoch_metrics = EpochMetrics()
+        """What ``log(..., reduce=...)`` and the metric objects the steps return accumulate until their epoch's
+        (pass's) end."""
         self.checkpoint_total_limit = checkpoint_total_limit
         self.checkpoints = CheckpointDirectory(self.project_dir / "checkpoints", remote)
         """The automatically named checkpoints: ``checkpoint_{n}`` under ``project_dir/checkpoints``."""
@@ -237,6 +241,9 @@ class Engine:
         """Call every attached callback's hook for ``event``, in order. The engine, its prepared objects and
         ``fit()`` fire every event at its documented point (``cadence.event``); a hand-written loop never needs
         to, and a callback must not (firing from inside a hook re-enters the dispatch)."""
+        if event is Event.EPOCH_END:
+            # The epoch's aggregates first, so every callback's EPOCH_END (loggers, checkpoints) sees them.
+            self.epoch_metrics.end_training_epoch(self)
         self._dispatcher.fire(event, self)
 
     def trace_events(self, tracer: EventTracer | None) -> None:
@@ -469,11 +476,24 @@ class Engine:
     def gather_for_metrics(self, data: Any) -> Any:
         """Gather ``data`` (a tensor, or a collection of tensors with one row per sample) from every rank, in the
         dataset's order, dropping the samples repeated to even out the last batch across ranks."""
+        trimmed = self._trimmed_shares()
+        if trimmed is not None:
+            return apply_to_collection(data, torch.Tensor, lambda tensor: gather_trimmed(self, tensor, *trimmed))
         gathered = apply_to_collection(data, torch.Tensor, self.gather)
         padding = self._padding_in_current_batch()
         if padding:
             gathered = apply_to_collection(gathered, torch.Tensor, lambda tensor: tensor[: len(tensor) - padding])
         return gathered
+
+    def _trimmed_shares(self) -> tuple[int, list[int]] | None:
+        """In a trimmed last batch (a validation or test pass): each rank's share and real samples."""
+        for loader in self._dataloaders:
+            sampler = loader.cursor.sampler
+            if loader.in_last_batch and sampler is not None and sampler.trim_last_batch:
+                if self.world_size != self.data_parallel_size:
+                    return None  # ranks that share a replica hold one batch: the padded rule below applies
+                return sampler.last_batch_shares()
+        return None
 
     def _padding_in_current_batch(self) -> int:
         for loader in self._dataloaders:
@@ -568,6 +588,7 @@ class Engine:
         ``project_dir/checkpoints`` (an incomplete, corrupted or malformed newer one is skipped with a warning).
         Every file and structure is checked before anything changes. Prints where the run resumes from."""
         self._saves.wait(self)
+        self.epoch_metrics.attach(self)  # a checkpoint taken mid-epoch holds what the epoch accumulated so far
         if is_url(path):
             directory, manifest = load_url(self, str(path))
         elif path is not None:
@@ -610,14 +631,27 @@ class Engine:
         return save_weights(state_dict, save_directory, max_shard_size, safe_serialization, configs)
 
     # --- metrics -------------------------------------------------------------------------------------------
-    def log(self, name: str, value: Any) -> None:
-        """Record a metric's latest value in ``state.metrics``; loggers write it at their next row."""
-        self.state.metrics[name] = value
+    def log(self, name: str, value: Any, reduce: Reduce | None = None, weight: Any = None) -> None:
+        """Record a metric. Without ``reduce``: its latest value, in ``state.metrics`` now; loggers write it at their
+        next row. With ``reduce`` (``"mean"``, ``"sum"``, ``"max"``, ``"min"``): accumulated over the training
+        epoch's batches on every rank (over the pass, when called in ``validation_step`` / ``test_step``) and put
+        in ``state.metrics`` once, at the epoch's end (the pass's), as a float; a mean weighs each value by
+        ``weight`` (default: the batch's real samples, repeats left out). A ``torchmetrics`` ``Metric`` or
+        ``MetricCollection`` the step updated is computed at the epoch's (pass's) end, over every rank, and reset.
+        Nothing waits for the device or the other ranks before the end."""
+        if reduce is None and weight is None and not is_metric(value):
+            self.state.metrics[name] = value
+            return
+        self.epoch_metrics.log(self, name, value, reduce, weight)
 
-    def log_dict(self, metrics: Mapping[str, Any]) -> None:
-        """``engine.log(name, value)`` for every item of ``metrics``. Tensors are kept as they are (no device sync);
-        loggers read them when they write."""
-        self.state.metrics.update(metrics)
+    def log_dict(self, metrics: Mapping[str, Any], reduce: Reduce | None = None, weight: Any = None) -> None:
+        """``engine.log(name, value, reduce, weight)`` for every item of ``metrics``. Tensors are kept as they are (no
+        device sync); loggers read them when they write."""
+        if reduce is None and weight is None and not any(is_metric(value) for value in metrics.values()):
+            self.state.metrics.update(metrics)
+            return
+        for name, value in metrics.items():
+            self.log(name, value, reduce, weight)
 
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
         """Record the run's hyperparameters for every attached logger (``Event.LOG_HYPERPARAMS``). A nested mapping
@@ -687,6 +721,8 @@ class Engine:
             return set_up_fit(self, self._fit_loaders, step, train_dataloader, val_dataloader, resume, plan).run()
         finally:
             self._fitting = False
+            # The last values as numbers, as a resumed run has them (a checkpoint keeps tensors as numbers).
+            self.state.metrics.update(as_numbers(self.state.metrics))
 
     def test(self, step: TrainingStep, dataloader: DataLoader[Any] | PreparedDataLoader) -> dict[str, float]:
         """Run ``step.test_step`` (``validation_step`` without one) over ``dataloader`` and return each metric's mean

@@ -64,21 +64,20 @@ def run_test(engine: Engine, step: TrainingStep, dataloader: DataLoader[Any] | P
         empty="test()'s dataloader yielded no batch: check that its dataset is not empty and that drop_last does not "
         "drop every sample.",
     )
-    means = ValidationMeans(engine.data_parallel_rank, engine.data_parallel_size, source)
+    means = ValidationMeans(engine, source)
     results: dict[str, float] = {}
 
     def on_batch(batch: Any, loader: PreparedDataLoader) -> bool:
-        samples = batch_samples(batch)  # before the step, which may take the batch apart
-        means.add(method(batch), samples, _padding(loader))
+        means.run(method, batch, loader)
         return True
 
     def finish() -> None:
-        results.update((f"test/{name}", value) for name, value in means.reduce(engine).items())
+        results.update(means.reduce())
         engine.log_dict(results)
 
     before = dict(engine.state.metrics)
     try:
-        _run_pass(engine, step, dataloader, _TEST, on_batch, finish)
+        _run_pass(engine, step, dataloader, _TEST, on_batch, finish, means)
     finally:
         _take_back(engine.state.metrics, results, before)
     return results
@@ -142,9 +141,11 @@ def _run_pass(
     kind: _Pass,
     on_batch: OnBatch,
     finish: Callable[[], None],
+    means: ValidationMeans | None = None,
 ) -> None:
     """Prepare what is not prepared yet (the loader first: it may refuse), run the pass in eval mode between
-    ``kind``'s events, then put the models' modes and the loader back."""
+    ``kind``'s events, then put the models' modes and the loader back. With ``means`` (a test pass) the batches come
+    through it: the last one trimmed to each rank's real samples, ``engine.log`` accumulating into the pass."""
     bar = _default_bar(engine, kind)
     loader, put_back = _pass_loader(engine, dataloader)
     try:
@@ -156,7 +157,7 @@ def _run_pass(
             _warn_if_shuffled(loader)
         modes = _evaluate(engine.models)
         try:
-            _pass_with_events(engine, loader, kind, on_batch, finish)
+            _pass_with_events(engine, loader, kind, on_batch, finish, means)
         finally:
             _restore(modes)
     finally:
@@ -164,7 +165,12 @@ def _run_pass(
 
 
 def _pass_with_events(
-    engine: Engine, loader: PreparedDataLoader, kind: _Pass, on_batch: OnBatch, finish: Callable[[], None]
+    engine: Engine,
+    loader: PreparedDataLoader,
+    kind: _Pass,
+    on_batch: OnBatch,
+    finish: Callable[[], None],
+    means: ValidationMeans | None,
 ) -> None:
     """``kind.start``, the batches, ``finish`` (the collectives), ``kind.end``; ``kind.end`` also follows a failure,
     with ``state.exception`` set, so a callback can undo what it did at ``kind.start`` (EMA puts the weights back)."""
@@ -175,7 +181,7 @@ def _pass_with_events(
         # no_grad rather than inference_mode: tensors a model caches during the pass (rotary tables, masks) stay
         # usable by later training, where inference tensors would refuse to be saved for backward.
         with torch.no_grad():
-            _batches(engine, loader, kind, on_batch)
+            _batches(engine, loader, kind, on_batch, means)
             finish()
     except BaseException as error:
         previous, state.exception = state.exception, error
@@ -187,9 +193,11 @@ def _pass_with_events(
     engine.fire(kind.end)
 
 
-def _batches(engine: Engine, loader: PreparedDataLoader, kind: _Pass, on_batch: OnBatch) -> None:
+def _batches(
+    engine: Engine, loader: PreparedDataLoader, kind: _Pass, on_batch: OnBatch, means: ValidationMeans | None
+) -> None:
     state = engine.state
-    batches = cast(Generator[Any, None, None], iter(loader))
+    batches = cast(Generator[Any, None, None], iter(loader) if means is None else means.batches_of(loader))
     try:
         for index, batch in enumerate(batches):
             state.eval_batch_idx = index

@@ -51,7 +51,7 @@ from cadence.checkpoint.storage import is_url
 from cadence.errors import CadenceWarning
 from cadence.evaluation import evaluating
 from cadence.event import Event
-from cadence.metrics import ValidationMeans, batch_samples
+from cadence.metrics import ValidationMeans
 from cadence.schedule import Schedule
 from cadence.stacklevel import user_stacklevel
 from cadence.state import State
@@ -354,22 +354,20 @@ class FitRun:
         if loader is None:
             raise RuntimeError("fit() cannot validate without a val_dataloader")  # callers check first
         engine.fire(Event.VALIDATION_START)
-        means = ValidationMeans(engine.data_parallel_rank, engine.data_parallel_size)
+        means = ValidationMeans(engine)
         limit, read = self.plan.val_batches, 0
-        batches = iter(loader)
+        batches = means.batches_of(loader)
         try:
             with evaluating(engine.models), torch.no_grad():
                 for batch in batches:
-                    samples = batch_samples(batch)  # before the step, which may take the batch apart
-                    padding = loader.padding if loader.in_last_batch else 0
-                    means.add(self.step.validation_step(batch), samples, padding)
+                    means.run(self.step.validation_step, batch, loader)
                     read += 1
                     if read == limit and not loader.in_last_batch:
                         break
         finally:
-            batches.close()  # type: ignore[attr-defined]
+            batches.close()
             loader.end_epoch_early()  # a pass cut short (val_batches, an exception): the next starts afresh
-        engine.log_dict({f"val/{name}": value for name, value in means.reduce(engine).items()})
+        engine.log_dict(means.reduce())
         state.validated_epochs, state.validated_step = self.train_loader.epoch, state.step
         if before_end is not None:
             before_end()

@@ -1,24 +1,41 @@
-"""Validation (and test) metrics: each one a mean over the *samples* of every rank.
+"""Validation (and test) metrics: each value a mean over the *samples* of every rank, each torchmetrics object
+computed once over them all.
 
 Per batch nothing waits for the device: a tensor value is weighted and summed where it lives, in float64; a Python
-number stays a Python float (float64, so 0.9 stays 0.9). At the end the ranks agree on the metric names (one object
-gather), then one all-reduce of one float64 tensor ``[sums..., weights...]`` gives every mean.
+number stays a Python float (float64, so 0.9 stays 0.9). At the end one object gather brings every rank's names and
+sums (``cadence.epoch_metrics.Accumulator``), and each metric object computes, synchronised by torchmetrics.
+
+Every sample counts once: during the pass the sampler gives a rank only its real samples of the epoch's short last
+batch (``ResumableBatchSampler.trim_last_batch``), so a batch mean weighs what it covers. A rank with no real sample
+there gets a batch of repeats (every rank runs as many batches): it weighs nothing, and the metric objects get
+their states back after it.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from cadence.epoch_metrics import (
+    Accumulator,
+    MetricsGuard,
+    PassScope,
+    batch_samples,
+    is_metric,
+    reachable_metrics,
+)
 from cadence.validators import is_number
 
 if TYPE_CHECKING:
     from cadence.engine import Engine
+    from cadence.wrappers import PreparedDataLoader
+
+__all__ = ["VALIDATION", "MetricSource", "ValidationMeans", "batch_samples", "real_samples"]
 
 Value = float | torch.Tensor
 """A Python float, or a 0-dim float64 tensor on the device that produced it."""
@@ -45,21 +62,6 @@ class MetricSource:
 VALIDATION = MetricSource()
 
 
-def batch_samples(batch: Any) -> int | None:
-    """The number of samples in ``batch``: the length of its first tensor that has a dimension (the batch itself,
-    or the first one met depth-first in its tuples, lists and dict values, in order); None when it holds none."""
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() else None
-    if isinstance(batch, Mapping):
-        batch = list(batch.values())
-    if isinstance(batch, (list, tuple)):
-        for item in batch:
-            samples = batch_samples(item)
-            if samples is not None:
-                return samples
-    return None
-
-
 def real_samples(samples: int, padding: int, rank: int, world_size: int) -> int:
     """How many of this rank's ``samples`` in an epoch's last batch are real when the sampler repeated ``padding``
     samples to even that batch out across ranks. ``ResumableBatchSampler`` appends the repeats to the global batch,
@@ -68,32 +70,83 @@ def real_samples(samples: int, padding: int, rank: int, world_size: int) -> int:
 
 
 class ValidationMeans:
-    """Accumulates ``validation_step``'s metrics, each batch weighted by its samples, until ``reduce`` averages them.
+    """Accumulates one validation (test) pass: ``validation_step``'s values, each batch weighted by its samples,
+    its torchmetrics objects, and what the step logs with ``engine.log(..., reduce=...)``, until ``reduce``.
 
-    The weight of a batch is its ``num_items`` when ``validation_step`` returns one, else its number of samples
-    (``batch_samples``). Samples a distributed sampler repeated as padding are not counted: the batch that holds
-    them weighs only its real samples (its mean is taken as theirs, the closest a per-batch mean allows).
+    The weight of a batch is its ``num_items`` when ``validation_step`` returns one, else its number of real samples
+    (``batch_samples``, less the repeats a distributed sampler added to a batch it could not trim).
     """
 
-    def __init__(self, rank: int, world_size: int, source: MetricSource = VALIDATION) -> None:
-        self.rank, self.world_size = rank, world_size
+    def __init__(self, engine: Engine, source: MetricSource = VALIDATION) -> None:
+        self.engine = engine
+        self.rank, self.world_size = engine.data_parallel_rank, engine.data_parallel_size
         self.source = source
-        self.batches = 0
-        self._sums: dict[str, Value] = {}
-        self._weights: dict[str, Value] = {}
+        self.accumulator = Accumulator()
+        self.scope = PassScope(self.accumulator, source.method)
 
-    def add(self, output: Any, samples: int | None, padding: int) -> None:
+    @property
+    def batches(self) -> int:
+        return self.accumulator.batches
+
+    def batches_of(self, loader: PreparedDataLoader) -> Generator[Any, None, None]:
+        """``loader``'s batches for this pass: its last batch trimmed to this rank's real samples, and
+        ``engine.log(..., reduce=...)`` accumulating into this pass, until the iterator is closed or exhausted."""
+        sampler = loader.cursor.sampler
+        trimmed = sampler.trim_last_batch if sampler is not None else False
+        epoch_metrics = self.engine.epoch_metrics
+        outer = epoch_metrics.scope
+        if sampler is not None:
+            sampler.trim_last_batch = True
+        epoch_metrics.scope = self.scope
+        batches = iter(loader)
+        try:
+            yield from batches
+        finally:
+            batches.close()  # type: ignore[attr-defined]
+            epoch_metrics.scope = outer
+            if sampler is not None:
+                sampler.trim_last_batch = trimmed
+
+    def run(self, method: Callable[[Any], Any], batch: Any, loader: PreparedDataLoader) -> Any:
+        """``method(batch)`` (the step), its output added; the samples are counted before the step, which may take
+        the batch apart. A batch of repeats only reaches no metric object."""
+        samples = batch_samples(batch)
+        real = self._real(samples, loader)
+        self.scope.real = real if real is not None else samples
+        guard = None
+        if real == 0:
+            owner = getattr(method, "__self__", None)
+            known = list(self.accumulator.metrics.values())
+            guard = MetricsGuard(known + (reachable_metrics(owner, self.engine.models) if owner is not None else []))
+        try:
+            output = method(batch)
+        finally:
+            if guard is not None:
+                guard.restore()
+        self.add(output, samples, real)
+        return output
+
+    def _real(self, samples: int | None, loader: PreparedDataLoader) -> int | None:
+        """This batch's real samples; None when all are (not the last batch, or no tensor to count)."""
+        if not loader.in_last_batch or samples is None:
+            return None
+        sampler = loader.cursor.sampler
+        if sampler is not None:
+            return sampler.real_in_last_batch(samples)
+        return None if not loader.padding else real_samples(samples, loader.padding, self.rank, self.world_size)
+
+    def add(self, output: Any, samples: int | None, real: int | None = None) -> None:
         """One batch: ``output`` is what ``validation_step`` returned, ``samples`` the batch's ``batch_samples``, and
-        ``padding`` the samples repeated in it across all ranks (0 except in a padded last batch)."""
-        metrics, num_items = _split(output, self.source)
-        weight = self._weight(samples, num_items, padding)
+        ``real`` how many of them are real (None: all)."""
+        metrics, objects, num_items = _split(output, self.source)
+        weight = self._weight(samples, num_items, real)
         for name, value in metrics.items():
-            weighted = _number(name, value, self.source) * weight
-            self._sums[name] = self._sums[name] + weighted if name in self._sums else weighted
-            self._weights[name] = self._weights[name] + weight if name in self._weights else weight
-        self.batches += 1
+            self.accumulator.add(name, _number(name, value, self.source), "mean", weight)
+        for name, metric in objects.items():
+            self.accumulator.add_metric(name, metric)
+        self.accumulator.batches += 1
 
-    def _weight(self, samples: int | None, num_items: Any, padding: int) -> Value:
+    def _weight(self, samples: int | None, num_items: Any, real: int | None) -> Value:
         source = self.source
         if num_items is not None:
             weight = _count(num_items, source)
@@ -105,59 +158,39 @@ class ValidationMeans:
                 "dimension of the batch, but this batch holds no tensor with a dimension. Return "
                 f"{{'num_items': <samples in the batch>, ...}} from {source.method}."
             )
-        if not padding:
+        if real is None or real == samples:
             return weight
-        if not samples:
-            raise TypeError(
-                f"This batch of {source.loader} holds samples the distributed sampler repeated to even out the last "
-                "batch, and no tensor with a dimension to tell how many samples it has, so they cannot be left out. "
-                f"Make the batch hold its inputs as tensors, or use drop_last=True on {source.loader}."
-            )
-        real = real_samples(samples, padding, self.rank, self.world_size)
-        return float(real) if num_items is None else weight * real / samples
+        if not real:
+            return 0.0
+        return float(real) if num_items is None else weight * real / samples  # type: ignore[operator]
 
-    def reduce(self, engine: Engine) -> dict[str, float]:
-        """Every metric's mean over all ranks' samples (NaN where they weigh nothing), the same on every rank.
+    def reduce(self) -> dict[str, float]:
+        """Every value's mean over all ranks' samples (NaN where they weigh nothing) and every metric object's
+        value, the same on every rank, each under ``<prefix>/<name>`` (a name that has the prefix keeps it).
         Collective: every rank calls it once per validation (test)."""
-        names = self._agreed_names(engine)
-        if not names:
-            return {}
-        values = [self._sums.get(name, 0.0) for name in names] + [self._weights.get(name, 0.0) for name in names]
-        zero = torch.zeros((), dtype=torch.float64, device=engine.device)
-        totals = engine.reduce(torch.stack([zero + value for value in values]), op="sum").tolist()
-        count = len(names)
-        return {
-            name: totals[index] / totals[count + index] if totals[count + index] else math.nan
-            for index, name in enumerate(names)
-        }
-
-    def _agreed_names(self, engine: Engine) -> list[str]:
-        names = sorted(self._sums)
-        ranks = [(names, self.batches)]
-        if engine.world_size > 1:
-            ranks = engine.strategy.all_gather_object((names, self.batches))
-        # A rank that validated nothing (a sampler of the user's own) adds nothing and need not know the names.
-        validated = [(rank, names) for rank, (names, batches) in enumerate(ranks) if batches]
-        if not validated:
-            raise RuntimeError(self.source.empty)
-        first = validated[0][1]
-        if any(other != first for _, other in validated[1:]):
-            raise ValueError(_mismatch(validated, self.source))
-        return first
+        source = self.source
+        results = self.accumulator.reduce(self.engine, source.empty, lambda ranks: _mismatch(ranks, source))
+        head = f"{source.prefix}/"
+        return {name if name.startswith(head) else head + name: value for name, value in results.items()}
 
 
-def _split(output: Any, source: MetricSource) -> tuple[Mapping[str, Any], Any]:
+def _split(output: Any, source: MetricSource) -> tuple[Mapping[str, Any], Mapping[str, Any], Any]:
+    """The values, the metric objects and the ``num_items`` of a step's output."""
     if isinstance(output, Mapping):
         for name in output:
             if not isinstance(name, str):
                 raise TypeError(f"{source.method} returned a dict with the key {name!r}; metric names are strings.")
-        return {name: value for name, value in output.items() if name != "num_items"}, output.get("num_items")
+        values = {name: value for name, value in output.items() if name != "num_items" and not is_metric(value)}
+        objects = {name: value for name, value in output.items() if is_metric(value)}
+        return values, objects, output.get("num_items")
+    if is_metric(output):
+        return {}, {"loss": output}, None
     if output is None:
         raise TypeError(
             f"{source.method} returned None; return a dict of metrics (or one tensor, logged as {source.prefix}/loss)"
             ". Did you forget `return`?"
         )
-    return {"loss": output}, None
+    return {"loss": output}, {}, None
 
 
 def _number(name: str, value: Any, source: MetricSource) -> Value:

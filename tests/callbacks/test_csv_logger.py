@@ -451,3 +451,42 @@ def test_the_marks_name_is_refused_as_a_hyperparameter(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="reserves the hyperparameter name '_written_by'"):
         fake.run(steps=1)
     assert not (tmp_path / "hparams.json").exists()
+
+
+# --- a checkpoint taken before its step's validation -----------------------------------------------------------------
+class SaveBeforeValidation(cadence.Callback):
+    """Saves at the end of step 5's batch, the last of epoch 0: before that step's validation row is written."""
+
+    saves_checkpoints = True
+
+    def on_batch_end(self, engine: Engine) -> None:
+        if engine.state.step == 5:
+            engine.save_state(engine.project_dir / "before_validation")
+
+
+def train_past_a_pre_validation_checkpoint(
+    project: Path, loggers: list[cadence.Callback], fail_at: int | None = None, resume: bool = False
+) -> None:
+    """Two epochs of 5 steps with a validation at the end of each; killed at step ``fail_at`` (after the rows of
+    step 5's validation and of steps 6 and 7 were written), or resumed from the save before step 5's validation."""
+    callbacks = [*loggers, *([] if resume else [SaveBeforeValidation()])]
+    engine = Engine(accelerator="cpu", project_dir=project, callbacks=callbacks, progress_bar=False)
+    checkpoint = project / "before_validation" if resume else None
+    engine.fit(FailingStep(engine, fail_at), loader(), max_epochs=2, val_dataloader=loader(), resume=checkpoint)
+
+
+def test_a_resume_from_before_a_validation_writes_its_row_once_and_keeps_the_later_rows_aside(
+    tmp_path: Path,
+) -> None:
+    train_past_a_pre_validation_checkpoint(tmp_path / "straight", [CSVLogger(flush_every_n_rows=1)])
+    interrupted = tmp_path / "interrupted"
+    with pytest.raises(RuntimeError, match="node lost"):
+        train_past_a_pre_validation_checkpoint(interrupted, [CSVLogger(flush_every_n_rows=1)], fail_at=8)
+    written = read(interrupted / "metrics.csv")
+    assert [(row["step"], bool(row["val/mse"])) for row in written][4:] == [
+        ("5", False), ("5", True), ("6", False), ("7", False)
+    ]  # fmt: skip
+    train_past_a_pre_validation_checkpoint(interrupted, [CSVLogger(flush_every_n_rows=1)], resume=True)
+    assert (interrupted / "metrics.csv").read_text() == (tmp_path / "straight" / "metrics.csv").read_text()
+    # The rows written after the checkpoint are set aside, not deleted: step 5's validation, steps 6 and 7.
+    assert read(interrupted / "metrics.after_step_5.csv") == written[5:]

@@ -16,7 +16,7 @@ from cadence import Engine, Event, TrainingStep
 from cadence.callbacks import Checkpoint, CSVLogger, GradientAccumulation, Logger
 from cadence.callbacks.logger import plain_rows
 from cadence.testing import FakeEngine, TinyStep, tiny_dataloader
-from tests.callbacks.test_csv_logger import FailingStep
+from tests.callbacks.test_csv_logger import FailingStep, train_past_a_pre_validation_checkpoint
 from tests.callbacks.test_csv_logger import read as read_csv
 from tests.helpers import RegressionStep, assert_bitwise_equal, loader, make_model, make_optimizer
 
@@ -43,10 +43,13 @@ class JSONLinesLogger(Logger):
         self.lines.clear()
         self.fresh = False
 
-    def resume(self, step: int) -> None:
+    def resume(self, step: int, kept: list[dict[str, Any]] | None) -> None:
+        # Keep the rows before `step`, and of its own rows the first len(kept): the checkpoint holds those.
         if self.path.exists():
-            lines = self.path.read_text().splitlines(keepends=True)
-            self.path.write_text("".join(line for line in lines if json.loads(line)["step"] <= step))
+            rows = [json.loads(line) for line in self.path.read_text().splitlines()]
+            earlier = [row for row in rows if row["step"] < step]
+            at_step = [row for row in rows if row["step"] == step][: None if kept is None else len(kept)]
+            self.path.write_text("".join(json.dumps(row) + "\n" for row in earlier + at_step))
         self.fresh = False
 
 
@@ -63,8 +66,8 @@ class Recorder(Logger):
     def persist(self) -> None:
         self.calls.append(("persist",))
 
-    def resume(self, step: int) -> None:
-        self.calls.append(("resume", step))
+    def resume(self, step: int, kept: list[dict[str, Any]] | None) -> None:
+        self.calls.append(("resume", step, kept))
 
     def close(self) -> None:
         self.calls.append(("close",))
@@ -153,7 +156,43 @@ def test_load_state_drops_buffered_rows_after_the_restored_step(tmp_path: Path) 
     fake.state.step = 2
     fake.fire(Event.LOAD_STATE)
     assert [call[0] for call in recorder.calls] == ["resume", "write", "write", "persist"]
-    assert recorder.calls[0] == ("resume", 2) and [step for step, _ in written(recorder)] == [1, 2]
+    assert recorder.calls[0] == ("resume", 2, None) and [step for step, _ in written(recorder)] == [1, 2]
+
+
+def test_a_resume_keeps_the_rows_of_its_step_the_checkpoint_holds_and_drops_the_later_ones(tmp_path: Path) -> None:
+    recorder = Recorder(flush_every_n_rows=100)
+    fake = FakeEngine(callbacks=[recorder], project_dir=tmp_path)
+    fake.run(steps=2)
+    fake.log("accuracy", 0.5)
+    fake.run(steps=1)
+    state = recorder.state_dict()  # a save at the end of step 3's batch: before its validation
+    assert state["position"]["step"] == 3 and list(state["position"]["rows"][0]) == ["epoch", "loss", "lr", "accuracy"]
+    fake.log("val/loss", 0.25)
+    fake.fire(Event.VALIDATION_END)  # written after the save: the resumed run writes it again
+    recorder.flush()
+    recorder.calls.clear()
+    resumed = Recorder()
+    second = FakeEngine(callbacks=[resumed], project_dir=tmp_path)
+    resumed.check_state_dict(state)
+    resumed.load_state_dict(state)
+    second.state.step = 3
+    second.fire(Event.LOAD_STATE)
+    assert resumed.calls[0] == ("resume", 3, state["position"]["rows"])
+
+
+def test_a_position_from_an_earlier_step_keeps_none_of_the_restored_steps_rows(tmp_path: Path) -> None:
+    recorder = Recorder()
+    fake = FakeEngine(callbacks=[recorder], project_dir=tmp_path)
+    recorder.load_state_dict({"position": {"step": 1, "rows": [{"loss": 1.0}]}})
+    fake.state.step = 2  # no row at step 2 was written when the checkpoint was taken
+    fake.fire(Event.LOAD_STATE)
+    assert recorder.calls[0] == ("resume", 2, [])
+
+
+@pytest.mark.parametrize("position", [[], {"step": "3", "rows": []}, {"step": 3, "rows": [{"loss": "x"}]}])
+def test_a_malformed_position_in_a_checkpoint_is_refused(position: Any) -> None:
+    with pytest.raises(ValueError, match="malformed position"):
+        Recorder().check_state_dict({"position": position})
 
 
 class TensorLearningRateStep(TinyStep):
@@ -261,6 +300,18 @@ def test_a_user_backend_resumes_to_the_same_file_as_an_uninterrupted_run(tmp_pat
     rows = [json.loads(line) for line in expected.splitlines()]
     assert [row["step"] for row in rows if "loss" in row] == list(range(1, 16))
     assert [row["step"] for row in rows if "val/mse" in row] == [5, 10, 15]
+
+
+def test_a_user_backend_resumed_from_before_a_validation_writes_the_uninterrupted_file(tmp_path: Path) -> None:
+    train_past_a_pre_validation_checkpoint(tmp_path / "straight", [JSONLinesLogger(flush_every_n_rows=1)])
+    interrupted = tmp_path / "interrupted"
+    with pytest.raises(RuntimeError, match="node lost"):
+        train_past_a_pre_validation_checkpoint(interrupted, [JSONLinesLogger(flush_every_n_rows=1)], fail_at=8)
+    train_past_a_pre_validation_checkpoint(interrupted, [JSONLinesLogger(flush_every_n_rows=1)], resume=True)
+    expected = (tmp_path / "straight" / "metrics.jsonl").read_text()
+    assert (interrupted / "metrics.jsonl").read_text() == expected
+    rows = [json.loads(line) for line in expected.splitlines()]
+    assert [row["step"] for row in rows if "val/mse" in row] == [5, 10]
 
 
 # --- the logged loss: the step's, over its micro-batches and ranks --------------------------------------------------

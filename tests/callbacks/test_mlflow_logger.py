@@ -22,13 +22,15 @@ from typing import Any
 import pytest
 import torch
 
+import cadence
 from cadence import Engine, Event
 from cadence.callbacks import Checkpoint, CSVLogger, MLflowLogger
 from cadence.callbacks.mlflow_logger import CHECKPOINT_TAG
 from cadence.checkpoint.errors import CheckpointCorrupted
 from cadence.testing import FakeEngine
-from tests.callbacks.test_csv_logger import FailingStep
-from tests.helpers import loader
+from tests.callbacks.test_csv_logger import FailingStep, train_past_a_pre_validation_checkpoint
+from tests.checkpoint.test_writable import ROOT, _read_only_mount
+from tests.helpers import RegressionStep, loader
 
 needs_mlflow = pytest.mark.skipif(importlib.util.find_spec("mlflow") is None, reason='needs "cadence[mlflow]"')
 
@@ -36,10 +38,8 @@ needs_mlflow = pytest.mark.skipif(importlib.util.find_spec("mlflow") is None, re
 class Server:
     """``mlflow server`` on a free localhost port, in a process group of its own (it starts uvicorn workers)."""
 
-    def __init__(self, directory: Path) -> None:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.url = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    def __init__(self, directory: Path, port: int | None = None) -> None:
+        self.url = f"http://127.0.0.1:{port or free_port()}"
         command = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", self.url.rsplit(":")[-1]]
         command += ["--backend-store-uri", f"sqlite:///{directory / 'server.db'}", "--workers", "1"]
         command += ["--default-artifact-root", str(directory / "artifacts")]
@@ -71,6 +71,12 @@ class Server:
             except subprocess.TimeoutExpired:
                 continue
         self.log.close()
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +158,24 @@ def test_a_resumed_run_continues_its_mlflow_run_with_one_point_per_step(
 
 @needs_mlflow
 @pytest.mark.slow
+def test_a_resume_from_before_a_validation_logs_each_metric_once_per_step(tmp_path: Path, store: str) -> None:
+    def mlflow(experiment: str) -> MLflowLogger:
+        return MLflowLogger(experiment_name=experiment, tracking_uri=store, flush_every_n_rows=1)
+
+    train_past_a_pre_validation_checkpoint(tmp_path / "straight", [mlflow("before-validation-straight")])
+    interrupted = tmp_path / "interrupted"
+    with pytest.raises(RuntimeError, match="node lost"):
+        train_past_a_pre_validation_checkpoint(interrupted, [mlflow("before-validation")], fail_at=8)
+    train_past_a_pre_validation_checkpoint(interrupted, [mlflow("before-validation")], resume=True)
+    run, straight = only_run(store, "before-validation"), only_run(store, "before-validation-straight")
+    assert run.data.metrics.keys() == straight.data.metrics.keys()
+    for name in straight.data.metrics:
+        assert history(store, run.info.run_id, name) == history(store, straight.info.run_id, name), name
+    assert [step for step, _ in history(store, run.info.run_id, "val/mse")] == [5, 10]
+
+
+@needs_mlflow
+@pytest.mark.slow
 def test_state_dict_names_the_run_and_a_new_logger_continues_it(tmp_path: Path, store: str) -> None:
     first = MLflowLogger(experiment_name="round-trip", tracking_uri=store, flush_every_n_rows=1)
     FakeEngine(callbacks=[first], project_dir=tmp_path).run(steps=3)
@@ -190,6 +214,19 @@ def test_hyperparameters_are_params_and_a_changed_one_keeps_its_first_value(tmp_
     assert run.data.params == {"optim/lr": "0.1", "optim/betas": "(0.9, 0.99)", "amp": "True", "note": "None",
                                "seed": "3"}  # fmt: skip
     assert run.data.tags["team"] == "nlp"
+
+
+@needs_mlflow
+def test_a_hyperparameter_mlflow_cuts_short_warns_once(tmp_path: Path) -> None:
+    logger = MLflowLogger()
+    with pytest.warns(UserWarning) as caught:
+        logger.write_hyperparams({"prompt": "x" * 10_000, "lr": 0.1})
+        logger.write_hyperparams({"prompt": "y" * 10_000, "lr": 0.1})  # every one so far is written again
+    (message,) = [str(w.message) for w in caught]
+    assert message.startswith(
+        "MLflowLogger: hyperparameter 'prompt' is 10000 characters long and MLflow keeps at most 6000, so its param "
+        "holds the first 5997 followed by '...'"
+    )
 
 
 @needs_mlflow
@@ -269,3 +306,94 @@ def test_without_the_package_the_error_names_the_extra(monkeypatch: pytest.Monke
     monkeypatch.setitem(sys.modules, "mlflow.tracking", None)
     with pytest.raises(ImportError, match=r'needs the mlflow package.*pip install "cadence\[mlflow\]"'):
         MLflowLogger()
+
+
+# --- an outage never stops training or a checkpoint --------------------------------------------------------------
+@needs_mlflow
+def test_a_server_that_does_not_answer_is_refused_at_fit_start(tmp_path: Path) -> None:
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    logger = MLflowLogger(tracking_uri=url)
+    engine = Engine(accelerator="cpu", project_dir=tmp_path, callbacks=[Checkpoint(every_n_steps=1), logger])
+    with pytest.raises(RuntimeError, match=rf"MLflowLogger cannot log to {url}: the server does not answer \(.*"
+                       r"refused.*\)\. Nothing was trained; start the server"):  # fmt: skip
+        engine.fit(RegressionStep(), loader(), max_steps=2)
+    assert engine.state.step == 0 and not (tmp_path / "checkpoints").exists()
+
+
+@needs_mlflow
+def test_a_store_under_a_file_is_refused_at_fit_start(tmp_path: Path) -> None:
+    (tmp_path / "notes").write_text("mine")
+    uri = f"sqlite:///{tmp_path / 'notes' / 'mlflow.db'}"
+    engine = Engine(accelerator="cpu", project_dir=tmp_path, callbacks=[MLflowLogger(tracking_uri=uri)])
+    with pytest.raises(RuntimeError, match=rf"cannot log to {uri}: {tmp_path / 'notes'} is not a directory\."):
+        engine.fit(RegressionStep(), loader(), max_steps=2)
+    assert engine.state.step == 0 and (tmp_path / "notes").read_text() == "mine"
+
+
+READ_ONLY_STORE = """
+import sys
+from cadence import Engine
+from cadence.callbacks import Checkpoint, MLflowLogger
+from tests.helpers import RegressionStep, loader
+store, project = sys.argv[1:]
+engine = Engine(accelerator="cpu", project_dir=project, callbacks=[Checkpoint(every_n_steps=1),
+                MLflowLogger(tracking_uri=f"sqlite:///{store}/mlflow.db")], progress_bar=False)
+try:
+    engine.fit(RegressionStep(), loader(), max_steps=2)
+except RuntimeError as error:
+    print("refused:", error, "steps:", engine.state.step)
+"""
+
+
+@needs_mlflow
+@pytest.mark.slow
+def test_a_read_only_store_is_refused_at_fit_start(tmp_path: Path) -> None:
+    store, project = tmp_path / "store", tmp_path / "project"
+    store.mkdir()
+    command = [*_read_only_mount(store), sys.executable, "-c", READ_ONLY_STORE, str(store), str(project)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"refused: MLflowLogger cannot log to sqlite:///{store}/mlflow.db: {store} is on a read-only file " in (
+        done.stdout
+    )
+    assert done.stdout.rstrip().endswith("steps: 0") and not (project / "checkpoints").exists()
+
+
+@needs_mlflow
+@pytest.mark.slow
+def test_a_server_stopped_mid_run_never_stops_training_or_a_checkpoint_and_gets_every_row_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # fail at once while it is down: the test is short
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "60")  # a fresh server makes its tables first
+    directory = tmp_path / "server"
+    directory.mkdir()
+    servers = [Server(directory)]
+    url = servers[0].wait_until_up()
+
+    class Outage(cadence.Callback):
+        def on_batch_end(self, engine: Engine) -> None:
+            if engine.state.step == 3:
+                servers[-1].stop()
+            elif engine.state.step == 9:  # back, on the same port and database
+                servers.append(Server(directory, port=int(url.rsplit(":", 1)[1])))
+                servers[-1].wait_until_up()
+
+    logger = MLflowLogger(experiment_name="outage", tracking_uri=url, flush_every_n_rows=1)
+    callbacks = [Outage(), Checkpoint(every_n_steps=2), CSVLogger(), logger]
+    engine = Engine(accelerator="cpu", project_dir=tmp_path / "project", callbacks=callbacks, progress_bar=False)
+    try:
+        with pytest.warns(UserWarning, match=rf"MLflowLogger: the tracking store {url} failed \(.*\)\. Training and "
+                          "checkpoints go on"):  # fmt: skip
+            engine.fit(RegressionStep(), loader(), max_epochs=3, val_dataloader=loader())
+        assert engine.state.step == 15
+        saved = sorted((tmp_path / "project" / "checkpoints").iterdir())
+        assert len(saved) == 8  # steps 2, 4, ..., 14 (three of them during the outage) and the end of fit()
+        run = only_run(url, "outage")
+        rows = read_csv(tmp_path / "project" / "metrics.csv")
+        for name in ("loss", "val/mse"):
+            assert history(url, run.info.run_id, name) == [(int(r["step"]), float(r[name])) for r in rows if r[name]]
+        assert run.info.status == "FINISHED" and run.data.tags[CHECKPOINT_TAG] == str(saved[-1].resolve())
+        assert not list((tmp_path / "project").glob("mlflow-undelivered-*"))
+    finally:
+        servers[-1].stop()

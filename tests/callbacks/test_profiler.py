@@ -168,3 +168,30 @@ def test_a_custom_handler_gets_the_window(tmp_path: Path) -> None:
 def test_bad_arguments_are_refused(arguments: dict[str, Any], error: type[Exception], message: str) -> None:
     with pytest.raises(error, match=message):
         Profiler(**arguments)
+
+
+def test_a_trace_folder_that_is_a_file_warns_and_fit_finishes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "profiler").write_text("mine")
+    profiler = Profiler()
+    with pytest.warns(
+        UserWarning, match=rf"Profiler cannot write its traces into {tmp_path / 'profiler'}: .* is not a"
+    ):
+        fake = fit(profiler, tmp_path)
+    assert fake.state.step == 8 and profiler.table is not None  # trained to the end; the table is still printed
+    assert (tmp_path / "profiler").read_text() == "mine"
+    assert "top operators of the last window" in capsys.readouterr().out
+
+
+def test_a_trace_that_cannot_be_written_when_the_window_ends_warns_and_fit_finishes(tmp_path: Path) -> None:
+    class Blocker(cadence.Callback):
+        def on_batch_end(self, engine: cadence.Engine) -> None:
+            if engine.state.step == 2:  # the folder turns into a file after FIT_START's check, inside the window
+                (tmp_path / "profiler").write_text("mine")
+
+    profiler = Profiler()
+    fake = FakeEngine([profiler, Blocker()], project_dir=tmp_path)
+    with pytest.warns(UserWarning, match=r"Profiler cannot write its traces into .*(FileExistsError|NotADirectory)"):
+        fake.fit(NamedBatchStep(), tiny_dataloader(batches=8), max_epochs=1)
+    assert fake.state.step == 8 and profiler.table is not None

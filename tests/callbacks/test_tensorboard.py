@@ -18,7 +18,7 @@ from cadence import Engine, Event
 from cadence.callbacks import Checkpoint, CSVLogger, LearningRateMonitor, TensorBoardLogger
 from cadence.callbacks.tensorboard import wait_until_newer_than_event_files
 from cadence.testing import FakeEngine, TinyStep
-from tests.callbacks.test_csv_logger import FailingStep
+from tests.callbacks.test_csv_logger import FailingStep, train_past_a_pre_validation_checkpoint
 from tests.helpers import loader
 
 Scalars = dict[str, list[tuple[int, float]]]
@@ -102,6 +102,38 @@ def test_a_resumed_run_reads_back_as_an_uninterrupted_one(tmp_path: Path, read_e
     assert [step for step, _ in resumed["loss"]] == list(range(1, 16))
     assert_one_value_per_step(resumed)
     assert len(list((interrupted / "tensorboard").iterdir())) == 2  # nothing was deleted: the replay is hidden
+
+
+def test_a_resume_from_before_a_validation_reads_back_with_its_row_once(tmp_path: Path, read_events: Any) -> None:
+    train_past_a_pre_validation_checkpoint(tmp_path / "straight", [TensorBoardLogger(flush_every_n_rows=1)])
+    interrupted = tmp_path / "interrupted"
+    with pytest.raises(RuntimeError, match="node lost"):
+        train_past_a_pre_validation_checkpoint(interrupted, [TensorBoardLogger(flush_every_n_rows=1)], fail_at=8)
+    assert [step for step, _ in read_events(interrupted / "tensorboard")["val/mse"]] == [5]
+    train_past_a_pre_validation_checkpoint(interrupted, [TensorBoardLogger(flush_every_n_rows=1)], resume=True)
+    resumed = read_events(interrupted / "tensorboard")
+    assert resumed == read_events(tmp_path / "straight" / "tensorboard")
+    assert [step for step, _ in resumed["val/mse"]] == [5, 10] and [s for s, _ in resumed["loss"]] == list(range(1, 11))
+    assert_one_value_per_step(resumed)
+
+
+def test_rolling_back_to_a_save_before_a_validation_hides_that_validation(tmp_path: Path, read_events: Any) -> None:
+    logger = TensorBoardLogger(flush_every_n_rows=1)
+    fake = FakeEngine(callbacks=[logger], project_dir=tmp_path)
+    run_by_hand(fake, steps=3)
+    state = logger.state_dict()  # a save at step 3, before its validation
+    fake.log("val/loss", 7.0)
+    fake.fire(Event.VALIDATION_END)
+    run_by_hand(fake, steps=1)
+    logger.load_state_dict(state)
+    fake.state.step = 3
+    fake.fire(Event.LOAD_STATE)
+    fake.log("val/loss", 8.0)
+    fake.fire(Event.VALIDATION_END)
+    logger.flush()
+    logger.close()
+    scalars = read_events(tmp_path / "tensorboard")
+    assert scalars["val/loss"] == [(3, 8.0)] and [step for step, _ in scalars["loss"]] == [1, 2, 3]
 
 
 def run_by_hand(fake: FakeEngine, steps: int, offset: float = 0.0) -> None:

@@ -25,7 +25,7 @@ from cadence.callbacks import Checkpoint, CSVLogger, WandbLogger
 from cadence.callbacks.wandb_logger import CHECKPOINT_KEY
 from cadence.checkpoint.errors import CheckpointCorrupted
 from cadence.testing import FakeEngine
-from tests.callbacks.test_csv_logger import FailingStep
+from tests.callbacks.test_csv_logger import FailingStep, train_past_a_pre_validation_checkpoint
 from tests.helpers import loader
 
 needs_wandb = pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason='needs "cadence[wandb]"')
@@ -100,6 +100,9 @@ def read_run(directory: Path) -> dict[str, Any]:
 
 
 def offline_runs(project: Path) -> list[dict[str, Any]]:
+    # wandb-core, a process of its own, writes the run files: on a busy machine it may still be writing them after
+    # finish() returned. Ending the service waits for it (the next wandb.init starts another).
+    sys.modules["wandb"].teardown()
     return [read_run(directory) for directory in sorted((project / "wandb").glob("offline-run-*"))]
 
 
@@ -127,7 +130,8 @@ def test_a_resumed_offline_run_keeps_its_id_and_logs_each_step_once(tmp_path: Pa
     assert resumed["resumed"] and final_save["resumed"]
     assert killed["exit_code"] == 1 and resumed["exit_code"] == final_save["exit_code"] == 0
     assert [row["_step"] for row in killed["history"]] == list(range(1, 11))
-    assert [row["_step"] for row in resumed["history"]] == list(range(9, 16))  # from the step after the checkpoint
+    # From the step after the killed run's last one: its rows of steps 9 and 10, logged after the checkpoint, stay.
+    assert [row["_step"] for row in resumed["history"]] == list(range(11, 16))
 
     # One history row per step, holding the step's training and validation metrics; values as CSVLogger's.
     expected: dict[int, dict[str, float]] = {}
@@ -143,6 +147,24 @@ def test_a_resumed_offline_run_keeps_its_id_and_logs_each_step_once(tmp_path: Pa
     assert resumed["summary"] == {CHECKPOINT_KEY: str(checkpoints / "checkpoint_2")}
     assert final_save["summary"] == {CHECKPOINT_KEY: str(checkpoints / "checkpoint_3")}
     assert final_save["history"] == [] and final_save["config"] == {}
+
+
+@needs_wandb
+@pytest.mark.slow
+def test_a_resume_from_before_a_validation_logs_no_step_in_two_directories(tmp_path: Path) -> None:
+    def wandb() -> WandbLogger:
+        return WandbLogger(project="cadence-tests", mode="offline", flush_every_n_rows=1)
+
+    train_past_a_pre_validation_checkpoint(tmp_path / "straight", [wandb()])
+    interrupted = tmp_path / "interrupted"
+    with pytest.raises(RuntimeError, match="node lost"):
+        train_past_a_pre_validation_checkpoint(interrupted, [wandb()], fail_at=8)
+    train_past_a_pre_validation_checkpoint(interrupted, [wandb()], resume=True)
+    killed, resumed, *_ = offline_runs(interrupted)
+    assert [row["_step"] for row in killed["history"]] == list(range(1, 8))
+    assert [row["_step"] for row in resumed["history"]] == list(range(8, 11))
+    (straight, *_) = offline_runs(tmp_path / "straight")
+    assert killed["history"] + resumed["history"] == straight["history"]  # step 5's validation once, in one row
 
 
 @needs_wandb
@@ -163,7 +185,8 @@ def test_state_dict_names_the_run_and_a_new_logger_continues_it(tmp_path: Path) 
     resumed.run(steps=2)
     runs = offline_runs(tmp_path)
     assert [run["id"] for run in runs] == [first.run_id, first.run_id]
-    assert [[row["_step"] for row in run["history"]] for run in runs] == [[1, 2, 3], [3, 4]]
+    # Step 3 is replayed, and the first directory holds it already: only step 4 is logged again.
+    assert [[row["_step"] for row in run["history"]] for run in runs] == [[1, 2, 3], [4]]
     assert runs[1]["config"] == {"seed": 3}
 
 
@@ -213,3 +236,47 @@ def test_importing_the_callbacks_imports_no_tracker() -> None:
     code = "import sys, cadence.callbacks; print(sorted({'mlflow', 'wandb'} & set(sys.modules)))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+@needs_wandb
+def test_a_wandb_folder_that_cannot_be_written_is_refused_at_fit_start(tmp_path: Path) -> None:
+    (tmp_path / "wandb").write_text("mine")
+    logger = WandbLogger(project="cadence-tests", mode="offline")
+    engine = Engine(accelerator="cpu", project_dir=tmp_path, callbacks=[Checkpoint(every_n_steps=1), logger])
+    with pytest.raises(
+        RuntimeError,
+        match=rf"WandbLogger cannot write its run into {tmp_path / 'wandb'}: {tmp_path / 'wandb'} is not a directory\. "
+        "Nothing was trained",
+    ):
+        engine.fit(FailingStep(engine, None), loader(), max_steps=2)
+    assert engine.state.step == 0 and not (tmp_path / "checkpoints").exists()
+    assert (tmp_path / "wandb").read_text() == "mine"
+
+
+READ_ONLY_PROJECT = """
+import sys
+from cadence import Engine
+from cadence.callbacks import WandbLogger
+from tests.helpers import RegressionStep, loader
+engine = Engine(accelerator="cpu", project_dir=sys.argv[1], callbacks=[WandbLogger(mode="offline")], progress_bar=False)
+try:
+    engine.fit(RegressionStep(), loader(), max_steps=2)
+except RuntimeError as error:
+    print("refused:", error, "steps:", engine.state.step)
+"""
+
+
+@needs_wandb
+@pytest.mark.slow
+def test_a_read_only_wandb_folder_is_refused_at_fit_start(tmp_path: Path) -> None:
+    from tests.checkpoint.test_writable import ROOT, _read_only_mount
+
+    project = tmp_path / "project"
+    project.mkdir()
+    command = [*_read_only_mount(project), sys.executable, "-c", READ_ONLY_PROJECT, str(project)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"refused: WandbLogger cannot write its run into {project}/wandb: {project} is on a read-only file " in (
+        done.stdout
+    )
+    assert done.stdout.rstrip().endswith("steps: 0") and list(project.iterdir()) == []

@@ -12,7 +12,14 @@ from subprocess import PIPE
 import pytest
 
 from cadence.strategies import resolve_strategy
-from cadence.strategies.environment import adopt_slurm_environment, expand_nodelist, slurm_port, torchrun_from_slurm
+from cadence.strategies.environment import (
+    adopt_slurm_environment,
+    expand_nodelist,
+    first_host,
+    iter_nodelist,
+    slurm_port,
+    torchrun_from_slurm,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,9 +57,48 @@ def test_a_malformed_node_list_is_named_with_the_fix(nodelist: str, why: str) ->
     assert why in str(error.value) and "Set MASTER_ADDR" in str(error.value)
 
 
+def test_a_node_list_is_read_lazily() -> None:
+    """Reading the first host of a huge range makes that host only (the full list once exhausted memory)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        assert first_host("n[0-99999],m") == "n0"
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 100_000  # the 100,000 names in full take megabytes
+    assert first_host("n[0-99999999]") == "n0"
+    hosts = iter_nodelist("n[0-99999999]-r[1-2]")
+    assert [next(hosts) for _ in range(3)] == ["n0-r1", "n0-r2", "n1-r1"]
+    assert torchrun_from_slurm(slurm(0, SLURM_NODELIST="n[0-99999999]"))["MASTER_ADDR"] == "n0"
+    with pytest.raises(ValueError, match="runs backwards"):
+        iter_nodelist("n[0-99999999],m[2-1]")  # the whole list is checked before a host is read
+
+
 def slurm(procid: int, ntasks: int = 4, localid: int = 0, **extra: str) -> dict[str, str]:
     return {"SLURM_PROCID": str(procid), "SLURM_NTASKS": str(ntasks), "SLURM_LOCALID": str(localid),
-            "SLURM_NODELIST": "node[07-08]", "SLURM_JOB_ID": "123456", **extra}  # fmt: skip
+            "SLURM_NODELIST": "node[07-08]", "SLURM_JOB_ID": "123456", "SLURM_STEP_ID": "0", **extra}  # fmt: skip
+
+
+def test_a_batch_script_run_without_srun_is_told_to_run_under_srun(monkeypatch: pytest.MonkeyPatch) -> None:
+    """sbatch's script has the job's SLURM variables (SLURM_NTASKS of every task) but no step: one process, which
+    would wait out the whole timeout for the others before torch's store error."""
+    batch = {k: v for k, v in slurm(0, ntasks=8).items() if k != "SLURM_STEP_ID"}
+    with pytest.raises(ValueError, match=r"SLURM_NTASKS=8 .* not started by srun .* Run it under srun"):
+        torchrun_from_slurm(batch)
+    assert torchrun_from_slurm({**batch, "SLURM_STEPID": "3"})["WORLD_SIZE"] == "8"  # srun's older name
+    assert torchrun_from_slurm({**batch, "SLURM_NTASKS": "1"})["WORLD_SIZE"] == "1"  # one task waits for nobody
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_STEP_ID", "SLURM_STEPID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in batch.items():
+        monkeypatch.setenv(name, value)
+    from cadence.strategies import FSDPStrategy
+
+    for make in (lambda: resolve_strategy("auto", "cpu"), lambda: FSDPStrategy("cpu")):
+        with pytest.raises(ValueError, match="Run it under srun"):
+            make()
+        assert "RANK" not in os.environ
 
 
 def test_a_slurm_task_gets_rank_world_size_local_rank_and_the_first_node_as_master() -> None:
@@ -129,7 +175,7 @@ def test_two_srun_tasks_without_torchrun_train_as_one_ddp_job(tmp_path: Path) ->
     tasks = []
     for rank in range(2):
         task = {"SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(rank),
-                "SLURM_NODELIST": "localhost,node[2-3]", "SLURM_JOB_ID": job}  # fmt: skip
+                "SLURM_NODELIST": "localhost,node[2-3]", "SLURM_JOB_ID": job, "SLURM_STEP_ID": "0"}  # fmt: skip
         command = [sys.executable, script, str(tmp_path / "srun"), "--steps", "4"]
         tasks.append(subprocess.Popen(command, env={**clean, **task}, stdout=PIPE, stderr=PIPE, text=True))
     outputs = [task.communicate(timeout=180) for task in tasks]
@@ -147,3 +193,27 @@ def test_two_srun_tasks_without_torchrun_train_as_one_ddp_job(tmp_path: Path) ->
         load_file(str(tmp_path / "single" / "weights.safetensors")),
     )
     assert all(torch.allclose(ddp[name], one[name], atol=1e-6) for name in one)
+
+
+@pytest.mark.slow
+def test_strategy_instances_follow_srun_tasks_without_torchrun() -> None:
+    """``FSDPStrategy()`` and ``ModelParallelStrategy(...)`` made by hand join the tasks' job as ``strategy="fsdp"``
+    does (they once ran as separate one-process copies, or refused), one engine after the other."""
+    script = str(ROOT / "tests" / "distributed" / "slurm_strategies.py")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_", "TORCHELASTIC"))}
+    clean = {k: v for k, v in clean.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    job = str(free_slurm_job_id())
+    tasks = []
+    for rank in range(2):
+        task = {"SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(rank),
+                "SLURM_NODELIST": "localhost", "SLURM_JOB_ID": job, "SLURM_STEP_ID": "0"}  # fmt: skip
+        tasks.append(
+            subprocess.Popen([sys.executable, script], env={**clean, **task}, stdout=PIPE, stderr=PIPE, text=True)
+        )
+    outputs = [task.communicate(timeout=180) for task in tasks]
+    assert [task.returncode for task in tasks] == [0, 0], outputs[0][1][-2000:] + outputs[1][1][-2000:]
+    for rank, (out, _) in enumerate(outputs):
+        assert out.splitlines() == [
+            f"fsdp: rank {rank} of 2, 2 ranks answered",
+            f"model_parallel: rank {rank} of 2, 2 ranks answered",
+        ]

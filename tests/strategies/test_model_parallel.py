@@ -116,6 +116,27 @@ def test_parallelize_that_returns_another_model_is_refused(no_group_after: None)
         engine.close()
 
 
+def gpt2_plan(model: nn.Module, mesh: DeviceMesh) -> None:
+    """The plan a Llama model takes, given to GPT-2, whose projections are transformers' Conv1D."""
+    plan = {"transformer.h.0.attn.c_attn": ColwiseParallel(), "transformer.h.0.attn.c_proj": RowwiseParallel()}
+    parallelize_module(model, mesh["tensor_parallel"], plan)
+
+
+def test_a_layer_tensor_parallelism_cannot_split_is_named_with_what_to_do(no_group_after: None) -> None:
+    pytest.importorskip("transformers")
+    from tests.helpers import tiny_gpt2
+
+    engine = cadence.Engine(strategy=ModelParallelStrategy(gpt2_plan, tensor_parallel_size=1, accelerator="cpu"))
+    try:
+        with pytest.raises(TypeError, match="cannot split") as error:
+            engine.prepare(tiny_gpt2())
+    finally:
+        engine.close()
+    message = str(error.value)
+    assert "transformer.h.0.attn.c_attn (Conv1D)" in message and "nn.Linear" in message
+    assert "Leave those layers out of the plan" in message and "Llama" in message
+
+
 @pytest.mark.slow
 def test_importing_cadence_imports_no_tensor_parallelism() -> None:
     code = (

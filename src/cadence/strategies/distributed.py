@@ -12,9 +12,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public, but not in the stubs
+from torch.distributed.tensor import DTensor
 
 from cadence.strategies.base import ObjectCollectives, ReduceOp, Strategy
+from cadence.strategies.environment import adopt_slurm_environment
+from cadence.strategies.group import OwnedGroup
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 DEFAULT_TIMEOUT = timedelta(minutes=10)
@@ -33,6 +37,8 @@ class DistributedStrategy(Strategy):
     with ``timeout`` so a rank that died never makes the others wait forever."""
 
     def __init__(self, device_type: str, timeout: timedelta = DEFAULT_TIMEOUT) -> None:
+        if not dist.is_initialized():
+            adopt_slurm_environment(os.environ)  # srun without torchrun: a strategy made by hand follows SLURM too
         missing = [name for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
         if not dist.is_initialized() and missing:
             raise RuntimeError(
@@ -49,8 +55,9 @@ class DistributedStrategy(Strategy):
         self._background: _GroupCollectives | None = None
         self._background_group: Any = None
         self._owns_group = not dist.is_initialized()
+        self._group: OwnedGroup | None = None
         if self._owns_group:
-            dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo", timeout=timeout)
+            self._group = OwnedGroup("nccl" if device_type == "cuda" else "gloo", timeout)
 
     @property
     def device(self) -> torch.device:
@@ -133,6 +140,20 @@ class DistributedStrategy(Strategy):
         with self._naming_failed_ranks():
             dist.barrier()
 
+    def broadcast_module_state(self, module: nn.Module) -> None:
+        """Make every rank's parameters and buffers rank 0's, in place, as DDP does when it wraps a model: a script
+        that loads pretrained weights on rank 0 only then trains (and exports) them, not each rank's own random
+        initialisation. Sharding strategies call it before they cut the model into shards. Tensors already
+        distributed (DTensors) and meta tensors are left as they are."""
+        if self.world_size == 1:
+            return
+        with self._naming_failed_ranks(), torch.no_grad():
+            for bucket in _buckets(module):
+                flat = torch.cat([tensor.detach().reshape(-1) for tensor in bucket])
+                dist.broadcast(flat, src=0)
+                for tensor, part in zip(bucket, torch.split(flat, [t.numel() for t in bucket]), strict=True):
+                    tensor.detach().copy_(part.view_as(tensor))
+
     def background_collectives(self) -> ObjectCollectives:
         # On the training group, a background save's collectives would interleave with training's (DDP's
         # all-reduces) in a different order on each rank, and hang. A group of its own keeps them apart; gloo,
@@ -145,12 +166,32 @@ class DistributedStrategy(Strategy):
 
     def teardown(self) -> None:
         if self._owns_group and dist.is_initialized():
-            # Garbage that still holds the group (finished gloo work in reference cycles) would otherwise be freed
-            # at interpreter exit, where a gloo worker thread freeing it aborts the process ("terminate called
-            # without an active exception"): about one run in four before this, about one in a hundred after.
-            # The rest needs torch: a DDP model the user still holds keeps the group and its threads alive.
-            gc.collect()
-            dist.destroy_process_group()
+            if self._group is None:  # a group of one made without torchrun (ModelParallelStrategy)
+                gc.collect()  # see OwnedGroup.leave
+                dist.destroy_process_group()
+            else:
+                self._group.leave()
+
+
+_BUCKET_BYTES = 64 * 2**20
+"""At most this much is broadcast at once by ``broadcast_module_state``: few collectives, a bounded extra copy."""
+
+
+def _buckets(module: nn.Module) -> list[list[torch.Tensor]]:
+    """``module``'s plain parameters and buffers (each once), grouped by device and dtype in buckets of at most
+    ``_BUCKET_BYTES`` (a larger tensor alone)."""
+    seen: set[int] = set()
+    groups: dict[tuple[torch.device, torch.dtype], list[list[torch.Tensor]]] = {}
+    for tensor in [*module.parameters(), *module.buffers()]:
+        if id(tensor) in seen or tensor.is_meta or isinstance(tensor, DTensor):
+            continue
+        seen.add(id(tensor))
+        buckets = groups.setdefault((tensor.device, tensor.dtype), [[]])
+        size = sum(t.numel() * t.element_size() for t in buckets[-1])
+        if buckets[-1] and size + tensor.numel() * tensor.element_size() > _BUCKET_BYTES:
+            buckets.append([])
+        buckets[-1].append(tensor)
+    return [bucket for buckets in groups.values() for bucket in buckets if bucket]
 
 
 def _absent_ranks(rank: int, world_size: int, timeout: timedelta) -> list[int] | None:

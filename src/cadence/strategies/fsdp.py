@@ -118,6 +118,8 @@ class FSDPStrategy(DistributedStrategy):
         mesh = init_device_mesh(self.device.type, (self.world_size,))
         before = dict(module.named_parameters())
         module = module.to(self.device)
+        # fully_shard keeps each rank's own slice of what it holds: weights loaded on rank 0 alone would mix.
+        self.broadcast_module_state(module)
         options: dict[str, Any] = {
             "mesh": mesh,
             "mp_policy": self._policy or MixedPrecisionPolicy(),

@@ -25,6 +25,7 @@ from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from cadence.strategies.base import ReduceOp
 from cadence.strategies.distributed import DEFAULT_TIMEOUT, torchrun_world_size
+from cadence.strategies.environment import adopt_slurm_environment
 from cadence.strategies.fsdp import FSDPStrategy
 from cadence.validators import is_integer
 
@@ -61,6 +62,8 @@ class ModelParallelStrategy(FSDPStrategy):
         accelerator: str = "auto",
         timeout: timedelta = DEFAULT_TIMEOUT,
     ) -> None:
+        if not dist.is_initialized():
+            adopt_slurm_environment(os.environ)  # under srun without torchrun, the world is SLURM's tasks
         world_size = dist.get_world_size() if dist.is_initialized() else torchrun_world_size()
         self._sizes = mesh_sizes(parallelize, data_parallel_size, tensor_parallel_size, world_size)
         self._parallelize = parallelize
@@ -94,7 +97,15 @@ class ModelParallelStrategy(FSDPStrategy):
     def setup_module(self, module: nn.Module) -> nn.Module:
         before = dict(module.named_parameters())
         module = module.to(self.device)
-        returned = self._parallelize(module, self._mesh)
+        # Each rank keeps its own slice of what it holds (and the tensor-parallel plan scatters from each group's
+        # first rank): weights loaded on rank 0 alone would mix with the others' initialisation.
+        self.broadcast_module_state(module)
+        try:
+            returned = self._parallelize(module, self._mesh)
+        except NotImplementedError as error:
+            if "currently only support nn.Linear" not in str(error):
+                raise
+            raise TypeError(_unsplittable_layers(module, str(error))) from error
         if returned is not None and returned is not module:
             raise TypeError(
                 f"{_OWNER}'s parallelize returned a {type(returned).__qualname__}, not the model it was given: it "
@@ -138,6 +149,28 @@ class ModelParallelStrategy(FSDPStrategy):
         rank), on every rank."""
         gathered = super().all_gather(tensor)
         return gathered[self.replica_leaders]
+
+
+def _unsplittable_layers(model: nn.Module, error: str) -> str:
+    """What to say when a tensor-parallel style met a layer it cannot split: which layers those are, and what to do
+    (transformers' GPT-2 family keeps its projections in ``Conv1D``, a linear layer with the weight transposed)."""
+    suspects = [
+        f"{name} ({type(module).__qualname__})"
+        for name, module in model.named_modules()
+        if not isinstance(module, nn.Linear | nn.Embedding)
+        and isinstance(getattr(module, "weight", None), torch.Tensor)
+        and not isinstance(module.weight, DTensor)
+        and module.weight.dim() == 2
+    ]
+    named = f"; layers of other kinds here: {', '.join(suspects[:3])}{' ...' if len(suspects) > 3 else ''}"
+    return (
+        f"{_OWNER}'s parallelize handed a tensor-parallel style a layer it cannot split (torch: {error.strip()}"
+        f"{named if suspects else ''}). ColwiseParallel and RowwiseParallel split nn.Linear and nn.Embedding only; "
+        "transformers' GPT-2 keeps its projections in Conv1D (a linear layer with the weight transposed). Leave "
+        "those layers out of the plan (tensor_parallel_size=1, or FSDPStrategy, shards them with FSDP alone), "
+        "swap them for nn.Linear before prepare, or use a model built on nn.Linear (transformers' Llama-style "
+        "models are: docs/scaling.md has a 2x2 recipe)."
+    )
 
 
 def mesh_sizes(
