@@ -6,6 +6,7 @@ refused at ``Engine()``, a failed upload that warns and keeps the local copy."""
 
 from __future__ import annotations
 
+import csv
 import importlib.util
 import json
 import secrets
@@ -462,3 +463,35 @@ def test_a_store_that_fails_requests_loses_nothing(bucket: str, s3_endpoint: str
         assert record is not None, f"{name} is not committed: {names}"
         fetch(committed.storage, committed.key(name), tmp_path / "check" / name)
         verify(tmp_path / "check" / name)
+
+
+def test_the_csv_log_is_published_with_each_checkpoint_and_continued_on_another_machine(
+    bucket: str, tmp_path: Path
+) -> None:
+    from cadence.callbacks import CSVLogger
+
+    def rows(path: Path) -> list[dict[str, str]]:
+        with path.open(newline="") as handle:
+            return list(csv.DictReader(handle))
+
+    reference = engine(tmp_path / "reference", callbacks=[CSVLogger(flush_every_n_rows=1)])
+    reference.log_hyperparams({"lr": 0.1})
+    reference.fit(RegressionStep(), loader(shuffle=True), max_steps=10)
+
+    url = f"{bucket}/run"
+    first = engine(url, tmp_path / "a", callbacks=[CSVLogger(), Checkpoint(every_n_steps=4, save_last=False)])
+    first.log_hyperparams({"lr": 0.1})
+    first.fit(RegressionStep(), loader(shuffle=True), max_steps=6)
+    # The local copy of machine a is gone with the machine: steps 5 and 6 were logged after the last checkpoint.
+    fresh = engine(url, tmp_path / "b", callbacks=[CSVLogger(), Checkpoint(every_n_steps=4, save_last=False)])
+    fresh.fit(RegressionStep(seed=1), loader(shuffle=True), max_steps=10, resume="latest")
+
+    downloaded = tmp_path / "downloaded"
+    downloaded.mkdir()
+    store = open_storage(url)
+    for name in ("metrics.csv", "hparams.json"):
+        store.download(name, downloaded / name)
+    expected = rows(tmp_path / "reference" / "metrics.csv")
+    assert [row["step"] for row in rows(downloaded / "metrics.csv")] == [row["step"] for row in expected]
+    assert rows(downloaded / "metrics.csv") == expected  # every row once, with the uninterrupted run's values
+    assert json.loads((downloaded / "hparams.json").read_text())["lr"] == 0.1

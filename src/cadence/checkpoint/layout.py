@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from cadence.checkpoint.commit import MANIFEST, check_replaceable, is_checkpoint, remove_abandoned, temporary_name
 from cadence.checkpoint.errors import CheckpointCorrupted, CheckpointError
+from cadence.checkpoint.published import put, with_retries
 from cadence.checkpoint.state_document import recorded_score
 from cadence.checkpoint.uploads import Upload
 from cadence.errors import CadenceWarning
@@ -62,6 +63,7 @@ class CheckpointDirectory:
         self._uploads: list[Upload] = []  # in flight or not yet taken in, oldest first
         self._deferred_keep: int | None = None  # a prune asked for while uploads were in flight
         self._deferred_deletes: list[Path] = []  # deletes asked for while uploads were in flight
+        self._mirrors: list[Path] = []  # local files published with every checkpoint (``mirror``)
 
     def path(self, number: int) -> Path:
         return self.root / f"checkpoint_{number}"
@@ -154,18 +156,69 @@ class CheckpointDirectory:
         not writable), or None. Creates nothing."""
         return _unwritable(self.root)
 
+    def mirror(self, path: Path) -> None:
+        """Publish the local file ``path`` (under the project's local directory: a logger's ``metrics.csv``) to the
+        same place under the store's URL with every checkpoint, before its commit record (so the store's copy holds
+        at least what the checkpoint's state had written), and where ``fit()`` ends. On a machine where ``path`` does
+        not exist yet, the store's copy is downloaded now: a resumed run continues it. Main rank only; nothing
+        without a store."""
+        if self.remote is None or path in self._mirrors:
+            return
+        key = self._mirror_key(path)
+        self._mirrors.append(path)
+        if os.path.lexists(path):
+            return
+        storage = self.remote.storage
+        data = with_retries(lambda: storage.read(key), f"reading {storage.describe(key)}")
+        if data is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = temporary_name(path)
+            partial.write_bytes(data)
+            os.replace(partial, path)
+
+    def _mirror_key(self, path: Path) -> str:
+        try:
+            return path.absolute().relative_to(self.root.parent.absolute()).as_posix()
+        except ValueError:
+            raise ValueError(
+                f"{path} is not under {self.root.parent}, the project's local directory: only files there are "
+                "published to the store."
+            ) from None
+
+    def snapshot_mirrors(self) -> list[tuple[Path, str]]:
+        """Copies of the mirrored files as they are now (the training thread appends to them meanwhile), each with
+        its key in the store, for the next upload."""
+        if self.remote is None:
+            return []
+        copies: list[tuple[Path, str]] = []
+        folder = self.root.parent / ".mirrored" / secrets.token_hex(4)
+        for path in self._mirrors:
+            if path.is_file():
+                folder.mkdir(parents=True, exist_ok=True)
+                copy = folder / f"{len(copies)}-{path.name}"
+                shutil.copyfile(path, copy)
+                copies.append((copy, self._mirror_key(path)))
+        return copies
+
     def commit(
-        self, writer: CheckpointWriter, files: dict[str, dict[str, Any]], target: Path | None, **manifest: Any
+        self,
+        writer: CheckpointWriter,
+        files: dict[str, dict[str, Any]],
+        target: Path | None,
+        mirrored: list[tuple[Path, str]] | None = None,
+        **manifest: Any,
     ) -> tuple[Path | None, int, str | None]:
         """On the main rank: commit ``writer``'s directory at ``target``, or at the first free name of this
-        directory. Returns the path and number, or the refusal every rank raises."""
+        directory. Returns the path and number, or the refusal every rank raises. ``mirrored``: copies of files to
+        publish before the checkpoint's commit record (``snapshot_mirrors``)."""
         try:
             if target is None:
                 first = self.next_number()
                 committed, number = writer.commit_numbered(files, self.path, first, **manifest, run=self.run_id)
                 if self.remote is not None:
                     previous = self._uploads[-1] if self._uploads else None
-                    self._uploads.append(Upload(self.remote, committed, self.run_id, number, previous))
+                    upload = Upload(self.remote, committed, self.run_id, number, previous, mirrored or [])
+                    self._uploads.append(upload)
                 return committed, number, None
             number = self.next_number()
             return writer.commit(files, checkpoint_number=number, **manifest, run=self.run_id), number, None
@@ -208,7 +261,21 @@ class CheckpointDirectory:
         """Where ``fit()`` ends: upload the newest checkpoint whose upload failed, once more; the error naming its
         local copy if it still cannot reach the store (None when every checkpoint of the run is there)."""
         self.finish_uploads()
-        if self.remote is None or not self.unpublished:
+        if self.remote is None:
+            return None
+        try:
+            mirrored = self.snapshot_mirrors()
+            for copy, key in mirrored:
+                put(self.remote.storage, copy, key)
+                copy.unlink()
+            if mirrored:
+                mirrored[0][0].parent.rmdir()
+        except Exception as error:
+            return CheckpointError(
+                f"Publishing the run's logs to {self.remote.storage.describe()} failed where fit() ended "
+                f"({type(error).__name__}: {error}); they are kept locally in {self.root.parent}."
+            )
+        if not self.unpublished:
             return None
         newest = self.unpublished[-1]
         try:

@@ -122,8 +122,12 @@ def publish(
     return record
 
 
-def _upload(storage: Storage, source: Path, key: str) -> None:
+def put(storage: Storage, source: Path, key: str) -> None:
+    """Upload the local file ``source`` to ``key``, with retries (replacing what is there)."""
     with_retries(lambda: storage.upload(source, key), f"uploading {source} to {storage.describe(key)}")
+
+
+_upload = put
 
 
 def fetch(storage: Storage, prefix: str, target: Path) -> dict[str, Any]:

@@ -15,16 +15,26 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from cadence.checkpoint.published import put
+
 if TYPE_CHECKING:
     from cadence.checkpoint.published import PublishedCheckpoints
 
 
 class Upload:
     """Publishes the committed local checkpoint ``source`` as the store's first free ``checkpoint_{n}`` from
-    ``n = first`` on, once ``previous`` (the upload before it) has ended."""
+    ``n = first`` on, once ``previous`` (the upload before it) has ended. ``mirrored``: copies of files (a logger's
+    ``metrics.csv``) and their keys, uploaded first (each replacing the store's copy), then deleted: a checkpoint
+    committed in the store finds them at least as new as its state."""
 
     def __init__(
-        self, remote: PublishedCheckpoints, source: Path, run: str, first: int, previous: Upload | None
+        self,
+        remote: PublishedCheckpoints,
+        source: Path,
+        run: str,
+        first: int,
+        previous: Upload | None,
+        mirrored: list[tuple[Path, str]],
     ) -> None:
         self.source = source
         self.published: tuple[str, int] | None = None
@@ -32,14 +42,26 @@ class Upload:
         self.error: Exception | None = None
         """Why it failed (after ``published.with_retries``), or None."""
         self._thread = threading.Thread(
-            target=self._run, args=(remote, run, first, previous), name="cadence-checkpoint-upload"
+            target=self._run, args=(remote, run, first, previous, mirrored), name="cadence-checkpoint-upload"
         )
         self._thread.start()
 
-    def _run(self, remote: PublishedCheckpoints, run: str, first: int, previous: Upload | None) -> None:
+    def _run(
+        self,
+        remote: PublishedCheckpoints,
+        run: str,
+        first: int,
+        previous: Upload | None,
+        mirrored: list[tuple[Path, str]],
+    ) -> None:
         if previous is not None:
             previous.join()
         try:
+            for copy, key in mirrored:
+                put(remote.storage, copy, key)
+                copy.unlink()
+            if mirrored:
+                mirrored[0][0].parent.rmdir()
             self.published = remote.publish(self.source, run, first)
         except Exception as error:  # kept for the training thread, which warns and keeps the local copy
             self.error = error
