@@ -476,7 +476,7 @@ def test_the_csv_log_is_published_with_each_checkpoint_and_continued_on_another_
 
     reference = engine(tmp_path / "reference", callbacks=[CSVLogger(flush_every_n_rows=1)])
     reference.log_hyperparams({"lr": 0.1})
-    reference.fit(RegressionStep(), loader(shuffle=True), max_steps=10)
+    reference.fit(RegressionStep(), loader(shuffle=True), max_steps=14)
 
     url = f"{bucket}/run"
     first = engine(url, tmp_path / "a", callbacks=[CSVLogger(), Checkpoint(every_n_steps=4, save_last=False)])
@@ -485,6 +485,10 @@ def test_the_csv_log_is_published_with_each_checkpoint_and_continued_on_another_
     # The local copy of machine a is gone with the machine: steps 5 and 6 were logged after the last checkpoint.
     fresh = engine(url, tmp_path / "b", callbacks=[CSVLogger(), Checkpoint(every_n_steps=4, save_last=False)])
     fresh.fit(RegressionStep(seed=1), loader(shuffle=True), max_steps=10, resume="latest")
+    # Back on machine a, whose local copy stopped at step 6: the store's copy is taken, the local one kept aside.
+    again = engine(url, tmp_path / "a", callbacks=[CSVLogger(), Checkpoint(every_n_steps=4, save_last=False)])
+    again.fit(RegressionStep(seed=2), loader(shuffle=True), max_steps=14, resume="latest")
+    assert [row["step"] for row in rows(tmp_path / "a" / "metrics.local.1.csv")][-1] == "6"
 
     downloaded = tmp_path / "downloaded"
     downloaded.mkdir()

@@ -160,21 +160,27 @@ class CheckpointDirectory:
         """Publish the local file ``path`` (under the project's local directory: a logger's ``metrics.csv``) to the
         same place under the store's URL with every checkpoint, before its commit record (so the store's copy holds
         at least what the checkpoint's state had written), and where ``fit()`` ends. On a machine where ``path`` does
-        not exist yet, the store's copy is downloaded now: a resumed run continues it. Main rank only; nothing
+        not exist yet, the store's copy is downloaded now: a resumed run continues it. The store's copy is the
+        truth, as for checkpoints: a local file that differs from it (another machine ran on since this one wrote
+        it) is kept beside it as ``name.local.N.suffix`` and the store's copy taken. Main rank only; nothing
         without a store."""
         if self.remote is None or path in self._mirrors:
             return
         key = self._mirror_key(path)
         self._mirrors.append(path)
-        if os.path.lexists(path):
-            return
         storage = self.remote.storage
         data = with_retries(lambda: storage.read(key), f"reading {storage.describe(key)}")
-        if data is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            partial = temporary_name(path)
-            partial.write_bytes(data)
-            os.replace(partial, path)
+        if data is None or (path.is_file() and path.read_bytes() == data):
+            return
+        if os.path.lexists(path):
+            number = 1
+            while os.path.lexists(aside := path.with_name(f"{path.stem}.local.{number}{path.suffix}")):
+                number += 1
+            os.rename(path, aside)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = temporary_name(path)
+        partial.write_bytes(data)
+        os.replace(partial, path)
 
     def _mirror_key(self, path: Path) -> str:
         try:
@@ -258,10 +264,31 @@ class CheckpointDirectory:
             self.prune(keep)
 
     def settle_uploads(self) -> CheckpointError | None:
-        """Where ``fit()`` ends: upload the newest checkpoint whose upload failed, once more; the error naming its
-        local copy if it still cannot reach the store (None when every checkpoint of the run is there)."""
+        """Where ``fit()`` ends: publish the mirrored files (the loggers'), and upload the newest checkpoint whose
+        upload failed, once more; the error naming its local copy if it still cannot reach the store, else the
+        error of the files' publish (None when all of it is there)."""
         self.finish_uploads()
         if self.remote is None:
+            return None
+        logs = self._publish_mirrors()
+        if not self.unpublished:
+            return logs
+        newest = self.unpublished[-1]
+        try:
+            name, _ = self.remote.publish(newest, self.run_id, self.next_number())
+        except Exception as error:
+            return CheckpointError(
+                f"The run's newest checkpoint never reached {self.remote.describe()} ({type(error).__name__}: "
+                f"{error}). It is kept locally at {newest}: resume from it with fit(resume={str(newest)!r}) on this "
+                "machine, or upload it with engine.save_state(<url>) after loading it."
+            )
+        self.unpublished.clear()
+        if name != newest.name:
+            self._remote_names[newest.absolute()] = name
+        return logs
+
+    def _publish_mirrors(self) -> CheckpointError | None:
+        if self.remote is None:  # pragma: no cover - called only with a remote
             return None
         try:
             mirrored = self.snapshot_mirrors()
@@ -275,20 +302,6 @@ class CheckpointDirectory:
                 f"Publishing the run's logs to {self.remote.storage.describe()} failed where fit() ended "
                 f"({type(error).__name__}: {error}); they are kept locally in {self.root.parent}."
             )
-        if not self.unpublished:
-            return None
-        newest = self.unpublished[-1]
-        try:
-            name, _ = self.remote.publish(newest, self.run_id, self.next_number())
-        except Exception as error:
-            return CheckpointError(
-                f"The run's newest checkpoint never reached {self.remote.describe()} ({type(error).__name__}: "
-                f"{error}). It is kept locally at {newest}: resume from it with fit(resume={str(newest)!r}) on this "
-                "machine, or upload it with engine.save_state(<url>) after loading it."
-            )
-        self.unpublished.clear()
-        if name != newest.name:
-            self._remote_names[newest.absolute()] = name
         return None
 
     def load_latest(self, load: Callable[[Path], dict[str, Any]]) -> tuple[Path, dict[str, Any]]:
