@@ -82,6 +82,11 @@ class CSVLogger(Logger):
         self.path = engine.project_dir / self.filename
         self.hparams_path = self.path.with_name(self.hparams_filename)
         self._checkpoints = engine.checkpoints
+        if engine.is_main_process:
+            # A URL project_dir: these local files are published with every checkpoint (and fetched here on a
+            # machine that has none), so a resume elsewhere continues the store's copy.
+            engine.checkpoints.mirror(self.path)
+            engine.checkpoints.mirror(self.hparams_path)
 
     def on_fit_start(self, engine: Engine) -> None:
         super().on_fit_start(engine)

@@ -14,6 +14,7 @@ import os
 import platform
 import shutil
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -31,6 +32,7 @@ _EXAMPLES = """examples:
   cadence checkpoint verify checkpoints/checkpoint_3
   cadence checkpoint inspect checkpoints/checkpoint_3
   cadence checkpoint list checkpoints --verify
+  cadence checkpoint list s3://bucket/run/checkpoints
 
 exit status: 0 success, 1 failure (a failed job, a damaged checkpoint), 2 usage error"""
 
@@ -80,28 +82,58 @@ def environment_report() -> str:
     return "\n".join(lines)
 
 
+def _location(text: str) -> Path | str:
+    """A checkpoint command's argument: a URL (``s3://...``, read through fsspec) as it is, anything else a path.
+    (``Path("s3://b/k")`` would read ``s3:/b/k``.)"""
+    from cadence.checkpoint.storage import is_url
+
+    return text if is_url(text) else Path(text)
+
+
+def _read_checkpoint(directory: Path | str, action: str, config: bool = False) -> dict[str, Any] | str:
+    """The manifest of the checkpoint at ``directory``, verified (``action`` "verify") or its files' sizes checked;
+    with ``config``, the config of the run that saved it instead (text). A URL's committed checkpoint is downloaded
+    into a temporary directory first and checked there."""
+    from cadence.checkpoint.files import CheckpointReader
+    from cadence.checkpoint.listing import verify
+
+    if isinstance(directory, str):
+        from cadence.checkpoint.published import fetch
+        from cadence.checkpoint.storage import check_reachable, open_storage
+
+        storage = open_storage(directory)
+        check_reachable(storage, f"cadence checkpoint {action}")
+        with tempfile.TemporaryDirectory(prefix="cadence-checkpoint-") as scratch:
+            local = Path(scratch) / "checkpoint"
+            fetch(storage, "", local)
+            return _read_checkpoint(local, action, config)
+    if action == "verify":
+        return verify(directory)
+    with CheckpointReader(directory) as reader:
+        if config:
+            from cadence.run_config import stored_config
+
+            return stored_config(reader) or f"{directory} holds no config (not saved by cadence fit --config)."
+        return reader.manifest
+
+
 def _checkpoint(options: argparse.Namespace) -> int:
-    from cadence.checkpoint.files import CheckpointError, CheckpointReader
-    from cadence.checkpoint.listing import cannot_be_read, strict_json, unreadable, verify
+    from cadence.checkpoint.files import CheckpointError
+    from cadence.checkpoint.listing import cannot_be_read, strict_json, unreadable
 
-    directory: Path = options.directory
+    directory: Path | str = options.directory
     try:
-        if options.action == "verify":
-            manifest = verify(directory)
-        else:
-            with CheckpointReader(directory) as reader:
-                manifest = reader.manifest
-                if options.action == "inspect" and options.config:
-                    from cadence.run_config import stored_config
-
-                    print(stored_config(reader) or f"{directory} holds no config (not saved by cadence fit --config).")
-                    return 0
+        manifest = _read_checkpoint(directory, options.action, getattr(options, "config", False))
+    except ImportError as error:  # the URL's filesystem package: the message has the pip line
+        print(f"{directory}: {error}", file=sys.stderr)
+        return 1
     except (CheckpointError, OSError) as error:
         refusal = unreadable(error)
         if refusal is not None:
             # A permission (or the disk) stopped the read: nothing is known of the checkpoint's bytes yet.
+            about = directory if isinstance(directory, Path) else None
             print(
-                f"{directory}: {cannot_be_read(refusal, directory)}. That says nothing of the checkpoint's "
+                f"{directory}: {cannot_be_read(refusal, about)}. That says nothing of the checkpoint's "
                 "contents: run as a user who can read every file of it to check it.",
                 file=sys.stderr,
             )
@@ -116,7 +148,9 @@ def _checkpoint(options: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
-    if options.action == "verify":
+    if isinstance(manifest, str):  # inspect --config
+        print(manifest)
+    elif options.action == "verify":
         print(
             f"{directory}: {len(manifest['files'])} files match the manifest (size, sha256, crc32) and every "
             "document is well formed"
@@ -127,9 +161,17 @@ def _checkpoint(options: argparse.Namespace) -> int:
 
 
 def _list(options: argparse.Namespace) -> int:
-    from cadence.checkpoint.listing import cannot_be_read, list_checkpoints
+    from cadence.checkpoint.files import CheckpointError
+    from cadence.checkpoint.listing import cannot_be_read, list_checkpoints, list_stored
 
-    directory: Path = options.directory
+    directory: Path | str = options.directory
+    if isinstance(directory, str):
+        try:
+            entries = list_stored(directory, check_checksums=options.verify)
+        except (ImportError, CheckpointError) as error:
+            print(f"cadence checkpoint list: {error}", file=sys.stderr)
+            return 1
+        return _show(directory, entries, options)
     if not directory.is_dir():
         print(
             f"cadence checkpoint list: {directory} is not a directory. Pass the folder that holds the checkpoints "
@@ -145,6 +187,10 @@ def _list(options: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+    return _show(directory, entries, options)
+
+
+def _show(directory: Path | str, entries: list[Entry], options: argparse.Namespace) -> int:
     if options.json:
         listing = {"directory": str(directory), "checkpoints": [e.as_json() for e in entries]}
         print(json.dumps(listing, indent=2, allow_nan=False))
@@ -153,7 +199,7 @@ def _list(options: argparse.Namespace) -> int:
     return 1 if any(entry.status in ("damaged", "unreadable") for entry in entries) else 0
 
 
-def _print_table(directory: Path, entries: list[Entry], verified: bool) -> None:
+def _print_table(directory: Path | str, entries: list[Entry], verified: bool) -> None:
     """A rich table, oldest first, then one line per problem (a table cell would cut the message)."""
     from rich.console import Console
     from rich.table import Table
@@ -399,7 +445,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     inspect.add_argument("--config", action="store_true", help="print the config of the run that saved it instead")
     for action in (verify, inspect):
-        action.add_argument("directory", type=Path, metavar="DIRECTORY", help="e.g. checkpoints/checkpoint_3")
+        action.add_argument(
+            "directory", type=_location, metavar="DIRECTORY",
+            help="e.g. checkpoints/checkpoint_3, or a URL: s3://bucket/run/checkpoints/checkpoint_3",
+        )  # fmt: skip
         action.set_defaults(run=_checkpoint)
     listing = actions.add_parser(
         "list",
@@ -410,8 +459,9 @@ def build_parser() -> argparse.ArgumentParser:
         "and a checkpoint whose save did not finish, are listed as such. Exit status 1 when a checkpoint is damaged.",
     )
     listing.add_argument(
-        "directory", type=Path, nargs="?", default=Path("checkpoints"), metavar="DIR",
-        help="the folder that holds the checkpoints (default: ./checkpoints, where Engine(project_dir='.') saves)",
+        "directory", type=_location, nargs="?", default=Path("checkpoints"), metavar="DIR",
+        help="the folder that holds the checkpoints (default: ./checkpoints, where Engine(project_dir='.') saves), "
+        "or a URL (s3://bucket/run/checkpoints: committed checkpoints, and prefixes whose upload did not finish)",
     )  # fmt: skip
     listing.add_argument(
         "--verify", action="store_true", help="read every file against its checksums (slow on large checkpoints)"

@@ -578,7 +578,9 @@ class Engine:
 
     def wait_for_checkpoint(self) -> Path | None:
         """Wait for the checkpoint saving in the background (``save_state(blocking=False)``) to commit; its
-        directory, or None when none is in flight. Raises the save's failure."""
+        directory, or None when none is in flight. Raises the save's failure. With a URL ``project_dir``, also wait
+        for the upload in flight (every save's upload runs while training goes on); one that failed warns and
+        keeps its local copy."""
         return self._saves.wait(self)
 
     def load_state(self, path: str | Path | None = None) -> Path:

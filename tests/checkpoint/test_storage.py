@@ -127,6 +127,7 @@ def test_engine_saves_to_memory_url_and_resumes_from_it(tmp_path: Path) -> None:
     model = make_model(0)
     engine.prepare(model, make_optimizer(model))
     engine.save_state()
+    engine.wait_for_checkpoint()  # its upload, which the save left running
     saved = [p.detach().clone() for p in model.parameters()]
 
     fresh = cadence.Engine(project_dir=url, local_dir=tmp_path / "b", progress_bar=False, model_summary=False)
@@ -174,7 +175,58 @@ def test_a_background_save_uploads_while_training_goes_on(tmp_path: Path) -> Non
     finally:
         GatedMemory.gate.set()
     assert pending.result() == tmp_path / "a" / "checkpoints" / "checkpoint_0"
+    engine.wait_for_checkpoint()
     assert committed.manifest("checkpoint_0") is not None
+
+
+class HeldMemory(memory_implementation.MemoryFileSystem):  # type: ignore[misc]
+    """An in-memory store whose uploads wait while ``held`` is clear (at most 5 s: a save that waited for its own
+    upload fails the test rather than hanging it)."""
+
+    protocol = "cadence-held"
+    held = threading.Event()
+    uploading = threading.Event()
+
+    def put_file(self, lpath: str, rpath: str, *args: object, **kwargs: object) -> None:
+        type(self).uploading.set()
+        if not type(self).held.wait(timeout=5):
+            raise TimeoutError("the upload was held until the test's timeout")
+        super().put_file(lpath, rpath, *args, **kwargs)
+
+
+def test_a_blocking_save_returns_while_its_upload_runs_and_deletes_nothing_before_the_next_commit(
+    tmp_path: Path,
+) -> None:
+    fsspec.register_implementation(HeldMemory.protocol, HeldMemory, clobber=True)
+    HeldMemory.held.clear()
+    HeldMemory.uploading.clear()
+    url = f"{HeldMemory.protocol}://run-{secrets.token_hex(4)}"
+    engine = cadence.Engine(
+        project_dir=url, local_dir=tmp_path, checkpoint_total_limit=1, progress_bar=False, model_summary=False
+    )
+    model = make_model(0)
+    optimizer = make_optimizer(model)
+    engine.prepare(model, optimizer)
+    committed = PublishedCheckpoints(open_storage(url))
+    try:
+        first = engine.save_state()  # returns with the upload held: training is not waiting for the store
+        assert HeldMemory.uploading.wait(timeout=5) and committed.manifest("checkpoint_0") is None
+        optimizer.step()
+        HeldMemory.held.set()
+        engine.wait_for_checkpoint()
+        assert committed.manifest("checkpoint_0") is not None
+
+        HeldMemory.held.clear()
+        HeldMemory.uploading.clear()
+        second = engine.save_state()  # checkpoint_total_limit=1: checkpoint_0 is replaced once this is in the store
+        assert HeldMemory.uploading.wait(timeout=5) and committed.manifest("checkpoint_1") is None
+        assert committed.manifest("checkpoint_0") is not None and first.is_dir()  # the store's newest, kept
+    finally:
+        HeldMemory.held.set()
+    engine.wait_for_checkpoint()
+    assert [name for _, name in committed.numbered()] == ["checkpoint_1"]
+    assert committed.manifest("checkpoint_1") is not None
+    assert not first.exists() and second.is_dir()
 
 
 def test_a_download_another_rank_made_first_is_used(storage: Storage, tmp_path: Path) -> None:

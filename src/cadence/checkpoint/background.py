@@ -11,7 +11,8 @@ What happens after a commit (the next automatic number, pruning to ``checkpoint_
 and ``Event.SAVE_STATE``) changes the engine and runs callbacks, which are not thread-safe: it happens on the
 training thread, when the engine next waits for the save. The engine waits before the next save (blocking or not),
 before a load, in ``wait_for_checkpoint()``, when ``fit()`` ends or fails, and in ``close()``; a failed background
-save is raised there, once.
+save is raised there, once. With a URL ``project_dir`` it also waits there for the upload in flight
+(``uploads.py``), which every save, blocking or not, leaves running while training goes on.
 """
 
 from __future__ import annotations
@@ -86,9 +87,10 @@ class PendingCheckpoint:
         return self._completion.done()
 
     def result(self) -> Path:
-        """Wait for the commit; the checkpoint's directory. Raises what made the save fail."""
+        """Wait for the local commit (not for its upload to a URL ``project_dir``: ``wait_for_checkpoint()`` waits
+        for that); the checkpoint's directory. Raises what made the save fail."""
         if self._saves.in_flight is self._completion:
-            self._saves.wait(self._engine)
+            self._saves.wait(self._engine, uploads=False)
         return self._completion.join()[0]
 
 
@@ -115,14 +117,17 @@ class CheckpointSaves:
         self.in_flight = _Completion(save, collectives, automatic=path is None, step=engine.state.step)
         return PendingCheckpoint(self, engine, self.in_flight)
 
-    def wait(self, engine: Engine) -> Path | None:
+    def wait(self, engine: Engine, uploads: bool = True) -> Path | None:
         """Wait for the save in flight, if any, and finish it on this (the training) thread; its directory. Raises
-        its failure (once: the engine is then free to save again)."""
+        its failure (once: the engine is then free to save again). ``uploads``: then wait for the uploads to the
+        store in flight too (a failed one warns and keeps its local copy)."""
         completion, self.in_flight = self.in_flight, None
-        if completion is None:
-            return None
-        committed, number = completion.join()
-        _after_commit(engine, committed, number, completion.automatic, completion.step)
+        committed = None
+        if completion is not None:
+            committed, number = completion.join()
+            _after_commit(engine, committed, number, completion.automatic, completion.step)
+        if uploads:
+            engine.checkpoints.finish_uploads()
         return committed
 
     def close(self, engine: Engine) -> None:

@@ -92,6 +92,8 @@ def begin_engine_save(
         # Every rank calls the strategy and the callbacks (their saves may be collectives); the main rank's entries
         # go into state.json. Callbacks first: one may put back weights it swapped in (EMA) before models are read.
         callbacks = {callback.state_key: callback.state_dict() for callback in engine.callbacks}
+        # The loggers' files hold every row up to this state now: their copies go to the store with it.
+        mirrored = engine.checkpoints.snapshot_mirrors() if main and target is None else []
         models = [strategy.save_model(engine.unwrap_model(m), writer, i) for i, m in enumerate(engine.models)]
         optimizers = [
             strategy.save_optimizer(_owner(engine, optimizer), optimizer.optimizer, writer, index)
@@ -105,14 +107,22 @@ def begin_engine_save(
         if main:
             writer.abort()
         raise
-    return EngineSave(engine, writer, target, number)
+    return EngineSave(engine, writer, target, number, mirrored)
 
 
 class EngineSave:
     """A save whose files were handed to its writer: ``complete`` waits until every rank's are durable, and the
     main rank commits. What the manifest records (step, world size) was read when the save began."""
 
-    def __init__(self, engine: Engine, writer: CheckpointWriter, target: Path | None, number: int) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        writer: CheckpointWriter,
+        target: Path | None,
+        number: int,
+        mirrored: list[tuple[Path, str]] | None = None,
+    ) -> None:
+        self._mirrored = mirrored or []
         self._checkpoints = engine.checkpoints
         self._main = engine.is_main_process
         self._manifest = {"step": engine.state.step, "world_size": engine.world_size}
@@ -128,7 +138,7 @@ class EngineSave:
             outcome: tuple[Path | None, int, str | None] = (None, self._number, None)
             if self._main:
                 every_file = {name: entry for table in files for name, entry in table.items()}
-                outcome = self._checkpoints.commit(writer, every_file, self._target, **self._manifest)
+                outcome = self._checkpoints.commit(writer, every_file, self._target, self._mirrored, **self._manifest)
             committed, number, failure = collectives.broadcast_object(outcome)
             if failure is not None:
                 raise CheckpointError(failure)

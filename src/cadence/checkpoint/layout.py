@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from cadence.checkpoint.commit import MANIFEST, check_replaceable, is_checkpoint, remove_abandoned, temporary_name
 from cadence.checkpoint.errors import CheckpointCorrupted, CheckpointError
+from cadence.checkpoint.published import put, with_retries
 from cadence.checkpoint.state_document import recorded_score
+from cadence.checkpoint.uploads import Upload
 from cadence.errors import CadenceWarning
 from cadence.stacklevel import user_stacklevel
 
@@ -40,9 +42,11 @@ class CheckpointDirectory:
     The main process's identity is the one recorded; it alone commits and deletes.
 
     With ``remote`` (``Engine(project_dir="s3://...")``), ``root`` is the local working copy and the store is the
-    truth: every commit is published there (``published.py``), numbers follow the store's too, ``load_latest``
-    reads the store's committed checkpoints (from the local copy when it holds the same files), and retention
-    deletes remotely, and locally only what the store holds."""
+    truth: every commit is published there (``published.py``) in the background (``uploads.py``: training goes on
+    meanwhile), numbers follow the store's too, ``load_latest`` reads the store's committed checkpoints (from the
+    local copy when it holds the same files), and retention deletes remotely, and locally only what the store
+    holds. While an upload is in flight nothing is deleted: retention and ``delete`` wait for its commit in the
+    store (``finish_uploads``), so a checkpoint is never deleted before its replacement is committed there."""
 
     def __init__(self, root: Path, remote: PublishedCheckpoints | None = None) -> None:
         self.root = root
@@ -56,6 +60,10 @@ class CheckpointDirectory:
         self._protected: dict[Path, set[str]] = {}
         self._remote_seen: list[tuple[int, str]] = []
         self._remote_names: dict[Path, str] = {}  # a local copy's name in the store, where the two differ
+        self._uploads: list[Upload] = []  # in flight or not yet taken in, oldest first
+        self._deferred_keep: int | None = None  # a prune asked for while uploads were in flight
+        self._deferred_deletes: list[Path] = []  # deletes asked for while uploads were in flight
+        self._mirrors: list[Path] = []  # local files published with every checkpoint (``mirror``)
 
     def path(self, number: int) -> Path:
         return self.root / f"checkpoint_{number}"
@@ -148,51 +156,123 @@ class CheckpointDirectory:
         not writable), or None. Creates nothing."""
         return _unwritable(self.root)
 
+    def mirror(self, path: Path) -> None:
+        """Publish the local file ``path`` (under the project's local directory: a logger's ``metrics.csv``) to the
+        same place under the store's URL with every checkpoint, before its commit record (so the store's copy holds
+        at least what the checkpoint's state had written), and where ``fit()`` ends. On a machine where ``path`` does
+        not exist yet, the store's copy is downloaded now: a resumed run continues it. The store's copy is the
+        truth, as for checkpoints: a local file that differs from it (another machine ran on since this one wrote
+        it) is kept beside it as ``name.local.N.suffix`` and the store's copy taken. Main rank only; nothing
+        without a store."""
+        if self.remote is None or path in self._mirrors:
+            return
+        key = self._mirror_key(path)
+        self._mirrors.append(path)
+        storage = self.remote.storage
+        data = with_retries(lambda: storage.read(key), f"reading {storage.describe(key)}")
+        if data is None or (path.is_file() and path.read_bytes() == data):
+            return
+        if os.path.lexists(path):
+            number = 1
+            while os.path.lexists(aside := path.with_name(f"{path.stem}.local.{number}{path.suffix}")):
+                number += 1
+            os.rename(path, aside)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = temporary_name(path)
+        partial.write_bytes(data)
+        os.replace(partial, path)
+
+    def _mirror_key(self, path: Path) -> str:
+        try:
+            return path.absolute().relative_to(self.root.parent.absolute()).as_posix()
+        except ValueError:
+            raise ValueError(
+                f"{path} is not under {self.root.parent}, the project's local directory: only files there are "
+                "published to the store."
+            ) from None
+
+    def snapshot_mirrors(self) -> list[tuple[Path, str]]:
+        """Copies of the mirrored files as they are now (the training thread appends to them meanwhile), each with
+        its key in the store, for the next upload."""
+        if self.remote is None:
+            return []
+        copies: list[tuple[Path, str]] = []
+        folder = self.root.parent / ".mirrored" / secrets.token_hex(4)
+        for path in self._mirrors:
+            if path.is_file():
+                folder.mkdir(parents=True, exist_ok=True)
+                copy = folder / f"{len(copies)}-{path.name}"
+                shutil.copyfile(path, copy)
+                copies.append((copy, self._mirror_key(path)))
+        return copies
+
     def commit(
-        self, writer: CheckpointWriter, files: dict[str, dict[str, Any]], target: Path | None, **manifest: Any
+        self,
+        writer: CheckpointWriter,
+        files: dict[str, dict[str, Any]],
+        target: Path | None,
+        mirrored: list[tuple[Path, str]] | None = None,
+        **manifest: Any,
     ) -> tuple[Path | None, int, str | None]:
         """On the main rank: commit ``writer``'s directory at ``target``, or at the first free name of this
-        directory. Returns the path and number, or the refusal every rank raises."""
+        directory. Returns the path and number, or the refusal every rank raises. ``mirrored``: copies of files to
+        publish before the checkpoint's commit record (``snapshot_mirrors``)."""
         try:
             if target is None:
                 first = self.next_number()
                 committed, number = writer.commit_numbered(files, self.path, first, **manifest, run=self.run_id)
                 if self.remote is not None:
-                    number = self._publish(committed, number)
+                    previous = self._uploads[-1] if self._uploads else None
+                    upload = Upload(self.remote, committed, self.run_id, number, previous, mirrored or [])
+                    self._uploads.append(upload)
                 return committed, number, None
             number = self.next_number()
             return writer.commit(files, checkpoint_number=number, **manifest, run=self.run_id), number, None
         except CheckpointError as error:
             return None, -1, str(error)
 
-    def _publish(self, committed: Path, number: int) -> int:
-        """Upload ``committed`` as the store's first free ``checkpoint_{n}`` from ``number`` on; the number it got
-        there. An upload that fails (after ``published.with_retries``) warns and keeps the local copy, which
-        retention then never deletes; the next save uploads its own, newer state, superseding it."""
-        if self.remote is None:  # pragma: no cover - called only with a remote
-            return number
-        try:
-            name, published = self.remote.publish(committed, self.run_id, number)
-        except Exception as error:
-            self.unpublished.append(committed)
-            warnings.warn(
-                f"Uploading the checkpoint {committed} to {self.remote.describe()} failed ({type(error).__name__}: "
-                f"{error}). It is kept locally; the next save uploads its newer state. Until one does, the newest "
-                "checkpoint in the store is an older one.",
-                CadenceWarning,
-                stacklevel=user_stacklevel(),
-            )
-            return number
-        self.unpublished.clear()  # superseded: a newer state is in the store
-        if name != committed.name:
-            self._remote_names[committed.absolute()] = name
-        return published
+    def finish_uploads(self) -> None:
+        """On the training thread (the main rank's): wait for the uploads in flight and take in what they ended
+        with. One that failed (after ``published.with_retries``) warns and keeps its local copy, which retention then
+        never deletes; the next save uploads its own, newer state, superseding it. Once the newest has reached the
+        store, the prune and the deletes asked for meanwhile run."""
+        uploads, self._uploads = self._uploads, []
+        for upload in uploads:
+            upload.join()
+            if upload.published is None:
+                self.unpublished.append(upload.source)
+                remote = self.remote.describe() if self.remote is not None else "the store"
+                warnings.warn(
+                    f"Uploading the checkpoint {upload.source} to {remote} failed ({type(upload.error).__name__}: "
+                    f"{upload.error}). It is kept locally; the next save uploads its newer state. Until one does, "
+                    "the newest checkpoint in the store is an older one.",
+                    CadenceWarning,
+                    stacklevel=user_stacklevel(),
+                )
+                continue
+            self.unpublished.clear()  # superseded: a newer state is in the store
+            name = upload.published[0]
+            if name != upload.source.name:
+                self._remote_names[upload.source.absolute()] = name
+        if self.unpublished:
+            return  # the newest state is not in the store: what was to be deleted stays
+        deletes, self._deferred_deletes = self._deferred_deletes, []
+        for path in deletes:
+            self.delete(path)
+        keep, self._deferred_keep = self._deferred_keep, None
+        if keep is not None:
+            self.prune(keep)
 
     def settle_uploads(self) -> CheckpointError | None:
-        """Where ``fit()`` ends: upload the newest checkpoint whose upload failed, once more; the error naming its
-        local copy if it still cannot reach the store (None when every checkpoint of the run is there)."""
-        if self.remote is None or not self.unpublished:
+        """Where ``fit()`` ends: publish the mirrored files (the loggers'), and upload the newest checkpoint whose
+        upload failed, once more; the error naming its local copy if it still cannot reach the store, else the
+        error of the files' publish (None when all of it is there)."""
+        self.finish_uploads()
+        if self.remote is None:
             return None
+        logs = self._publish_mirrors()
+        if not self.unpublished:
+            return logs
         newest = self.unpublished[-1]
         try:
             name, _ = self.remote.publish(newest, self.run_id, self.next_number())
@@ -205,6 +285,23 @@ class CheckpointDirectory:
         self.unpublished.clear()
         if name != newest.name:
             self._remote_names[newest.absolute()] = name
+        return logs
+
+    def _publish_mirrors(self) -> CheckpointError | None:
+        if self.remote is None:  # pragma: no cover - called only with a remote
+            return None
+        try:
+            mirrored = self.snapshot_mirrors()
+            for copy, key in mirrored:
+                put(self.remote.storage, copy, key)
+                copy.unlink()
+            if mirrored:
+                mirrored[0][0].parent.rmdir()
+        except Exception as error:
+            return CheckpointError(
+                f"Publishing the run's logs to {self.remote.storage.describe()} failed where fit() ended "
+                f"({type(error).__name__}: {error}); they are kept locally in {self.root.parent}."
+            )
         return None
 
     def load_latest(self, load: Callable[[Path], dict[str, Any]]) -> tuple[Path, dict[str, Any]]:
@@ -287,11 +384,15 @@ class CheckpointDirectory:
     def delete(self, path: Path) -> bool:
         """Delete ``path`` if it is one of this directory's ``checkpoint_{n}``, committed (with a manifest: anything
         else under such a name is not cadence's to delete), written by this run, not a link, and not protected.
-        True if it was."""
+        True if it was; with an upload in flight, True when it is to be deleted once that upload is committed in
+        the store (``finish_uploads``), and kept if it never is."""
         if not self.names(path) or path.is_symlink():
             return False
         if self.is_protected(path) or path in self.unpublished:
             return False
+        if self.remote is not None and self._uploads:
+            self._deferred_deletes.append(path)
+            return True
         if self.remote is not None:
             return self._delete_remote(path)
         if not self.wrote(path):
@@ -317,7 +418,11 @@ class CheckpointDirectory:
     def prune(self, keep: int) -> None:
         """Delete this run's checkpoints older than its newest ``keep``, except protected ones: ``keep`` counts
         this run's checkpoints, protected ones too, and a protected one older than the newest ``keep`` stays
-        beyond it. Other runs' checkpoints are neither counted nor deleted (see ``delete``)."""
+        beyond it. Other runs' checkpoints are neither counted nor deleted (see ``delete``). With an upload in
+        flight, the prune runs once it is committed in the store (``finish_uploads``)."""
+        if self.remote is not None and self._uploads:
+            self._deferred_keep = keep
+            return
         if self.remote is not None:
             self._prune_remote(keep)
             return

@@ -1,10 +1,13 @@
 """What a checkpoints directory holds, for ``cadence checkpoint list``: each entry's number, counters, commit time,
 size, recorded scores, whether it is the newest, a best or protected one, and (on request) whether every file still
-matches its checksums. Reads only: nothing here loads, repairs or deletes anything."""
+matches its checksums. Reads only: nothing here loads, repairs or deletes anything. A URL (``s3://bucket/run/
+checkpoints``) is listed from the store: its committed ``checkpoint_{n}`` prefixes, and those without a commit
+record as incomplete."""
 
 from __future__ import annotations
 
 import math
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -13,7 +16,9 @@ from cadence.checkpoint.commit import MANIFEST, is_checkpoint
 from cadence.checkpoint.errors import CheckpointError
 from cadence.checkpoint.files import CheckpointReader, read_manifest
 from cadence.checkpoint.layout import RUN_KEY, CheckpointDirectory
-from cadence.checkpoint.state_document import Recorded, check_documents, read_recorded
+from cadence.checkpoint.published import PublishedCheckpoints, with_retries
+from cadence.checkpoint.state_document import SHARED_JSON, Recorded, check_documents, read_recorded
+from cadence.checkpoint.storage import check_reachable, open_storage
 
 Status = Literal["committed", "incomplete", "damaged", "unreadable", "foreign"]
 STATUS_TEXT: dict[Status, str] = {
@@ -107,9 +112,70 @@ def list_checkpoints(root: Path, check_checksums: bool = False) -> list[Entry]:
         if path.is_dir() and not path.name.startswith(".")  # hidden: a save being written, or not cadence's
     ]
     listed.sort(key=lambda pair: (pair[0].number is not None, pair[0].number or 0, pair[0].saved_at or 0, pair[0].name))
+    return _marked(listed, set(numbers), root)
+
+
+def list_stored(url: str, check_checksums: bool = False) -> list[Entry]:
+    """Every ``checkpoint_{n}`` prefix under ``url``, oldest first, marked as ``resume="latest"`` and retention see
+    them: committed (its commit record read; with ``check_checksums``, downloaded and verified) or incomplete (no
+    commit record: an upload that died, or one in progress). The store's credentials and endpoint come from the
+    environment (``AWS_ENDPOINT_URL`` ...). Raises ``CheckpointError`` when the store cannot be reached."""
+    storage = open_storage(url)
+    check_reachable(storage, "cadence checkpoint list")
+    published = PublishedCheckpoints(storage, "")
+    with tempfile.TemporaryDirectory(prefix="cadence-list-") as scratch:
+        listed = [
+            _stored_entry(published, number, name, Path(scratch) / name, check_checksums)
+            for number, name in reversed(published.numbered())
+        ]
+    return _marked(listed, {entry.name for entry, _ in listed}, None)
+
+
+def _stored_entry(
+    published: PublishedCheckpoints, number: int, name: str, local: Path, check_checksums: bool
+) -> tuple[Entry, Recorded]:
+    """One prefix of the store; ``local``: a scratch directory for what is downloaded of it."""
+    try:
+        manifest = published.manifest(name)
+        if manifest is None:
+            return Entry(name, "incomplete", number), Recorded()
+        if check_checksums:
+            published.fetch(name, local)
+            verify(local)
+        else:
+            stored = set(with_retries(lambda: published.storage.children(name), f"listing {published.describe(name)}"))
+            missing = sorted(set(manifest["files"]) - stored)
+            if missing:
+                raise CheckpointError(
+                    f"{published.describe(name)} lacks {', '.join(missing)}, which its manifest lists."
+                )
+            local.mkdir()
+            if SHARED_JSON in manifest["files"]:
+                published.storage.download(published.key(f"{name}/{SHARED_JSON}"), local / SHARED_JSON)
+        recorded = read_recorded(local)
+    except (CheckpointError, OSError, ValueError, KeyError, TypeError) as error:
+        entry = Entry(name, "damaged", number, verified=False if check_checksums else None, problem=str(error))
+        return entry, Recorded()
+    entry = Entry(
+        name,
+        "committed",
+        number=number,
+        step=recorded.step,
+        epoch=recorded.epoch,
+        size=sum(int(file["size"]) for file in manifest["files"].values()),
+        run=manifest.get(RUN_KEY) if isinstance(manifest.get(RUN_KEY), str) else None,
+        scores={monitor: score for monitor, (score, _) in recorded.scores.items()},
+        verified=True if check_checksums else None,
+    )
+    return entry, recorded
+
+
+def _marked(listed: list[tuple[Entry, Recorded]], numbered: set[str], root: Path | None) -> list[Entry]:
+    """The entries, with the newest loadable one, the ones its ranking protects and the best ones marked.
+    ``root``: the local directory the names are in (None for a store, whose ranking names only relative paths)."""
     entries = [entry for entry, _ in listed]
     loadable = {entry.name: recorded for entry, recorded in listed if entry.loadable}
-    newest = next((e for e in reversed(entries) if e.name in loadable and e.name in numbers), None)
+    newest = next((e for e in reversed(entries) if e.name in loadable and e.name in numbered), None)
     if newest is not None:
         newest.newest = True
         held = {_held_name(name, newest.name, root) for name in loadable[newest.name].protects}
@@ -160,14 +226,14 @@ def _read_entry(path: Path, numbered: int | None, check_checksums: bool) -> tupl
     return entry, recorded
 
 
-def _held_name(name: str | None, holder: str, root: Path) -> str | None:
+def _held_name(name: str | None, holder: str, root: Path | None) -> str | None:
     """A ``PROTECTS_KEY`` name as a name in ``root`` (None: not in it)."""
     if name is None:
         return holder
     path = Path(name)
     if not path.is_absolute():
         return path.name
-    return path.name if path.parent == root.absolute() else None
+    return path.name if root is not None and path.parent == root.absolute() else None
 
 
 def _mark_best(loadable: list[Entry], recorded: dict[str, Recorded]) -> None:

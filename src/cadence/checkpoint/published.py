@@ -98,10 +98,11 @@ def publish(
         {"run": run, "token": secrets.token_hex(8), "host": socket.gethostname(), "pid": os.getpid()}
     ).encode()
     claim_key = _join(prefix, CLAIM)
-    if not with_retries(lambda: storage.create(claim_key, claim), f"claiming {storage.describe(claim_key)}"):
-        return None
-    # A store that ignored the condition let the last writer win: whoever reads back another claim lost.
-    if storage.read(claim_key) != claim:
+    with_retries(lambda: storage.create(claim_key, claim), f"claiming {storage.describe(claim_key)}")
+    # Whoever reads back another claim lost: the condition refused this one, or a store that ignores it let the
+    # last writer win. A refusal is no loss either when the claim read back is this one: a retry after a lost
+    # answer (a reset connection) found the write that had landed.
+    if with_retries(lambda: storage.read(claim_key), f"reading {storage.describe(claim_key)}") != claim:
         return None
     names = sorted(local["files"], key=lambda name: -int(local["files"][name]["size"]))
     with ThreadPoolExecutor(max_workers=_UPLOADS) as pool:
@@ -111,7 +112,9 @@ def publish(
     record = {**local, **(patch or {})}
     key = _join(prefix, MANIFEST)
     data = json.dumps(record, indent=1, sort_keys=True).encode()
-    if not with_retries(lambda: storage.create(key, data), f"committing {storage.describe(key)}"):
+    created = with_retries(lambda: storage.create(key, data), f"committing {storage.describe(key)}")
+    # Refused: a retry after a lost answer finds this save's own commit record (it landed), or another's.
+    if not created and with_retries(lambda: storage.read(key), f"reading {storage.describe(key)}") != data:
         raise CheckpointError(
             f"{storage.describe(key)} appeared while this save held the claim on {storage.describe(prefix)}: "
             "another process writes there without cadence's claim. The checkpoint was not committed there."
@@ -119,8 +122,12 @@ def publish(
     return record
 
 
-def _upload(storage: Storage, source: Path, key: str) -> None:
+def put(storage: Storage, source: Path, key: str) -> None:
+    """Upload the local file ``source`` to ``key``, with retries (replacing what is there)."""
     with_retries(lambda: storage.upload(source, key), f"uploading {source} to {storage.describe(key)}")
+
+
+_upload = put
 
 
 def fetch(storage: Storage, prefix: str, target: Path) -> dict[str, Any]:
