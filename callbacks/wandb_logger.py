@@ -84,7 +84,8 @@ class WandbLogger(Logger):
         self.project, self.name, self.entity, self.group, self.mode = project, name, entity, group, mode
         self.tags = list(tags or [])
         self.run_id: str | None = None
-        """The W&B run's id, once the run is started (at ``FIT_START``) or restored from a checkpoint."""
+        """The W&B run's id: chosen at the first flush or save (before ``wandb.init`` succeeds), or restored from a
+        checkpoint."""
         self._run: Run | None = None  # used by the delivery thread only
         self._resume = False  # the run exists in W&B (or the checkpoint names it): continue it, do not create it
         self._first_step = 0  # rows before it are dropped: a resumed online run holds them already
