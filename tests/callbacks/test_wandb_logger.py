@@ -405,6 +405,9 @@ def test_a_killed_wandb_service_ends_neither_training_nor_a_save_and_a_new_one_t
     importlib.import_module("wandb")  # offline_runs ends this process's service, if any
     *_, resumed = offline_runs(tmp_path)  # the killed service's own buffer is lost with it: CSVLogger keeps those
     assert resumed["id"] == run_id and resumed["resumed"] and resumed["exit_code"] == 0
-    assert [row["_step"] for row in resumed["history"]][-3:] == [4, 5, 6]
+    # The rows from the one whose run.log raised on: those the dead service's socket still took before the kill was
+    # noticed (step 3 or 4 at times) are lost with it, which cadence cannot see.
+    steps = [row["_step"] for row in resumed["history"]]
+    assert steps == list(range(steps[0], 7)) and 3 <= steps[0] <= 5, steps
     assert resumed["summary"] == {CHECKPOINT_KEY: str((tmp_path / "checkpoints" / "checkpoint_2").resolve())}
     assert not list(tmp_path.glob("wandb-undelivered-*.json"))
