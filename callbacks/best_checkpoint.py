@@ -191,8 +191,14 @@ class BestCheckpoints:
         return self.ranking.monitor.startswith("val/")
 
     def score(self, engine: Engine) -> float:
-        """The main process's score: a save is collective, so every rank must rank alike."""
-        return float(engine.broadcast_object(read_score(engine.state.metrics, self.ranking.monitor)))
+        """The score every rank ranks by (a save is collective, so every rank must rank alike). Any metric but a
+        ``val/`` one is averaged over the ranks, as ``EarlyStopping`` averages it: each rank logs its own batches'
+        value, the mean is the whole step's, and both then name the same best. A ``val/`` one, which ``fit()``'s
+        validation averaged already, is the main process's."""
+        score = read_score(engine.state.metrics, self.ranking.monitor)
+        if self.after_validation or engine.world_size == 1:
+            return float(engine.broadcast_object(score))
+        return float(engine.reduce(torch.tensor(score, dtype=torch.float64, device=engine.device), "mean"))
 
     def validation_score(self, engine: Engine) -> float | None:
         """The fresh score if a checkpoint should be saved for it (it enters the best k), else None."""

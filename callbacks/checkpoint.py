@@ -69,7 +69,8 @@ class Checkpoint(Callback):
     ``monitor`` (a logged metric) ranks checkpoints, ``mode="min"`` (lower is better) or ``"max"``, and keeps the
     ``save_top_k`` best besides the latest (default 1; -1 keeps all; 0 saves none, as in Lightning). A ``val/``
     metric is ranked at ``VALIDATION_END``, with a save only when it enters the best k; any other metric at the
-    ``every_n_steps`` / ``every_n_epochs`` saves. The periodic saves are kept outside the ranking (only
+    ``every_n_steps`` / ``every_n_epochs`` saves, averaged over the ranks as ``EarlyStopping`` averages it, so both
+    name the same best. The periodic saves are kept outside the ranking (only
     ``checkpoint_total_limit`` deletes them): one that was also ranked among the best is not deleted when it falls
     out of them. ``fit()`` warns when it starts if the periodic saves it plans would not fit in the free space of
     ``project_dir``. Ties keep the older checkpoint; a NaN score never ranks. A

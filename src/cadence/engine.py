@@ -20,6 +20,7 @@ from cadence.checkpoint.background import CheckpointSaves, PendingCheckpoint
 from cadence.checkpoint.engine_state import load_engine_state
 from cadence.checkpoint.export import model_configs, save_weights
 from cadence.checkpoint.layout import CheckpointDirectory
+from cadence.checkpoint.lazy import refuse_lazy
 from cadence.checkpoint.remote_state import (
     check_storage_arguments,
     export_to_url,
@@ -570,6 +571,7 @@ class Engine:
         A URL (``s3://bucket/ckpt``) is saved locally under ``project_dir/uploads``, then uploaded and committed
         there (manifest last); it must name an empty prefix. The local copy's path is returned.
         """
+        refuse_lazy("save_state()", [self.unwrap_model(model) for model in self._models])
         if is_url(path):
             local = self.save_state(url_save_target(self, str(path), blocking))
             publish_state(self, str(path), local)
@@ -617,6 +619,7 @@ class Engine:
         the local files are returned."""
         # Every rank takes part (FSDP gathers the full weights from their shards); the main rank writes.
         module = self.unwrap_model(model)
+        refuse_lazy("save_model()", [module])
         state_dict = self.strategy.model_state_dict(module)
         if not self.is_main_process:
             return []

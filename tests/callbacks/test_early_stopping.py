@@ -392,3 +392,26 @@ def test_the_best_value_is_the_one_checkpoint_ranks_first_whatever_min_delta(tmp
     assert stopping.best_score == ranking.best_score
     assert ranking.best_path is not None
     assert read_recorded(ranking.best_path).step == stopping.best_step
+
+
+def rank_on_two_ranks(project_dir: Path) -> tuple[float | None, float, int | None, int | None]:
+    """One rank of a DDP fit() whose EarlyStopping and best-k Checkpoint watch a metric each rank logs differently:
+    the best of rank 0's values (3.0, at epoch 0) is not the best of their means (0.0, at epoch 3)."""
+    stopping = EarlyStopping("disagreeing", patience=100, check_on="epoch")
+    ranking = Checkpoint(monitor="disagreeing", every_n_epochs=1, save_top_k=1)
+    with cadence.Engine(
+        accelerator="cpu", project_dir=project_dir, callbacks=[LogPerRankValue(), stopping, ranking],
+        progress_bar=False, timeout=timedelta(seconds=60),
+    ) as engine:  # fmt: skip
+        engine.fit(RegressionStep(), loader(batch_size=4), max_epochs=5)
+        best = None if ranking.best_path is None else read_recorded(ranking.best_path).step
+        return ranking.best_score, stopping.best_score, best, stopping.best_step
+
+
+@pytest.mark.slow
+def test_early_stopping_and_checkpoint_name_the_same_best_of_a_metric_the_ranks_disagree_on(tmp_path: Path) -> None:
+    results = spawn(2, rank_on_two_ranks, tmp_path, timeout=300.0)
+    assert results[0] == results[1]
+    checkpoint_score, stopping_score, checkpoint_step, stopping_step = results[0]
+    assert checkpoint_score == stopping_score == 0.0  # the mean of 6.0 and -6.0 at epoch 3, not rank 0's 3.0
+    assert checkpoint_step == stopping_step is not None

@@ -61,3 +61,29 @@ def test_a_lazy_model_of_another_architecture_is_still_refused_with_the_differen
     with pytest.raises(CheckpointError, match=r"missing keys \['4.bias', '4.weight'\]"):
         again.load_state()
     assert all(is_lazy(parameter) for parameter in other.model.parameters())  # refused before anything changed
+
+
+LAZY_REFUSED = (
+    r"{call} cannot save 0\.weight, 0\.bias, 2\.weight and 1 more of the model \(Sequential\): they belong to lazy "
+    r"modules \(nn\.LazyLinear, \.\.\.\) whose first forward pass has not run, so they have no shape or values yet\. "
+    r"Nothing was written\. Run one forward pass on a batch first \(with torch\.no_grad\(\): model\(inputs\)\), then "
+    r"call {call}\."
+)
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_a_save_before_the_first_forward_is_refused_with_nothing_written(tmp_path: Path, blocking: bool) -> None:
+    step = LazyStep()
+    prepared = engine(tmp_path)
+    model, *_ = prepared.prepare(step.model, step.optimizer, loader(), step.scheduler)
+    with pytest.raises(ValueError, match=LAZY_REFUSED.format(call=r"save_state\(\)")):
+        prepared.save_state(blocking=blocking)  # type: ignore[call-overload]
+    assert not (tmp_path / "checkpoints").exists() or list((tmp_path / "checkpoints").iterdir()) == []
+    with pytest.raises(ValueError, match=LAZY_REFUSED.format(call=r"save_model\(\)")):
+        prepared.save_model(model, tmp_path / "export")
+    assert not (tmp_path / "export").exists()
+
+    with torch.no_grad():
+        model(next(iter(loader()))[0])  # the fix the message names
+    assert prepared.save_state().name == "checkpoint_0"  # the refused save claimed no number
+    assert [path.name for path in prepared.save_model(model, tmp_path / "export")] == ["model.safetensors"]
