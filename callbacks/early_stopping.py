@@ -107,6 +107,12 @@ class EarlyStopping(Callback):
         self._last_check_step = 0  # the step of the last check; a check needs a newer one when check_on='step'
 
     @property
+    def reference_score(self) -> float:
+        """The value of the last check that improved by more than ``min_delta``: the next check must beat it by
+        ``min_delta`` to improve. (Lightning's ``EarlyStopping.best_score`` is this value.)"""
+        return self._reference
+
+    @property
     def state_key(self) -> str:
         # Several EarlyStopping callbacks may watch different metrics; each keeps its own entry.
         return f"EarlyStopping[{self.monitor},{self.mode}]"
