@@ -272,6 +272,8 @@ class Engine:
 
         A model or optimizer that another Engine prepared warns while that engine is open: ``close()`` it first.
         """
+        if self.world_size > 1:
+            self.epoch_metrics.attach(self)  # on every rank, in one order: its checkpoint state is a collective
         for obj in objects:
             if not is_preparable(obj):
                 raise TypeError(

@@ -385,13 +385,15 @@ class EpochMetrics:
         self.training = Accumulator()
         self.scope: PassScope | None = None
         self._used = False
-        """Set once this engine accumulated over a training epoch: from then on every epoch end reduces, so the
-        ranks keep pairing their collectives even in an epoch where one of them logged nothing."""
+        """Set once this engine accumulated over a training epoch (on one process: from then on every epoch end
+        reduces; several ranks reduce at every epoch end, see ``end_training_epoch``)."""
         self.saver = EpochMetricsState(self)
         """Carries the training epoch's accumulated state in checkpoints (attached once it is needed)."""
 
     def attach(self, engine: Engine) -> None:
-        """Attach ``saver`` (once): when the training epoch first accumulates, and before a checkpoint is loaded."""
+        """Attach ``saver`` (once): on one process when the training epoch first accumulates; on several when
+        anything is prepared (every rank does so, in one order, so their checkpoints gather the states together);
+        and before a checkpoint is loaded."""
         if not any(callback is self.saver for callback in engine.callbacks):
             engine.add_callback(self.saver)
 
@@ -447,13 +449,19 @@ class EpochMetrics:
     def _start(self, engine: Engine) -> None:
         if not self._used:
             self._used = True
-            self.attach(engine)
+            if engine.world_size == 1:
+                # Several ranks attached it when they prepared: attaching here, on the ranks that log only, would
+                # have them gather in a checkpoint the others do not.
+                self.attach(engine)
 
     def end_training_epoch(self, engine: Engine) -> None:
-        """Reduce the training epoch's values and compute its metric objects into ``state.metrics``. Collective
-        once this engine has accumulated anything (see ``_used``)."""
+        """Reduce the training epoch's values and compute its metric objects into ``state.metrics``. On several
+        ranks a collective at every epoch end: whether a rank logged is its own knowledge, and a gather only the
+        ranks that logged entered would wait forever for the others, so every rank gathers (one object gather an
+        epoch) and all of them learn together who logged what (names not on every rank: one error on each). On one
+        process only once this engine has accumulated anything (see ``_used``)."""
         training = self.training
-        if not (training or self._used):
+        if engine.world_size == 1 and not (training or self._used):
             return
         training.batches = max(training.batches, 1)  # every rank that ran an epoch takes part
         results = training.reduce(engine, None, _training_mismatch)
@@ -500,11 +508,13 @@ class EpochMetricsState(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         owner, engine = self._owner, self._engine
-        if engine is None or not owner._used:
+        if engine is None:
             return {}
-        mine = owner.training.state_dict()
-        ranks = engine.strategy.all_gather_object(mine) if engine.world_size > 1 else [mine]
-        return {"ranks": list(ranks)}
+        if engine.world_size == 1:
+            return {"ranks": [owner.training.state_dict()]} if owner._used else {}
+        # Every rank gathers, whether or not it logged yet: one that logged cannot know the others did.
+        ranks = engine.strategy.all_gather_object((owner._used, owner.training.state_dict()))
+        return {"ranks": [state for _, state in ranks]} if any(used for used, _ in ranks) else {}
 
     def check_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
