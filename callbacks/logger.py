@@ -232,10 +232,23 @@ class Logger(Callback):
                 state.optimizer.param_groups if state.optimizer is not None and self._writes_lr else ()
             ):
                 row["lr" if index == 0 else f"lr_{index}"] = group["lr"]
-            row.update((name, value) for name, value in state.metrics.items() if not name.startswith(VALIDATION_PREFIX))
+            # Epoch aggregates go in the epoch-end row instead; the step's own loss and lr win over the last fit()'s,
+            # which state.metrics keeps after it.
+            skipped = engine.epoch_metrics.names | row.keys()
+            row.update(
+                (name, value)
+                for name, value in state.metrics.items()
+                if not name.startswith(VALIDATION_PREFIX) and name not in skipped
+            )
         self._add(engine, state.step, row)
 
     def on_epoch_end(self, engine: Engine) -> None:
+        # The epoch's aggregates (engine.log(..., reduce=...), metric objects of training_step) get a row of their
+        # own at the epoch's last step: the last epoch's too. They are the same on every rank, so every rank counts it.
+        values = engine.epoch_metrics.latest
+        if values:
+            row = {"epoch": engine.state.epoch, **values} if self.project_dir is not None else None
+            self._add(engine, engine.state.step, row)
         # Every rank ends the epoch here: a hand-written loop that trains whole epochs leaves no row whose loss
         # still needs the other ranks, so its final flush() writes them all, whichever ranks call it.
         self._flush_together(engine)

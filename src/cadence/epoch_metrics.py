@@ -387,6 +387,11 @@ class EpochMetrics:
         self._used = False
         """Set once this engine accumulated over a training epoch (on one process: from then on every epoch end
         reduces; several ranks reduce at every epoch end, see ``end_training_epoch``)."""
+        self.latest: dict[str, float] = {}
+        """The last training epoch's values (empty when it produced none), set at its end: what the loggers write in
+        the epoch-end row and the progress bar shows."""
+        self.names: set[str] = set()
+        """Every name a training epoch's end produced: loggers write them in epoch-end rows, not per-step ones."""
         self.saver = EpochMetricsState(self)
         """Carries the training epoch's accumulated state in checkpoints (attached once it is needed)."""
 
@@ -461,11 +466,14 @@ class EpochMetrics:
         epoch) and all of them learn together who logged what (names not on every rank: one error on each). On one
         process only once this engine has accumulated anything (see ``_used``)."""
         training = self.training
+        self.latest = {}
         if engine.world_size == 1 and not (training or self._used):
             return
         training.batches = max(training.batches, 1)  # every rank that ran an epoch takes part
         results = training.reduce(engine, None, _training_mismatch)
         engine.state.metrics.update(results)
+        self.latest = results
+        self.names.update(results)
 
 
 def _training_real(engine: Engine) -> int | None:
@@ -564,6 +572,20 @@ def merged(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         for name, states in rank["metrics"].items():
             metrics.setdefault(name, []).extend(states)
     return {"batches": sum(rank["batches"] for rank in ranks), "entries": entries, "metrics": metrics}
+
+
+def last_step_values(engine: Engine) -> dict[str, Any]:
+    """What ``state.metrics`` holds after ``fit()`` besides the logged values: the last training batch's ``loss`` (on
+    this rank) and the last stepped optimizer's learning rates (``lr``, ``lr_1``, ... one per param group), as the
+    loggers name them; a name the user logged keeps the user's value."""
+    state = engine.state
+    values: dict[str, Any] = {}
+    if state.loss is not None:
+        values["loss"] = state.loss
+    optimizer = state.optimizer if state.optimizer is not None else next(iter(engine.optimizers), None)
+    for index, group in enumerate(optimizer.param_groups if optimizer is not None else ()):
+        values["lr" if index == 0 else f"lr_{index}"] = group["lr"]
+    return {name: value for name, value in values.items() if name not in state.metrics}
 
 
 def as_numbers(metrics: Mapping[str, Any]) -> dict[str, Any]:
