@@ -29,7 +29,9 @@ class Logger(Callback):
     """The base of the metrics loggers. It writes one training row per real optimizer step, one that updated the
     weights (``epoch``, ``loss``, ``lr``, ``lr_1`` ... one per param group, then every logged training metric;
     no ``lr`` columns when a callback whose ``logs_learning_rates`` is true is attached: a per-step
-    ``LearningRateMonitor``'s ``lr-<Optimizer>`` columns hold the same values),
+    ``LearningRateMonitor``'s ``lr-<Optimizer>`` columns hold the same values; the epoch aggregates are not among
+    them), one at each training epoch's end that produced aggregates
+    (``engine.log(..., reduce=...)``, metric objects of ``training_step``: ``epoch`` and those, at its last step),
     one row after each validation (``epoch`` and the ``val/`` metrics), and one after each ``engine.test()`` (``epoch``
     and the ``test/`` metrics, written at once: no later flush may come), on the main process only. A skipped
     step (accumulating, fp16 overflow, a veto) writes no row: it leaves ``state.step`` where it was, so its row
