@@ -137,8 +137,9 @@ class Accumulator:
             raise ValueError(mismatch([(rank, [f"{name}" for name, _ in kinds]) for rank, kinds in counted]))
         leaders = [ranks[rank] for rank in engine.strategy.replica_leaders] if engine.world_size > 1 else ranks
         results = _combine([(kinds, totals) for batches, kinds, totals in leaders if batches], first)
+        group = _data_parallel_group(engine)
         for name in sorted(self.metrics):
-            results.update(_computed(name, self.metrics[name]))
+            results.update(_computed(name, self.metrics[name], group))
         self.clear()
         return results
 
@@ -222,9 +223,32 @@ def _combine(ranks: list[tuple[list[tuple[str, str]], list[float]]], kinds: list
     return results
 
 
-def _computed(name: str, metric: Any) -> dict[str, float]:
-    """A metric object's ``compute()`` as numbers: a collection's (or a dict-valued metric's) under each key."""
-    value = metric.compute()
+def _data_parallel_group(engine: Engine) -> Any:
+    """The process group of this rank's data-parallel peers when ranks share a replica (tensor parallelism), else
+    None (torchmetrics' default, every rank)."""
+    if engine.data_parallel_size == engine.world_size:
+        return None
+    return engine.device_mesh.get_group("data_parallel")
+
+
+def _computed(name: str, metric: Any, group: Any = None) -> dict[str, float]:
+    """A metric object's ``compute()`` as numbers: a collection's (or a dict-valued metric's) under each key.
+    ``group``: the ranks to synchronise over (None: every rank); the tensor-parallel ranks of a replica read the
+    same batches, so synchronising over them all would count each sample once per such rank."""
+    if group is None:
+        return _values(name, metric.compute())
+    leaves = [leaf for _, leaf in _leaves(metric)]
+    saved = [leaf.process_group for leaf in leaves]
+    for leaf in leaves:
+        leaf.process_group = group
+    try:
+        return _values(name, metric.compute())
+    finally:
+        for leaf, before in zip(leaves, saved, strict=True):
+            leaf.process_group = before
+
+
+def _values(name: str, value: Any) -> dict[str, float]:
     if isinstance(value, Mapping):
         return {str(key): _scalar(str(key), item) for key, item in value.items()}
     return {name: _scalar(name, value)}

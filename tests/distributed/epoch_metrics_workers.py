@@ -200,3 +200,27 @@ def logs_late_on_one_rank(directory: str) -> tuple[dict[str, float], list[str]]:
     step.training_step = training_step  # type: ignore[method-assign]
     engine.fit(step, DataLoader(scored(16), batch_size=4), max_epochs=1)
     return {"ids/mean": float(engine.state.metrics["ids/mean"])}, sorted(p.name for p in Path(directory).iterdir())
+
+
+class SumsIds(TinyStep):
+    """Returns a SumMetric of the sample ids and their plain mean."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torchmetrics import SumMetric
+
+        self.total = SumMetric()
+
+    def test_step(self, batch: Any) -> dict[str, Any]:
+        ids = batch[3]
+        self.total.update(ids)
+        return {"x": ids.mean(), "total": self.total}
+
+
+def tensor_parallel_sum(samples: int) -> dict[str, float]:
+    """engine.test() on 2 ranks that form one replica (tensor-parallel size 2): a SumMetric over the ids."""
+    from cadence.strategies import ModelParallelStrategy
+
+    strategy = ModelParallelStrategy(lambda model, mesh: None, tensor_parallel_size=2, accelerator="cpu")
+    engine = cadence.Engine(strategy=strategy, progress_bar=False, model_summary=False, timeout=timedelta(seconds=30))
+    return engine.test(SumsIds(), DataLoader(scored(samples), batch_size=4))

@@ -118,3 +118,10 @@ def test_a_checkpoint_taken_before_every_rank_logged_saves_and_the_epoch_value_i
     for metrics, listing in ranks:
         assert metrics == {"ids/mean": pytest.approx(expected)}
         assert "state.json" in listing
+
+
+@pytest.mark.slow
+def test_a_metric_object_under_tensor_parallelism_counts_each_sample_once() -> None:
+    # Both ranks are one replica and read the same batches: torchmetrics synchronising over both would double it.
+    for result in spawn(2, workers.tensor_parallel_sum, 10, timeout=120.0):
+        assert result == {"test/x": 4.5, "test/total": 45.0}
