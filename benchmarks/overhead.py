@@ -530,7 +530,9 @@ def instructions_table(size: Size, low: int, high: int, names: list[str] | None)
     print(f"instructions per step (callgrind, slope between {low} and {high} steps)")
     print("| model | variant | instructions/step | vs its baseline |\n|---|---|---:|---:|")
     for name, count in per_step.items():
-        print(f"| {label} | {name} | {count:,.0f} | {count / per_step[baseline_of(name)]:.4f}x |", flush=True)
+        baseline = per_step.get(baseline_of(name))  # a baseline's own baseline is counted only when selected
+        ratio = f"{count / baseline:.4f}x" if baseline else "-"
+        print(f"| {label} | {name} | {count:,.0f} | {ratio} |", flush=True)
 
 
 IMPORTS = {"torch": "import torch", "cadence": "import cadence", "accelerate": "import accelerate"}

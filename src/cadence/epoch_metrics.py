@@ -137,7 +137,7 @@ class Accumulator:
             raise ValueError(mismatch([(rank, [f"{name}" for name, _ in kinds]) for rank, kinds in counted]))
         leaders = [ranks[rank] for rank in engine.strategy.replica_leaders] if engine.world_size > 1 else ranks
         results = _combine([(kinds, totals) for batches, kinds, totals in leaders if batches], first)
-        group = _data_parallel_group(engine)
+        group = _data_parallel_group(engine) if self.metrics else None
         for name in sorted(self.metrics):
             results.update(_computed(name, self.metrics[name], group))
         self.clear()
@@ -226,9 +226,10 @@ def _combine(ranks: list[tuple[list[tuple[str, str]], list[float]]], kinds: list
 def _data_parallel_group(engine: Engine) -> Any:
     """The process group of this rank's data-parallel peers when ranks share a replica (tensor parallelism), else
     None (torchmetrics' default, every rank)."""
-    if engine.data_parallel_size == engine.world_size:
+    mesh = engine.device_mesh
+    if engine.data_parallel_size == engine.world_size or mesh is None:
         return None
-    return engine.device_mesh.get_group("data_parallel")
+    return mesh.get_group("data_parallel")
 
 
 def _computed(name: str, metric: Any, group: Any = None) -> dict[str, float]:
