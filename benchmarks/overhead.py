@@ -12,6 +12,7 @@ baseline's best in the same run (the plain loop; for the feature row, the hand-w
 
     python benchmarks/overhead.py [--rounds 15] [--steps 150] [--threads 1] [--only tiny|medium] [--variant NAME]
     python benchmarks/overhead.py --instructions     # deterministic: instructions per step under callgrind
+    python benchmarks/overhead.py --sync-counts      # collectives and host syncs per step of the Metric variant
 
 ``--instructions`` runs each variant under ``valgrind --tool=callgrind`` at two step counts and reports the
 slope, instructions per step: the same on every run of the same machine and build, so a 1% overhead is visible
@@ -258,6 +259,7 @@ def cadence_features(size: Size, steps: int) -> float:
 
 
 METRICS_BASELINE = "plain: torchmetrics + epoch mean by hand"
+METRICS_VARIANT = "cadence fit() + a Metric and log(reduce='mean')"
 
 
 def plain_metrics(size: Size, steps: int) -> float:
@@ -312,6 +314,89 @@ def cadence_metrics(size: Size, steps: int) -> float:
     return time.process_time() - start
 
 
+COLLECTIVES = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast", "broadcast_object_list",
+    "reduce", "reduce_scatter", "reduce_scatter_tensor", "barrier", "gather", "gather_object", "scatter", "all_to_all",
+)  # fmt: skip
+HOST_SYNCS = ("item", "cpu", "tolist", "numpy", "__float__", "__int__", "__bool__")
+"""The Tensor methods that wait for the device on an accelerator (on the CPU they are counted all the same)."""
+
+
+@contextlib.contextmanager
+def counting_syncs(counts: dict[str, int]) -> Any:
+    """Count the calls of ``torch.distributed``'s collectives and of ``HOST_SYNCS`` made from outside torch itself
+    (cadence, torchmetrics, the step): torch's own (an optimizer reading its CPU step count) are the same in any
+    loop, and DDP's gradient all-reduce runs in its C++ reducer, so neither is counted. Wraps, in this benchmark only,
+    and puts everything back on exit."""
+    import torch.distributed as dist
+
+    torch_dir = os.path.dirname(torch.__file__) + os.sep  # not torchmetrics, beside it
+    originals: list[tuple[Any, str, Any]] = []
+
+    def wrap(owner: Any, name: str, kind: str) -> None:
+        original = getattr(owner, name)
+
+        @functools.wraps(original)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if not sys._getframe(1).f_code.co_filename.startswith(torch_dir):
+                counts[kind] += 1
+            return original(*args, **kwargs)
+
+        originals.append((owner, name, original))
+        setattr(owner, name, counted)
+
+    for name in COLLECTIVES:
+        wrap(dist, name, "collectives")
+    for name in HOST_SYNCS:
+        wrap(torch.Tensor, name, "host syncs")
+    try:
+        yield
+    finally:
+        for owner, name, original in reversed(originals):
+            setattr(owner, name, original)
+
+
+def metrics_fit_counts(steps: int) -> dict[str, int]:
+    """One rank's collectives and host syncs over one epoch of ``steps`` steps of the Metric + reduce="mean" fit()
+    on DDP (gloo): the epoch's end included, the start of fit() not."""
+    size = SIZES[0]
+    engine = cadence.Engine(accelerator="cpu", strategy="ddp", progress_bar=False, model_summary=False)
+    step = MetricsStep(size, engine)
+    loader = make_loader(size, steps * engine.world_size)
+    counts = {"collectives": 0, "host syncs": 0}
+
+    class Count(cadence.Callback):
+        def on_epoch_start(self, engine: cadence.Engine) -> None:
+            self.counting = counting_syncs(counts)
+            self.counting.__enter__()
+
+        def on_fit_end(self, engine: cadence.Engine) -> None:
+            self.counting.__exit__(None, None, None)
+
+    engine.add_callback(Count())
+    engine.fit(step, loader, max_epochs=1)
+    engine.close()
+    return counts
+
+
+def sync_counts_on_rank(low: int, high: int) -> dict[str, tuple[float, int]]:
+    """Per step (the slope between ``low`` and ``high`` steps) and per epoch (what the ``low`` run's epoch adds)."""
+    few, many = metrics_fit_counts(low), metrics_fit_counts(high)
+    slopes = {kind: (many[kind] - few[kind]) / (high - low) for kind in few}
+    return {kind: (slope, few[kind] - round(low * slope)) for kind, slope in slopes.items()}
+
+
+def sync_counts_table(low: int = 20, high: int = 60) -> None:
+    from cadence.testing.spawn import spawn
+
+    ranks = spawn(2, sync_counts_on_rank, low, high, timeout=600.0)
+    print(f"{METRICS_VARIANT} on 2 processes (DDP, gloo): calls from outside torch")
+    print("| rank | kind | per step | per epoch (besides the steps) |\n|---|---|---:|---:|")
+    for rank, counts in enumerate(ranks):
+        for kind, (per_step, per_epoch) in counts.items():
+            print(f"| {rank} | {kind} | {per_step:g} | {per_epoch} |", flush=True)
+
+
 FIT_NO_BAR = "cadence fit(), progress_bar=False"
 FIT_PLAIN_LINES = "cadence fit(), default bar, not a terminal"
 FIT_LIVE_BAR = "cadence fit(), default bar, on a terminal"
@@ -333,7 +418,7 @@ def available_variants(live_refresh_s: float = LIVE_REFRESH_S) -> dict[str, Call
         import torchmetrics  # noqa: F401
 
         variants[METRICS_BASELINE] = plain_metrics
-        variants["cadence fit() + a Metric and log(reduce='mean')"] = cadence_metrics
+        variants[METRICS_VARIANT] = cadence_metrics
     except ImportError:
         pass
     try:
@@ -397,6 +482,8 @@ INSTRUCTION_VARIANTS = (
     FIT_LIVE_BAR,
     FEATURES_BASELINE,
     "cadence fit() + the same 3 callbacks",
+    METRICS_BASELINE,
+    METRICS_VARIANT,
 )
 
 
@@ -443,7 +530,9 @@ def instructions_table(size: Size, low: int, high: int, names: list[str] | None)
     print(f"instructions per step (callgrind, slope between {low} and {high} steps)")
     print("| model | variant | instructions/step | vs its baseline |\n|---|---|---:|---:|")
     for name, count in per_step.items():
-        print(f"| {label} | {name} | {count:,.0f} | {count / per_step[baseline_of(name)]:.4f}x |", flush=True)
+        baseline = per_step.get(baseline_of(name))  # a baseline's own baseline is counted only when selected
+        ratio = f"{count / baseline:.4f}x" if baseline else "-"
+        print(f"| {label} | {name} | {count:,.0f} | {ratio} |", flush=True)
 
 
 IMPORTS = {"torch": "import torch", "cadence": "import cadence", "accelerate": "import accelerate"}
@@ -483,6 +572,9 @@ def main() -> None:
     parser.add_argument("--variant", action="append", help="measure only this variant (and its baseline); repeatable")
     parser.add_argument("--instructions", action="store_true", help="count instructions under callgrind")
     parser.add_argument("--imports", type=int, metavar="RUNS", help="time `import cadence` against `import torch`")
+    parser.add_argument(
+        "--sync-counts", action="store_true", help="count collectives and host syncs per step of the Metric variant"
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--native-step-s", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -493,6 +585,9 @@ def main() -> None:
         return
     if args.imports:
         import_table(args.imports)
+        return
+    if args.sync_counts:
+        sync_counts_table()
         return
     if args.instructions:
         instructions_table(sizes[args.only or "tiny"], low=50, high=150, names=args.variant)

@@ -29,7 +29,9 @@ class Logger(Callback):
     """The base of the metrics loggers. It writes one training row per real optimizer step, one that updated the
     weights (``epoch``, ``loss``, ``lr``, ``lr_1`` ... one per param group, then every logged training metric;
     no ``lr`` columns when a callback whose ``logs_learning_rates`` is true is attached: a per-step
-    ``LearningRateMonitor``'s ``lr-<Optimizer>`` columns hold the same values),
+    ``LearningRateMonitor``'s ``lr-<Optimizer>`` columns hold the same values; the epoch aggregates are not among
+    them), one at each training epoch's end that produced aggregates
+    (``engine.log(..., reduce=...)``, metric objects of ``training_step``: ``epoch`` and those, at its last step),
     one row after each validation (``epoch`` and the ``val/`` metrics), and one after each ``engine.test()`` (``epoch``
     and the ``test/`` metrics, written at once: no later flush may come), on the main process only. A skipped
     step (accumulating, fp16 overflow, a veto) writes no row: it leaves ``state.step`` where it was, so its row
@@ -232,10 +234,23 @@ class Logger(Callback):
                 state.optimizer.param_groups if state.optimizer is not None and self._writes_lr else ()
             ):
                 row["lr" if index == 0 else f"lr_{index}"] = group["lr"]
-            row.update((name, value) for name, value in state.metrics.items() if not name.startswith(VALIDATION_PREFIX))
+            # Epoch aggregates go in the epoch-end row instead; the step's own loss and lr win over the last fit()'s,
+            # which state.metrics keeps after it.
+            skipped = engine.epoch_metrics.names | row.keys()
+            row.update(
+                (name, value)
+                for name, value in state.metrics.items()
+                if not name.startswith(VALIDATION_PREFIX) and name not in skipped
+            )
         self._add(engine, state.step, row)
 
     def on_epoch_end(self, engine: Engine) -> None:
+        # The epoch's aggregates (engine.log(..., reduce=...), metric objects of training_step) get a row of their
+        # own at the epoch's last step: the last epoch's too. They are the same on every rank, so every rank counts it.
+        values = engine.epoch_metrics.latest
+        if values:
+            row = {"epoch": engine.state.epoch, **values} if self.project_dir is not None else None
+            self._add(engine, engine.state.step, row)
         # Every rank ends the epoch here: a hand-written loop that trains whole epochs leaves no row whose loss
         # still needs the other ranks, so its final flush() writes them all, whichever ranks call it.
         self._flush_together(engine)

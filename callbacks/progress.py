@@ -45,7 +45,8 @@ class RichProgressBar(Callback):
     fit's or a pass's first line, ``-- it/s``: the batches before it include torch.compile's compilation, so the
     rate counts from that line on; later epochs count from their start). When ``fit(max_steps=...)`` ends the run
     before the epoch ends, the ETA is the run's end, from the steps' own rate (so gradient accumulation counts).
-    The fit's last position is shown when it ends (unless it raised), and validation metrics on a line of their own.
+    The fit's last position is shown when it ends (unless it raised), and validation metrics on a line of their own, as
+    are a training epoch's aggregates (``engine.log(..., reduce=...)``, metric objects of ``training_step``) at its end.
     ``engine.test()`` and ``engine.predict()`` passes show ``test`` / ``predict``, the batch, the rate and the ETA,
     by the same refresh rule, and their last position; a test's metrics follow on a line of their own.
 
@@ -125,8 +126,14 @@ class RichProgressBar(Callback):
             self._countdown_reached(engine)
 
     def on_epoch_end(self, engine: Engine) -> None:
-        if self._active and self.refresh_every_n_batches is not None and not self._drawn(engine):
+        if not self._active:
+            return
+        if self.refresh_every_n_batches is not None and not self._drawn(engine):
             self._draw(engine, monotonic())
+        values = engine.epoch_metrics.latest  # the epoch's aggregates, reduced over every rank at its end
+        if values:
+            shown = ", ".join(f"{name} {value:.4f}" for name, value in values.items())
+            self._console().print(f"epoch {engine.state.epoch}: {shown}", highlight=False, soft_wrap=True)
 
     def on_validation_end(self, engine: Engine) -> None:
         if not self._active:

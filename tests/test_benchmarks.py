@@ -90,3 +90,18 @@ def test_checkpoint_benchmark_object_store_mode_measures_uploads_against_s3fs(tm
     for name in ("cadence upload (claim, files, manifest)", "blocking save_state to s3://, until it returns"):
         assert name in rows and "failed" not in rows[name], rows
     assert list(tmp_path.iterdir()) == []
+
+
+def test_overhead_benchmark_counts_no_collective_per_step_of_a_metric_and_log_reduce_on_two_processes() -> None:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "overhead.py"), "--sync-counts"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    rows = [line.strip("| ").split(" | ") for line in result.stdout.splitlines() if line.startswith("| 0 |")]
+    rows += [line.strip("| ").split(" | ") for line in result.stdout.splitlines() if line.startswith("| 1 |")]
+    counted = {(rank, kind): (per_step, per_epoch) for rank, kind, per_step, per_epoch in rows}
+    assert set(counted) == {(rank, kind) for rank in "01" for kind in ("collectives", "host syncs")}
+    for rank in "01":
+        assert counted[rank, "collectives"][0] == "0"  # every collective waits for the epoch's end
+        assert int(counted[rank, "collectives"][1]) >= 1  # where cadence's gather and torchmetrics' sync run

@@ -8,17 +8,21 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import csv
+import io
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from rich.console import Console
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import MaxMetric, MeanMetric, MetricCollection, SumMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 import cadence
-from cadence.callbacks import GradientClipping
+from cadence import Schedule
+from cadence.callbacks import Checkpoint, CSVLogger, EarlyStopping, GradientClipping, RichProgressBar
 from cadence.data import ResumableBatchSampler
 from cadence.testing import FakeEngine, TinyStep, tiny_dataloader
 
@@ -264,11 +268,92 @@ def test_a_checkpoint_saved_with_nothing_accumulated_loads_again(tmp_path: Path)
     assert third.state.epoch == 2 and third.state.step == 6
 
 
-def test_state_metrics_after_fit_are_python_floats() -> None:
+def test_state_metrics_after_fit_are_python_floats(tmp_path: Path) -> None:
     # GradientClipping logs grad_norm as a tensor each step (no device sync); after fit() it is a number, as it is
     # after a resume (a checkpoint keeps numbers).
     engine = cadence.Engine(
-        accelerator="cpu", progress_bar=False, model_summary=False, callbacks=[GradientClipping(1.0)]
+        accelerator="cpu",
+        progress_bar=False,
+        model_summary=False,
+        callbacks=[GradientClipping(1.0)],
+        project_dir=tmp_path,
     )
-    state = engine.fit(TinyStep(), tiny_dataloader(batches=2), max_epochs=1, val_dataloader=tiny_dataloader(batches=1))
-    assert {name: type(value) for name, value in state.metrics.items()} == {"grad_norm": float, "val/loss": float}
+    step = TinyStep()
+    state = engine.fit(step, tiny_dataloader(batches=2), max_epochs=1, val_dataloader=tiny_dataloader(batches=1))
+    assert {name: type(value) for name, value in state.metrics.items()} == {
+        "grad_norm": float,
+        "val/loss": float,
+        "loss": float,  # the last step's, as the loggers name them
+        "lr": float,
+    }
+    assert state.metrics["lr"] == 0.1 and state.metrics["loss"] > 0
+    # A second fit() writes each step's own loss and lr, not the first fit()'s that state.metrics kept.
+    first_loss = state.metrics["loss"]
+    step.optimizer.param_groups[0]["lr"] = 0.05
+    engine.add_callback(CSVLogger())
+    engine.fit(step, tiny_dataloader(batches=2), max_epochs=2)
+    with (tmp_path / "metrics.csv").open(newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert rows and all(row["lr"] == "0.05" for row in rows)
+    assert all(float(row["loss"]) != first_loss for row in rows)
+
+
+class LogsIdMeans(TinyStep):
+    """Logs each batch's mean sample id with reduce="mean": the epoch's value is the mean id over the epoch."""
+
+    def __init__(self, engine: cadence.Engine) -> None:
+        super().__init__()
+        self.engine = engine
+
+    def training_step(self, batch: Any) -> Any:
+        features, sample_ids = batch
+        # Epoch 0 reads ids 0..5 (mean 2.5); each later epoch reads them shifted down by 10 x epoch (-7.5, ...).
+        self.engine.log("ids/mean", sample_ids.mean() - 10 * self.engine.state.epoch, reduce="mean")
+        return self.model(features).pow(2).mean()
+
+
+def test_loggers_get_each_epoch_s_aggregates_in_an_epoch_end_row_the_last_epoch_s_too(tmp_path: Path) -> None:
+    engine = cadence.Engine(
+        accelerator="cpu", progress_bar=False, model_summary=False, project_dir=tmp_path, callbacks=[CSVLogger()]
+    )
+    engine.fit(LogsIdMeans(engine), ids(6, 2), max_epochs=2)
+    with (tmp_path / "metrics.csv").open(newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    epoch_rows = [(row["step"], row["epoch"], row["ids/mean"]) for row in rows if row["ids/mean"]]
+    assert epoch_rows == [("3", "0", "2.5"), ("6", "1", "-7.5")]  # at each epoch's last step
+    assert all(not row["ids/mean"] for row in rows if row["loss"])  # not repeated in the per-step rows
+
+
+def test_the_progress_bar_shows_each_epoch_s_aggregates() -> None:
+    console = Console(file=io.StringIO(), width=200, force_terminal=False)
+    engine = cadence.Engine(
+        accelerator="cpu",
+        model_summary=False,
+        progress_bar=False,
+        callbacks=[RichProgressBar(refresh_every_n_batches=10, console=console)],
+    )
+    engine.fit(LogsIdMeans(engine), ids(6, 2), max_epochs=2)
+    lines = console.file.getvalue().splitlines()  # type: ignore[attr-defined]
+    assert "epoch 0: ids/mean 2.5000" in lines and "epoch 1: ids/mean -7.5000" in lines
+
+
+def test_early_stopping_checkpoint_best_k_and_schedule_monitor_a_training_epoch_aggregate(tmp_path: Path) -> None:
+    lrs: list[float] = []
+
+    class Watch(cadence.Callback):
+        def on_epoch_start(self, engine: cadence.Engine) -> None:
+            lrs.append(engine.optimizers[0].param_groups[0]["lr"])
+
+    engine = cadence.Engine(accelerator="cpu", progress_bar=False, model_summary=False, project_dir=tmp_path)
+    step = LogsIdMeans(engine)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(step.optimizer, mode="max", factor=0.5, patience=0)
+    step.scheduler = Schedule(plateau, interval="epoch", monitor="ids/mean")
+    # ids/mean falls every epoch (2.5, -7.5, -17.5, ...): with mode="max" and patience 2 the run stops after 3.
+    stopping = EarlyStopping("ids/mean", mode="max", patience=2)
+    ranking = Checkpoint(every_n_epochs=1, monitor="ids/mean", mode="max", save_top_k=1)
+    for callback in (stopping, ranking, Watch()):
+        engine.add_callback(callback)
+    state = engine.fit(step, ids(6, 2), max_epochs=10)
+    assert state.epoch == 2 and state.metrics["ids/mean"] == -17.5
+    assert stopping.best_score == ranking.best_score == 2.5
+    assert lrs == [0.1, 0.1, 0.05]  # halved at the end of each epoch whose ids/mean did not rise

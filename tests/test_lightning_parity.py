@@ -1,7 +1,7 @@
 """Where cadence must give Lightning's results, checked against Lightning itself (lightning is in the dev extras):
 the sample-weighted validation mean of uneven batches, EarlyStopping's min_delta boundary with Python floats, the
 refusal of two param groups that would log under one learning-rate name, and ``self.log`` of torchmetrics objects,
-collections and ``on_epoch=True, reduce_fx=...`` aggregates."""
+collections and ``on_epoch=True, sync_dist=True, reduce_fx=...`` aggregates, on 1 process and on 2 (gloo)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import cadence
 from cadence.callbacks import EarlyStopping, LearningRateMonitor
+from cadence.testing.spawn import spawn
 
 torchmetrics = pytest.importorskip("torchmetrics")  # cadence[metrics], in the dev extras
 from torchmetrics import MetricCollection  # noqa: E402
@@ -131,6 +132,10 @@ def test_two_param_groups_under_one_lr_name_are_refused_as_lightning_does(tmp_pa
         cadence_engine(tmp_path, LearningRateMonitor()).fit(CadenceStep([1.0], groups=2), train_loader(), max_epochs=1)
 
 
+STEP_VALUES = ("grad_norm", "loss", "lr")
+"""What cadence's state.metrics holds after fit() besides the logged values (not in Lightning's callback_metrics)."""
+
+
 def scored(samples: int = 11) -> TensorDataset:
     """``(score, target, id)`` per sample, fixed by a seed."""
     generator = torch.Generator().manual_seed(7)
@@ -151,10 +156,10 @@ class LightningMetrics(lightning.LightningModule):
     def training_step(self, batch: Any, index: int) -> torch.Tensor:
         scores, _, ids = batch
         size = len(ids)
-        self.log("ids_mean", ids.mean(), on_step=False, on_epoch=True, batch_size=size)
-        self.log("ids_max", ids.max(), on_step=False, on_epoch=True, reduce_fx="max", batch_size=size)
-        self.log("ids_min", ids.min(), on_step=False, on_epoch=True, reduce_fx="min", batch_size=size)
-        self.log("ids_sum", ids.sum(), on_step=False, on_epoch=True, reduce_fx="sum", batch_size=size)
+        self.log("ids_mean", ids.mean(), on_step=False, on_epoch=True, batch_size=size, sync_dist=True)
+        self.log("ids_max", ids.max(), on_step=False, on_epoch=True, reduce_fx="max", batch_size=size, sync_dist=True)
+        self.log("ids_min", ids.min(), on_step=False, on_epoch=True, reduce_fx="min", batch_size=size, sync_dist=True)
+        self.log("ids_sum", ids.sum(), on_step=False, on_epoch=True, reduce_fx="sum", batch_size=size, sync_dist=True)
         return self.layer(scores[:, None]).sum() * 0.0
 
     def validation_step(self, batch: Any, index: int) -> None:
@@ -192,22 +197,48 @@ class CadenceMetrics(cadence.TrainingStep):
         return {"f1": self.f1, "auroc": self.auroc, "collection": self.collection}
 
 
-def test_metric_objects_collections_and_epoch_aggregates_give_lightnings_numbers(tmp_path: Path) -> None:
-    # 11 samples in batches of 4, 4 and 3: a mean of batch values weighs each batch by its samples in both.
-    data = DataLoader(scored(), batch_size=4)
+def both_fit(tmp_path: Path, samples: int, world_size: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Lightning's ``callback_metrics`` and cadence's ``state.metrics`` (less ``STEP_VALUES``, ``val/`` dropped)
+    after one epoch over ``samples`` samples in batches of 4, on this process's ``world_size`` ranks."""
+    data = DataLoader(scored(samples), batch_size=4)
     trainer = lightning.Trainer(
         max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, accelerator="cpu",
+        enable_model_summary=False, num_sanity_val_steps=0, accelerator="cpu", devices=world_size,
+        strategy="ddp" if world_size > 1 else "auto", default_root_dir=tmp_path / "lightning",
     )  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(LightningMetrics(), data, data)
     theirs = {name: float(value) for name, value in trainer.callback_metrics.items()}
-    engine = cadence_engine(tmp_path)
+    engine = cadence.Engine(
+        progress_bar=False, model_summary=False, project_dir=tmp_path / "cadence", accelerator="cpu",
+        strategy="ddp" if world_size > 1 else "auto",
+    )  # fmt: skip
     state = engine.fit(CadenceMetrics(engine), data, max_epochs=1, val_dataloader=data)
-    ours = {name.removeprefix("val/"): value for name, value in state.metrics.items() if name != "grad_norm"}
+    ours = {name.removeprefix("val/"): value for name, value in state.metrics.items() if name not in STEP_VALUES}
+    return ours, theirs
+
+
+def test_metric_objects_collections_and_epoch_aggregates_give_lightnings_numbers(tmp_path: Path) -> None:
+    # 11 samples in batches of 4, 4 and 3: a mean of batch values weighs each batch by its samples in both.
+    ours, theirs = both_fit(tmp_path, 11, 1)
     assert set(ours) == set(theirs) == {
         "ids_mean", "ids_max", "ids_min", "ids_sum", "f1", "auroc", "acc", "precision",
     }  # fmt: skip
     assert ours == pytest.approx(theirs, rel=1e-6)
     assert ours["ids_mean"] == 5.0 and ours["ids_sum"] == 55.0
+
+
+def test_on_two_processes_metric_objects_collections_and_synced_aggregates_give_lightnings_numbers(
+    tmp_path: Path,
+) -> None:
+    # 16 samples in batches of 4 on 2 ranks (gloo): even data, as Lightning's DistributedSampler would repeat samples
+    # of uneven data into its metric objects and means; cadence counts each once (tests/distributed/).
+    ranks = spawn(2, both_fit, tmp_path, 16, 2, timeout=240.0)
+    for ours, theirs in ranks:
+        assert set(ours) == set(theirs) == {
+            "ids_mean", "ids_max", "ids_min", "ids_sum", "f1", "auroc", "acc", "precision",
+        }  # fmt: skip
+        assert ours == pytest.approx(theirs, rel=1e-6)
+        assert ours["ids_mean"] == 7.5 and ours["ids_sum"] == 120.0 and ours["ids_max"] == 15.0
+    assert ranks[0] == ranks[1]

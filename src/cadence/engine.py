@@ -33,7 +33,7 @@ from cadence.checkpoint.remote_state import (
 from cadence.checkpoint.storage import is_url
 from cadence.compile import CompileSetting, check_compile_sources, compile_options, compile_prepared, split_compiled
 from cadence.data import batches_per_epoch, check_shardable, draw_seed, make_batch_mover, to_stateful
-from cadence.epoch_metrics import EpochMetrics, Reduce, as_numbers, gather_trimmed, is_metric
+from cadence.epoch_metrics import EpochMetrics, Reduce, as_numbers, gather_trimmed, is_metric, last_step_values
 from cadence.evaluation import run_predict, run_test
 from cadence.event import Event
 from cadence.hyperparams import flatten_hyperparams
@@ -273,6 +273,8 @@ class Engine:
 
         A model or optimizer that another Engine prepared warns while that engine is open: ``close()`` it first.
         """
+        if self.world_size > 1:
+            self.epoch_metrics.attach(self)  # on every rank, in one order: its checkpoint state is a collective
         for obj in objects:
             if not is_preparable(obj):
                 raise TypeError(
@@ -725,7 +727,7 @@ class Engine:
         finally:
             self._fitting = False
             # The last values as numbers, as a resumed run has them (a checkpoint keeps tensors as numbers).
-            self.state.metrics.update(as_numbers(self.state.metrics))
+            self.state.metrics.update(as_numbers({**self.state.metrics, **last_step_values(self)}))
 
     def test(self, step: TrainingStep, dataloader: DataLoader[Any] | PreparedDataLoader) -> dict[str, float]:
         """Run ``step.test_step`` (``validation_step`` without one) over ``dataloader`` and return each metric's mean

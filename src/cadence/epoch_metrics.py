@@ -137,8 +137,9 @@ class Accumulator:
             raise ValueError(mismatch([(rank, [f"{name}" for name, _ in kinds]) for rank, kinds in counted]))
         leaders = [ranks[rank] for rank in engine.strategy.replica_leaders] if engine.world_size > 1 else ranks
         results = _combine([(kinds, totals) for batches, kinds, totals in leaders if batches], first)
+        group = _data_parallel_group(engine) if self.metrics else None
         for name in sorted(self.metrics):
-            results.update(_computed(name, self.metrics[name]))
+            results.update(_computed(name, self.metrics[name], group))
         self.clear()
         return results
 
@@ -222,9 +223,33 @@ def _combine(ranks: list[tuple[list[tuple[str, str]], list[float]]], kinds: list
     return results
 
 
-def _computed(name: str, metric: Any) -> dict[str, float]:
-    """A metric object's ``compute()`` as numbers: a collection's (or a dict-valued metric's) under each key."""
-    value = metric.compute()
+def _data_parallel_group(engine: Engine) -> Any:
+    """The process group of this rank's data-parallel peers when ranks share a replica (tensor parallelism), else
+    None (torchmetrics' default, every rank)."""
+    mesh = engine.device_mesh
+    if engine.data_parallel_size == engine.world_size or mesh is None:
+        return None
+    return mesh.get_group("data_parallel")
+
+
+def _computed(name: str, metric: Any, group: Any = None) -> dict[str, float]:
+    """A metric object's ``compute()`` as numbers: a collection's (or a dict-valued metric's) under each key.
+    ``group``: the ranks to synchronise over (None: every rank); the tensor-parallel ranks of a replica read the
+    same batches, so synchronising over them all would count each sample once per such rank."""
+    if group is None:
+        return _values(name, metric.compute())
+    leaves = [leaf for _, leaf in _leaves(metric)]
+    saved = [leaf.process_group for leaf in leaves]
+    for leaf in leaves:
+        leaf.process_group = group
+    try:
+        return _values(name, metric.compute())
+    finally:
+        for leaf, before in zip(leaves, saved, strict=True):
+            leaf.process_group = before
+
+
+def _values(name: str, value: Any) -> dict[str, float]:
     if isinstance(value, Mapping):
         return {str(key): _scalar(str(key), item) for key, item in value.items()}
     return {name: _scalar(name, value)}
@@ -385,13 +410,20 @@ class EpochMetrics:
         self.training = Accumulator()
         self.scope: PassScope | None = None
         self._used = False
-        """Set once this engine accumulated over a training epoch: from then on every epoch end reduces, so the
-        ranks keep pairing their collectives even in an epoch where one of them logged nothing."""
+        """Set once this engine accumulated over a training epoch (on one process: from then on every epoch end
+        reduces; several ranks reduce at every epoch end, see ``end_training_epoch``)."""
+        self.latest: dict[str, float] = {}
+        """The last training epoch's values (empty when it produced none), set at its end: what the loggers write in
+        the epoch-end row and the progress bar shows."""
+        self.names: set[str] = set()
+        """Every name a training epoch's end produced: loggers write them in epoch-end rows, not per-step ones."""
         self.saver = EpochMetricsState(self)
         """Carries the training epoch's accumulated state in checkpoints (attached once it is needed)."""
 
     def attach(self, engine: Engine) -> None:
-        """Attach ``saver`` (once): when the training epoch first accumulates, and before a checkpoint is loaded."""
+        """Attach ``saver`` (once): on one process when the training epoch first accumulates; on several when
+        anything is prepared (every rank does so, in one order, so their checkpoints gather the states together);
+        and before a checkpoint is loaded."""
         if not any(callback is self.saver for callback in engine.callbacks):
             engine.add_callback(self.saver)
 
@@ -447,17 +479,26 @@ class EpochMetrics:
     def _start(self, engine: Engine) -> None:
         if not self._used:
             self._used = True
-            self.attach(engine)
+            if engine.world_size == 1:
+                # Several ranks attached it when they prepared: attaching here, on the ranks that log only, would
+                # have them gather in a checkpoint the others do not.
+                self.attach(engine)
 
     def end_training_epoch(self, engine: Engine) -> None:
-        """Reduce the training epoch's values and compute its metric objects into ``state.metrics``. Collective
-        once this engine has accumulated anything (see ``_used``)."""
+        """Reduce the training epoch's values and compute its metric objects into ``state.metrics``. On several
+        ranks a collective at every epoch end: whether a rank logged is its own knowledge, and a gather only the
+        ranks that logged entered would wait forever for the others, so every rank gathers (one object gather an
+        epoch) and all of them learn together who logged what (names not on every rank: one error on each). On one
+        process only once this engine has accumulated anything (see ``_used``)."""
         training = self.training
-        if not (training or self._used):
+        self.latest = {}
+        if engine.world_size == 1 and not (training or self._used):
             return
         training.batches = max(training.batches, 1)  # every rank that ran an epoch takes part
         results = training.reduce(engine, None, _training_mismatch)
         engine.state.metrics.update(results)
+        self.latest = results
+        self.names.update(results)
 
 
 def _training_real(engine: Engine) -> int | None:
@@ -500,11 +541,13 @@ class EpochMetricsState(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         owner, engine = self._owner, self._engine
-        if engine is None or not owner._used:
+        if engine is None:
             return {}
-        mine = owner.training.state_dict()
-        ranks = engine.strategy.all_gather_object(mine) if engine.world_size > 1 else [mine]
-        return {"ranks": list(ranks)}
+        if engine.world_size == 1:
+            return {"ranks": [owner.training.state_dict()]} if owner._used else {}
+        # Every rank gathers, whether or not it logged yet: one that logged cannot know the others did.
+        ranks = engine.strategy.all_gather_object((owner._used, owner.training.state_dict()))
+        return {"ranks": [state for _, state in ranks]} if any(used for used, _ in ranks) else {}
 
     def check_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
@@ -554,6 +597,20 @@ def merged(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         for name, states in rank["metrics"].items():
             metrics.setdefault(name, []).extend(states)
     return {"batches": sum(rank["batches"] for rank in ranks), "entries": entries, "metrics": metrics}
+
+
+def last_step_values(engine: Engine) -> dict[str, Any]:
+    """What ``state.metrics`` holds after ``fit()`` besides the logged values: the last training batch's ``loss`` (on
+    this rank) and the last stepped optimizer's learning rates (``lr``, ``lr_1``, ... one per param group), as the
+    loggers name them; a name the user logged keeps the user's value."""
+    state = engine.state
+    values: dict[str, Any] = {}
+    if state.loss is not None:
+        values["loss"] = state.loss
+    optimizer = state.optimizer if state.optimizer is not None else next(iter(engine.optimizers), None)
+    for index, group in enumerate(optimizer.param_groups if optimizer is not None else ()):
+        values["lr" if index == 0 else f"lr_{index}"] = group["lr"]
+    return {name: value for name, value in values.items() if name not in state.metrics}
 
 
 def as_numbers(metrics: Mapping[str, Any]) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -145,3 +146,81 @@ def gather_for_metrics(samples: int) -> list[list[float]]:
     step.gathered = []
     engine.test(step, data)
     return [in_fit, torch.cat(step.gathered).tolist()]
+
+
+class LogsOnSomeRanks(TinyStep):
+    """Logs ``ids/mean`` with reduce="mean" only on the ranks in ``ranks``, from training step ``start`` on."""
+
+    def __init__(self, engine: cadence.Engine, ranks: tuple[int, ...], start: int) -> None:
+        super().__init__()
+        self.engine, self.ranks, self.start = engine, ranks, start
+
+    def training_step(self, batch: Any) -> Any:
+        features, _, _, ids = batch
+        if self.engine.rank in self.ranks and self.engine.state.step >= self.start:
+            self.engine.log("ids/mean", ids.mean(), reduce="mean")
+        return self.model(features).pow(2).mean()
+
+
+def _short_engine() -> cadence.Engine:
+    # A short timeout: a collective one rank enters alone fails in seconds instead of hanging the test.
+    return cadence.Engine(
+        accelerator="cpu", strategy="ddp", progress_bar=False, model_summary=False, timeout=timedelta(seconds=15)
+    )
+
+
+def logs_on_one_rank() -> str:
+    """fit() where only rank 0 logs with reduce=: the error each rank raised at the epoch end."""
+    engine = _short_engine()
+    try:
+        engine.fit(LogsOnSomeRanks(engine, (0,), 0), DataLoader(scored(16), batch_size=4), max_epochs=1)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def logs_late_on_one_rank(directory: str) -> tuple[dict[str, float], list[str]]:
+    """fit() where rank 0 logs from the first step and rank 1 from the second, with a checkpoint at the first step
+    (only rank 0 has logged then): the epoch's value and the checkpoint's directory listing."""
+    engine = _short_engine()
+
+    class SaveAtFirstStep(cadence.Callback):
+        def on_batch_end(self, engine: cadence.Engine) -> None:
+            if engine.state.step == 1:
+                engine.save_state(directory)
+
+    engine.add_callback(SaveAtFirstStep())
+    step = LogsOnSomeRanks(engine, (0,), 0)
+    original = step.training_step
+
+    def training_step(batch: Any) -> Any:
+        step.ranks = (0, 1) if engine.state.step >= 1 else (0,)
+        return original(batch)
+
+    step.training_step = training_step  # type: ignore[method-assign]
+    engine.fit(step, DataLoader(scored(16), batch_size=4), max_epochs=1)
+    return {"ids/mean": float(engine.state.metrics["ids/mean"])}, sorted(p.name for p in Path(directory).iterdir())
+
+
+class SumsIds(TinyStep):
+    """Returns a SumMetric of the sample ids and their plain mean."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torchmetrics import SumMetric
+
+        self.total = SumMetric()
+
+    def test_step(self, batch: Any) -> dict[str, Any]:
+        ids = batch[3]
+        self.total.update(ids)
+        return {"x": ids.mean(), "total": self.total}
+
+
+def tensor_parallel_sum(samples: int) -> dict[str, float]:
+    """engine.test() on 2 ranks that form one replica (tensor-parallel size 2): a SumMetric over the ids."""
+    from cadence.strategies import ModelParallelStrategy
+
+    strategy = ModelParallelStrategy(lambda model, mesh: None, tensor_parallel_size=2, accelerator="cpu")
+    engine = cadence.Engine(strategy=strategy, progress_bar=False, model_summary=False, timeout=timedelta(seconds=30))
+    return engine.test(SumsIds(), DataLoader(scored(samples), batch_size=4))

@@ -4,6 +4,7 @@ returned by validation_step / test_step equal one process computing on the whole
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -99,3 +100,28 @@ def test_gather_for_metrics_in_a_trimmed_last_batch_gives_every_sample_once_in_o
 ) -> None:
     ids = [float(i) for i in range(samples)]
     assert jobs[f"gather {samples}"] == [[ids, ids], [ids, ids]]  # per rank: fit()'s validation, then test()
+
+
+@pytest.mark.slow
+def test_a_name_logged_on_one_rank_only_is_one_error_on_every_rank_not_a_hang() -> None:
+    errors = spawn(2, workers.logs_on_one_rank, timeout=90.0)
+    for error in errors:
+        assert "'ids/mean' not on every rank" in error
+
+
+@pytest.mark.slow
+def test_a_checkpoint_taken_before_every_rank_logged_saves_and_the_epoch_value_is_exact(tmp_path: Path) -> None:
+    ranks = spawn(2, workers.logs_late_on_one_rank, str(tmp_path / "saved"), timeout=90.0)
+    ids = workers.scored(16).tensors[3]
+    # 16 samples, batches of 4 on 2 ranks: 2 steps. Step 0: rank 0's 4 samples (0..3); step 1: all 8 (8..15).
+    expected = (ids[0:4].sum() + ids[8:16].sum()).item() / 12
+    for metrics, listing in ranks:
+        assert metrics == {"ids/mean": pytest.approx(expected)}
+        assert "state.json" in listing
+
+
+@pytest.mark.slow
+def test_a_metric_object_under_tensor_parallelism_counts_each_sample_once() -> None:
+    # Both ranks are one replica and read the same batches: torchmetrics synchronising over both would double it.
+    for result in spawn(2, workers.tensor_parallel_sum, 10, timeout=120.0):
+        assert result == {"test/x": 4.5, "test/total": 45.0}
