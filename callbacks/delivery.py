@@ -5,6 +5,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Literal
+
+
+def first_line(error: BaseException) -> str:
+    """An exception in one short line for a warning: its type and the start of its message's first line."""
+    text = str(error).strip().splitlines()
+    first = text[0] if text else ""
+    return f"{type(error).__name__}: {first[:300]}"
 
 
 class Delivery:
@@ -25,6 +33,21 @@ class Delivery:
         self._again = False
         self.error: Exception | None = None
         """The last attempt's failure; ``None`` before any, and once one succeeded."""
+        self.outage: str | None = None
+        """The failure last reported by ``outage_news`` (its first line), until the store is reported back."""
+
+    def outage_news(self, waiting: int) -> Literal["failed", "recovered"] | None:
+        """On the owner's thread, at each flush: ``"failed"`` the first time attempts fail (``outage`` then names
+        the failure), ``"recovered"`` once one succeeded with nothing left ``waiting``; ``None`` when neither is
+        news. The owner warns or prints it: one warning an outage, however many flushes it lasts."""
+        error = self.error
+        if error is not None and self.outage is None:
+            self.outage = first_line(error)
+            return "failed"
+        if error is None and self.outage is not None and not waiting:
+            self.outage = None
+            return "recovered"
+        return None
 
     def start(self) -> None:
         with self._lock:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from cadence.errors import CadenceWarning
 from cadence.stacklevel import user_stacklevel
 
-from .delivery import Delivery
+from .delivery import Delivery, first_line
 from .logger import Logger, check_run_id, missing_package, unwritable
 
 if TYPE_CHECKING:
@@ -105,7 +105,6 @@ class MLflowLogger(Logger):
         self._outbox_status: str | None = None
         self._notes: list[str] = []
         self._delivery = Delivery(self._send, name="cadence-mlflow")
-        self._outage: str | None = None  # the failure last warned about, until the store answers again
 
     def setup(self, engine: Engine) -> None:
         super().setup(engine)
@@ -200,7 +199,7 @@ class MLflowLogger(Logger):
             try:
                 self._open_run()  # created (or continued) now, so no save waits for it
             except Exception as error:
-                problem = f"it failed to open the run ({_first_line(error)})"
+                problem = f"it failed to open the run ({first_line(error)})"
         if problem is not None:
             raise RuntimeError(
                 f"MLflowLogger cannot log to {uri}: {problem}. Nothing was trained; start the server or make the "
@@ -304,23 +303,20 @@ class MLflowLogger(Logger):
             waiting = len(self._outbox)
         for note in notes:
             warnings.warn(note, CadenceWarning, stacklevel=user_stacklevel())
-        error = self._delivery.error
-        if error is not None and self._outage is None:
-            self._outage = _first_line(error)
+        news = self._delivery.outage_news(waiting)
+        if news == "failed":
             warnings.warn(
-                f"MLflowLogger: the tracking store {self.tracking_uri} failed ({self._outage}). Training and "
+                f"MLflowLogger: the tracking store {self.tracking_uri} failed ({self._delivery.outage}). Training and "
                 f"checkpoints go on; the {waiting} metric point(s) it has not taken are kept and sent again at each "
                 "flush until it answers.",
                 CadenceWarning,
                 stacklevel=user_stacklevel(),
             )
-        elif error is None and self._outage is not None and not waiting:
-            self._outage = None
-            if self._engine is not None:
-                self._engine.print(
-                    f"MLflowLogger: the tracking store {self.tracking_uri} answers again; every kept "
-                    "metric point was delivered."
-                )
+        elif news == "recovered" and self._engine is not None:
+            self._engine.print(
+                f"MLflowLogger: the tracking store {self.tracking_uri} answers again; every kept "
+                "metric point was delivered."
+            )
 
     def _keep_undelivered(self) -> None:
         """At the end of ``fit()``: the points the store still has not taken go to a JSON file in ``project_dir``,
@@ -339,8 +335,8 @@ class MLflowLogger(Logger):
         span = f" of steps {steps[0]}-{steps[-1]}" if steps else ""
         warnings.warn(
             f"MLflowLogger: the tracking store {self.tracking_uri} did not take {len(points)} metric point(s){span} "
-            f"by the end of fit() ({self._outage or 'no answer'}); they are kept in {path} (name, value, timestamp, "
-            "step), and CSVLogger's metrics.csv holds them too when it is attached.",
+            f"by the end of fit() ({self._delivery.outage or 'no answer'}); they are kept in {path} (name, value, "
+            "timestamp, step), and CSVLogger's metrics.csv holds them too when it is attached.",
             CadenceWarning,
             stacklevel=user_stacklevel(),
         )
@@ -465,12 +461,6 @@ def _store_unwritable(uri: str) -> str | None:
     if uri.startswith("file:") or "://" not in uri:
         return unwritable(Path(uri.removeprefix("file://").removeprefix("file:")))
     return None
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    first = text[0] if text else ""
-    return f"{type(error).__name__}: {first[:300]}"
 
 
 def _metric(name: str, value: float, timestamp: int, step: int) -> Metric:

@@ -97,7 +97,6 @@ class WandbLogger(Logger):
         self._checkpoint: str | None = None  # the last committed checkpoint, for the run's summary
         self._exit_code: int | None = None
         self._delivery = Delivery(self._send, name="cadence-wandb")
-        self._outage: str | None = None  # the failure last warned about, until W&B answers again
 
     # --- checkpoint state ----------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -249,21 +248,18 @@ class WandbLogger(Logger):
 
     def _report(self) -> None:
         """On the training thread: a warning when W&B starts failing, a line when it answers again."""
-        error = self._delivery.error
         with self._lock:
             waiting = len(self._rows)
-        if error is not None and self._outage is None:
-            self._outage = _first_line(error)
+        news = self._delivery.outage_news(waiting)
+        if news == "failed":
             warnings.warn(
-                f"WandbLogger: W&B failed ({self._outage}). Training and checkpoints go on; the {waiting} row(s) it "
-                "has not taken are kept and sent again at each flush until it answers.",
+                f"WandbLogger: W&B failed ({self._delivery.outage}). Training and checkpoints go on; the {waiting} "
+                "row(s) it has not taken are kept and sent again at each flush until it answers.",
                 CadenceWarning,
                 stacklevel=user_stacklevel(),
             )
-        elif error is None and self._outage is not None and not waiting:
-            self._outage = None
-            if self._engine is not None:
-                self._engine.print("WandbLogger: W&B answers again; every kept row was delivered.")
+        elif news == "recovered" and self._engine is not None:
+            self._engine.print("WandbLogger: W&B answers again; every kept row was delivered.")
 
     def _keep_undelivered(self) -> None:
         """At the end of ``fit()``: the rows W&B still has not taken go to a JSON file in ``project_dir``, named in
@@ -282,8 +278,8 @@ class WandbLogger(Logger):
         span = f" of steps {steps[0]}-{steps[-1]}" if steps else ""
         warnings.warn(
             f"WandbLogger: W&B did not take {len(rows)} row(s){span} by the end of fit() "
-            f"({self._outage or 'no answer'}); they are kept in {path} (one object per row, with its step), and "
-            "CSVLogger's metrics.csv holds them too when it is attached.",
+            f"({self._delivery.outage or 'no answer'}); they are kept in {path} (one object per row, with its "
+            "step), and CSVLogger's metrics.csv holds them too when it is attached.",
             CadenceWarning,
             stacklevel=user_stacklevel(),
         )
@@ -319,12 +315,6 @@ class WandbLogger(Logger):
 def _new_run_id() -> str:
     alphabet = string.ascii_lowercase + string.digits  # as W&B's own ids
     return "".join(secrets.choice(alphabet) for _ in range(8))
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    first = text[0] if text else ""
-    return f"{type(error).__name__}: {first[:300]}"
 
 
 def last_offline_step(directory: Path, run_id: str) -> int:
