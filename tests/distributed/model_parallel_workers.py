@@ -105,7 +105,9 @@ def callbacks_on_a_mesh(directory: str) -> dict[str, Any]:
         except SystemExit as stop:
             code = stop.code
         stopped, best = engine.state.step, checkpoint.best_path
-        metrics = {name: float(value) for name, value in engine.state.metrics.items()}
+        # Every logged value is the same on every rank; state.metrics' "loss" is the last batch's loss on this rank
+        # (its data-parallel group's batch, as Lightning's callback_metrics without sync_dist), so it is left out.
+        metrics = {name: float(value) for name, value in engine.state.metrics.items() if name != "loss"}
         # The checkpoint saved in the background at step 2, before the validation there: loaded on the mesh, the
         # EMA average it holds validates to what that validation logged.
         engine.load_state(Path(directory) / "checkpoints" / "checkpoint_0")
