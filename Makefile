@@ -29,8 +29,12 @@ check-code: $(INSTALLED)
 lint: check-code
 	$(VENV)/bin/mypy
 
+# Worker processes for make test: most of the suite waits on the processes it starts (ranks, scripts), so more
+# workers than cores pay off; tests/conftest.py keeps each module that shares a module-scoped fixture on one worker.
+TEST_WORKERS ?= 4
+
 test: lint
-	$(PYTHON) -m pytest -q --durations=15
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15
 
 test-fast: check-code
 	$(PYTHON) -m pytest -q -m "not slow"

@@ -11,6 +11,25 @@ import pytest
 import torch
 
 
+def pytest_collection_modifyitems(session: pytest.Session, items: list[pytest.Item]) -> None:
+    """Under ``pytest -n`` (make test), a module whose tests share a module- or class-scoped fixture (a distributed
+    job run once, a server) runs on one worker, so the fixture runs once; every other test may go to any worker."""
+    for item in items:
+        if _shares_a_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(name=item.nodeid.split("::")[0]))
+
+
+def _shares_a_fixture(item: pytest.Item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    return any(
+        definition.scope in ("module", "class", "package")
+        for definitions in info.name2fixturedefs.values()
+        for definition in definitions
+    )
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _single_thread() -> None:
     # Module-scoped fixtures (the distributed jobs train in this process too) run before any function-scoped one.
