@@ -119,9 +119,16 @@ class CSVLogger(Logger):
         moved = [path for path in ([self.path] if rows else []) + [hparams_path] if path and path.exists()]
         if moved:
             what = " and ".join("hyperparameters" if path == hparams_path else "metrics" for path in moved)
-            kept = [(path.name, _keep_aside(path).name) for path in moved]
+            kept = [(path.name, self._publish_aside(_keep_aside(path)).name) for path in moved]
             names, aside = (" and ".join(part) for part in zip(*kept, strict=True))
             warnings.warn(self._kept_message(names, aside, what), CadenceWarning, stacklevel=user_stacklevel())
+
+    def _publish_aside(self, path: Path) -> Path:
+        """With a URL ``project_dir``, have the file set aside published to the store too (with the next
+        checkpoint, and where ``fit()`` ends): what this logger kept is not lost with the machine."""
+        if self._checkpoints is not None:
+            self._checkpoints.publish_once(path)
+        return path
 
     def _kept_message(self, name: str, kept: str, what: str) -> str:
         holds = "hold" if " and " in name else "holds"
@@ -191,6 +198,7 @@ class CSVLogger(Logger):
             # Set aside, never deleted: the first free name, written whole before the file loses them.
             aside = _free_name(path.with_name(f"{path.stem}.after_step_{step}{path.suffix}"))
             _replace_atomically(aside, columns, later)
+            self._publish_aside(aside)
             _replace_atomically(path, columns, rows[:keep])
             span = f"step {steps[keep]}" if steps[keep] == steps[-1] else f"steps {steps[keep]}-{steps[-1]}"
             if self._engine is not None:

@@ -2,7 +2,9 @@
 
 A full fit to ``s3://``, a resume on an empty local disk that continues bit for bit, an uncommitted (torn) prefix
 skipped, two runs on one prefix that never overwrite each other, a missing package and missing credentials
-refused at ``Engine()``, a failed upload that warns and keeps the local copy."""
+refused at ``Engine()`` (a transient failure there retried), a failed upload that warns at once, keeps the local copy
+and goes up before the next save's state, best-k resumed on an empty disk, no store request on the training thread at
+a save."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,10 +28,12 @@ import torch
 from safetensors.torch import load_file
 
 import cadence
+from cadence import Callback
 from cadence.callbacks import Checkpoint
 from cadence.checkpoint.errors import CheckpointError
 from cadence.checkpoint.listing import verify
 from cadence.checkpoint.published import PublishedCheckpoints, fetch
+from cadence.checkpoint.state_document import read_recorded
 from cadence.checkpoint.storage import open_storage
 from cadence.errors import CadenceWarning
 from tests.failing_store import FAULTS, FailingStore
@@ -301,7 +307,7 @@ def test_a_store_that_stops_answering_then_comes_back(
     bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The store goes down mid-run (a server stopped, then restarted on the same port): the save in between warns and
-    keeps its local copy; the next one reaches the store and becomes the newest there."""
+    keeps its local copy; the next one uploads it first, then its own state, the newest there."""
     port = free_port()
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
@@ -325,7 +331,6 @@ def test_a_store_that_stops_answering_then_comes_back(
             kept = run.save_state()
             run.wait_for_checkpoint()
         messages = [str(warning.message) for warning in caught]
-        assert any("numbering from the checkpoints this run saw there last" in m for m in messages), messages
         assert any("It is kept locally" in m for m in messages), messages
         assert run.checkpoints.unpublished == [kept] and kept.is_dir()
         server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
@@ -336,7 +341,7 @@ def test_a_store_that_stops_answering_then_comes_back(
         committed = PublishedCheckpoints(open_storage(url, {"config_kwargs": {"retries": {"max_attempts": 1}}}))
         numbered = committed.numbered()
         assert numbered[0][1] == newest.name and committed.manifest(newest.name) is not None
-        assert [n for n, _ in numbered] == [2, 0]  # the failed save never appeared in the store
+        assert [n for n, _ in numbered] == [2, 1, 0]  # the kept save went up first, then the newer state
     finally:
         server.stop()
 
@@ -499,3 +504,189 @@ def test_the_csv_log_is_published_with_each_checkpoint_and_continued_on_another_
     assert [row["step"] for row in rows(downloaded / "metrics.csv")] == [row["step"] for row in expected]
     assert rows(downloaded / "metrics.csv") == expected  # every row once, with the uninterrupted run's values
     assert json.loads((downloaded / "hparams.json").read_text())["lr"] == 0.1
+
+
+def wait_for(condition: Any, seconds: float = 30) -> bool:
+    """Poll ``condition()`` until it is true (True) or ``seconds`` pass (False), calling nothing of cadence's."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_a_failed_upload_warns_at_once_and_goes_up_before_the_next_saves_state(bucket: str, tmp_path: Path) -> None:
+    url = f"{bucket}/run"
+    name = bucket.removeprefix("s3://")
+    step = RegressionStep()
+    run = engine(url, tmp_path / "a", checkpoint_total_limit=2)
+    run.prepare(step.model, step.optimizer)
+    first = run.save_state()
+    run.wait_for_checkpoint()
+    open_storage(bucket).delete("run")
+    boto3.client("s3").delete_bucket(Bucket=name)  # the store refuses everything for a while
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        second = run.save_state()
+        # The upload thread says so itself: the training thread asks nothing (it may train for hours before its
+        # next save or the end of fit()).
+        assert wait_for(lambda: any("kept locally" in str(warning.message) for warning in caught)), caught
+    assert second.is_dir() and first.is_dir()
+    boto3.client("s3").create_bucket(Bucket=name)  # back, empty
+    third = run.save_state()
+    run.wait_for_checkpoint()
+    assert run.checkpoints.unpublished == []
+    committed = PublishedCheckpoints(open_storage(url))
+    # The kept checkpoint went up first, under a number below the newer state's; both whole, each its own bytes.
+    assert committed.numbered() == [(2, "checkpoint_2"), (1, "checkpoint_1")]
+    for local in (second, third):
+        record = committed.manifest(local.name)
+        assert record is not None and record["files"] == json.loads((local / "manifest.json").read_text())["files"]
+
+
+class DeleteTheBucketAt(Callback):
+    """After step ``at``'s upload: the bucket goes away; at ``FIT_END``, once the uploads ended, it comes back
+    (``comes_back``) empty."""
+
+    def __init__(self, bucket: str, at: int, comes_back: bool) -> None:
+        self.name = bucket.removeprefix("s3://")
+        self.at = at
+        self.comes_back = comes_back
+
+    def on_batch_end(self, engine: cadence.Engine) -> None:
+        if engine.state.step == self.at:
+            engine.wait_for_checkpoint()
+            open_storage(f"s3://{self.name}").delete("run")
+            boto3.client("s3").delete_bucket(Bucket=self.name)
+
+    def on_fit_end(self, engine: cadence.Engine) -> None:
+        engine.wait_for_checkpoint()
+        if self.comes_back:
+            boto3.client("s3").create_bucket(Bucket=self.name)
+
+
+@pytest.mark.parametrize("comes_back", [True, False])
+def test_fit_end_uploads_the_kept_checkpoints_in_order_or_names_the_newest(
+    bucket: str, tmp_path: Path, comes_back: bool
+) -> None:
+    url = f"{bucket}/run"
+    callbacks = [DeleteTheBucketAt(bucket, 3, comes_back), Checkpoint(every_n_steps=2, save_last=False)]
+    run = engine(url, tmp_path / "a", callbacks=callbacks)
+    newest = tmp_path / "a" / "checkpoints" / "checkpoint_2"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if comes_back:
+            run.fit(RegressionStep(), loader(), max_steps=6)
+        else:
+            with pytest.raises(CheckpointError, match=f"kept locally at {newest}"):
+                run.fit(RegressionStep(), loader(), max_steps=6)
+    assert sum("kept locally" in str(warning.message) for warning in caught) >= 2  # steps 4 and 6
+    assert newest.is_dir() and (tmp_path / "a" / "checkpoints" / "checkpoint_1").is_dir()
+    if comes_back:  # both kept checkpoints went up, the older first: the newest in the store is the run's newest
+        assert PublishedCheckpoints(open_storage(url)).numbered() == [(2, "checkpoint_2"), (1, "checkpoint_1")]
+        assert run.checkpoints.unpublished == []
+
+
+def test_the_store_check_at_engine_retries_a_transient_failure(bucket: str, s3_endpoint: str, tmp_path: Path) -> None:
+    options = {"config_kwargs": {"retries": {"total_max_attempts": 1}}}  # the client's own retries off
+    # A 500 (s3fs itself retries throttling and resets, not this) on the first request, the listing.
+    with FailingStore(s3_endpoint, every=1_000_000, once=(("GET /", "500"),)) as store:
+        store.armed = True
+        engine(f"{bucket}/run", tmp_path / "a", storage_options={**options, "endpoint_url": store.url})
+    assert [kind for _, kind in store.faults] == ["500"]
+
+
+def test_checkpoints_of_another_run_only_in_the_store_are_warned_about(bucket: str, tmp_path: Path) -> None:
+    url = f"{bucket}/run"
+    other = engine(url, tmp_path / "other")
+    step = RegressionStep(seed=1)
+    other.prepare(step.model, step.optimizer)
+    other.save_state()
+    other.wait_for_checkpoint()
+    fresh = engine(url, tmp_path / "a", callbacks=[Checkpoint(every_n_steps=1)])  # its local disk holds nothing
+    with pytest.warns(CadenceWarning, match=r"holds 1 checkpoint\(s\) that this run did not write \(checkpoint_0\)"):
+        fresh.fit(RegressionStep(), loader(), max_steps=2)
+
+
+class LogStep(Callback):
+    """Logs ``score``, the step: with ``mode="min"`` the first checkpoints are the best ones."""
+
+    def on_batch_end(self, engine: cadence.Engine) -> None:
+        engine.log("score", float(engine.state.step))
+
+
+def test_best_k_resumed_on_an_empty_disk_keeps_the_stores_best_and_best_downloads_them(
+    bucket: str, tmp_path: Path
+) -> None:
+    url = f"{bucket}/run"
+
+    def ranked(local: Path) -> cadence.Engine:
+        saver = Checkpoint(every_n_steps=1, monitor="score", save_top_k=2, save_last=False)
+        return engine(url, local, checkpoint_total_limit=1, callbacks=[LogStep(), saver])
+
+    ranked(tmp_path / "a").fit(RegressionStep(), loader(), max_steps=4)
+    committed = PublishedCheckpoints(open_storage(url))
+    assert [name for _, name in committed.numbered()] == ["checkpoint_3", "checkpoint_1", "checkpoint_0"]
+
+    fresh = ranked(tmp_path / "b")  # another machine: nothing of the run on its disk
+    fresh.fit(RegressionStep(seed=1), loader(), max_steps=7, resume="latest")
+    # The two best (steps 1 and 2) are still in the store, beside the newest; nothing else is.
+    assert [name for _, name in committed.numbered()] == ["checkpoint_6", "checkpoint_1", "checkpoint_0"]
+    best = fresh.checkpoints.best("score")
+    assert best == tmp_path / "b" / "checkpoints" / "checkpoint_0" and (best / "manifest.json").is_file()
+    verify(best)  # whole: every file matches the store's commit record
+    assert read_recorded(best).step == 1
+
+
+def test_the_csv_loggers_files_set_aside_are_published_too(bucket: str, tmp_path: Path) -> None:
+    from cadence.callbacks import CSVLogger
+
+    url = f"{bucket}/run"
+    for _ in range(2):  # the second, fresh run keeps the first one's files aside as metrics.1.csv, hparams.1.json
+        run = engine(url, tmp_path / "a", callbacks=[CSVLogger(), Checkpoint(every_n_steps=2, save_last=False)])
+        run.log_hyperparams({"lr": 0.1})
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", CadenceWarning)  # "kept as metrics.1.csv", "did not write"
+            run.fit(RegressionStep(), loader(), max_steps=3)
+    stored = keys(url)
+    assert {"metrics.csv", "hparams.json", "metrics.1.csv", "hparams.1.json"} <= set(stored), stored
+    downloaded = tmp_path / "metrics.1.csv"
+    open_storage(url).download("metrics.1.csv", downloaded)
+    assert downloaded.read_bytes() == (tmp_path / "a" / "metrics.1.csv").read_bytes()
+
+
+def test_a_save_sends_the_store_no_request_from_the_training_thread(
+    bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every s3fs request is made through ``fsspec.asyn.sync`` from the thread that wants it: recorded there, per
+    thread. Retention (deletes, best-k's too) runs on the upload thread; numbering needs no listing after the
+    first save."""
+    import fsspec.asyn
+
+    from cadence.callbacks import CSVLogger
+
+    requests: list[str] = []
+    original = fsspec.asyn.sync
+
+    def recorded(loop: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+        requests.append(threading.current_thread().name)
+        return original(loop, func, *args, **kwargs)
+
+    monkeypatch.setattr(fsspec.asyn, "sync", recorded)
+    monkeypatch.setattr(s3fs.core, "sync", recorded)
+    on_training_thread: list[int] = []
+
+    class Count(Callback):
+        def on_batch_end(self, engine: cadence.Engine) -> None:  # before the step's save (Checkpoint runs last)
+            on_training_thread.append(requests.count(threading.current_thread().name))
+
+    saver = Checkpoint(every_n_steps=1, monitor="score", mode="max", save_top_k=1, save_last=False)
+    run = engine(
+        f"{bucket}/run", tmp_path / "a", checkpoint_total_limit=1, callbacks=[LogStep(), CSVLogger(), Count(), saver]
+    )
+    run.fit(RegressionStep(), loader(), max_steps=6)
+    # Saves at steps 2 to 5 (each with a prune and a best-k delete) between the second count and the last.
+    assert on_training_thread[1] == on_training_thread[-1], on_training_thread
+    assert requests.count("cadence-checkpoint-upload") > 0
+    assert [name for _, name in PublishedCheckpoints(open_storage(f"{bucket}/run")).numbered()] == ["checkpoint_5"]

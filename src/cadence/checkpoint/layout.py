@@ -8,6 +8,8 @@ import os
 import re
 import secrets
 import shutil
+import tempfile
+import threading
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -15,9 +17,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from cadence.checkpoint.commit import MANIFEST, check_replaceable, is_checkpoint, remove_abandoned, temporary_name
 from cadence.checkpoint.errors import CheckpointCorrupted, CheckpointError
-from cadence.checkpoint.published import put, with_retries
-from cadence.checkpoint.state_document import recorded_score
-from cadence.checkpoint.uploads import Upload
+from cadence.checkpoint.published import with_retries
+from cadence.checkpoint.state_document import SHARED_JSON, recorded_score
+from cadence.checkpoint.uploads import Upload, publish_files, publish_in_order
 from cadence.errors import CadenceWarning
 from cadence.stacklevel import user_stacklevel
 
@@ -45,8 +47,10 @@ class CheckpointDirectory:
     truth: every commit is published there (``published.py``) in the background (``uploads.py``: training goes on
     meanwhile), numbers follow the store's too, ``load_latest`` reads the store's committed checkpoints (from the
     local copy when it holds the same files), and retention deletes remotely, and locally only what the store
-    holds. While an upload is in flight nothing is deleted: retention and ``delete`` wait for its commit in the
-    store (``finish_uploads``), so a checkpoint is never deleted before its replacement is committed there."""
+    holds. Remote retention (``prune``, ``delete``) is asked for on the training thread and run on the upload
+    thread once the newest upload is committed in the store (``uploads.py``), so a checkpoint is never deleted
+    before its replacement is committed there, and a save sends the store no request from the training thread once
+    the run has listed the store (its first save or load)."""
 
     def __init__(self, root: Path, remote: PublishedCheckpoints | None = None) -> None:
         self.root = root
@@ -60,10 +64,13 @@ class CheckpointDirectory:
         self._protected: dict[Path, set[str]] = {}
         self._remote_seen: list[tuple[int, str]] = []
         self._remote_names: dict[Path, str] = {}  # a local copy's name in the store, where the two differ
+        self._remote_listed = False  # _remote_seen came from a listing: numbering needs no other (see numbered)
         self._uploads: list[Upload] = []  # in flight or not yet taken in, oldest first
-        self._deferred_keep: int | None = None  # a prune asked for while uploads were in flight
-        self._deferred_deletes: list[Path] = []  # deletes asked for while uploads were in flight
+        self._retention = threading.Lock()  # the two below are asked for on the training thread, run on uploads'
+        self._deferred_keep: int | None = None  # a prune asked for, run once the newest upload is committed
+        self._deferred_deletes: list[Path] = []  # deletes asked for, run once the newest upload is committed
         self._mirrors: list[Path] = []  # local files published with every checkpoint (``mirror``)
+        self._set_aside: list[Path] = []  # local files published once, with the next upload (``publish_once``)
 
     def path(self, number: int) -> Path:
         return self.root / f"checkpoint_{number}"
@@ -73,21 +80,27 @@ class CheckpointDirectory:
         ``resume="latest"`` search. Decided from the path alone, so every rank gives the same answer."""
         return path.absolute().parent == self.root.absolute() and _NAME.match(path.name) is not None
 
-    def numbered(self) -> list[tuple[int, Path]]:
+    def numbered(self, fresh: bool = False) -> list[tuple[int, Path]]:
         """Existing ``checkpoint_{n}`` directories, newest first (with a remote store, its prefixes too, named by
-        the local path they would have)."""
+        the local path they would have: as the store was last listed and this run's uploads changed it since, or,
+        with ``fresh``, as it is now)."""
         found = set(self._local_numbered())
         if self.remote is not None:
-            found |= {(number, self.root / name) for number, name in self._remote_numbered()}
+            found |= {(number, self.root / name) for number, name in self._remote_numbered(fresh)}
         return sorted(found, reverse=True)
 
-    def _remote_numbered(self) -> list[tuple[int, str]]:
-        """The store's prefixes; while the store does not answer, the ones this run saw last (with a warning), so
-        a save still commits locally and numbers past them (its claim settles any collision when it uploads)."""
+    def _remote_numbered(self, fresh: bool = False) -> list[tuple[int, str]]:
+        """The store's prefixes. Listed once (or when ``fresh``), then kept up to date by this run's uploads and
+        deletes, so a save asks the store nothing on the training thread: another run's save since is found by
+        the claim when this one uploads (it then takes the next free number). While the store does not answer, the
+        ones this run saw last (with a warning), so a save still commits locally and numbers past them."""
         if self.remote is None:  # pragma: no cover - called only with a remote
             return []
+        if self._remote_listed and not fresh:
+            return list(self._remote_seen)
         try:
             self._remote_seen = self.remote.numbered()
+            self._remote_listed = True
         except Exception as error:
             warnings.warn(
                 f"Listing {self.remote.describe()} failed ({type(error).__name__}: {error}); numbering from the "
@@ -177,6 +190,7 @@ class CheckpointDirectory:
             while os.path.lexists(aside := path.with_name(f"{path.stem}.local.{number}{path.suffix}")):
                 number += 1
             os.rename(path, aside)
+            self.publish_once(aside)  # this machine's rows, which the store's copy lacks: not lost with it
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = temporary_name(path)
         partial.write_bytes(data)
@@ -223,7 +237,8 @@ class CheckpointDirectory:
                 committed, number = writer.commit_numbered(files, self.path, first, **manifest, run=self.run_id)
                 if self.remote is not None:
                     previous = self._uploads[-1] if self._uploads else None
-                    upload = Upload(self.remote, committed, self.run_id, number, previous, mirrored or [])
+                    aside = self._take_set_aside()
+                    upload = Upload(self.remote, self, committed, self.run_id, number, previous, mirrored or [], aside)
                     self._uploads.append(upload)
                 return committed, number, None
             number = self.next_number()
@@ -232,71 +247,92 @@ class CheckpointDirectory:
             return None, -1, str(error)
 
     def finish_uploads(self) -> None:
-        """On the training thread (the main rank's): wait for the uploads in flight and take in what they ended
-        with. One that failed (after ``published.with_retries``) warns and keeps its local copy, which retention then
-        never deletes; the next save uploads its own, newer state, superseding it. Once the newest has reached the
-        store, the prune and the deletes asked for meanwhile run."""
+        """On the training thread (the main rank's): wait for the uploads in flight. Each warned of its own failure
+        when it failed (keeping its local copy, in ``unpublished``, which retention never deletes and the next
+        upload publishes first) and ran the retention asked for once the newest state was committed."""
         uploads, self._uploads = self._uploads, []
         for upload in uploads:
             upload.join()
-            if upload.published is None:
-                self.unpublished.append(upload.source)
-                remote = self.remote.describe() if self.remote is not None else "the store"
-                warnings.warn(
-                    f"Uploading the checkpoint {upload.source} to {remote} failed ({type(upload.error).__name__}: "
-                    f"{upload.error}). It is kept locally; the next save uploads its newer state. Until one does, "
-                    "the newest checkpoint in the store is an older one.",
-                    CadenceWarning,
-                    stacklevel=user_stacklevel(),
-                )
-                continue
-            self.unpublished.clear()  # superseded: a newer state is in the store
-            name = upload.published[0]
-            if name != upload.source.name:
-                self._remote_names[upload.source.absolute()] = name
-        if self.unpublished:
-            return  # the newest state is not in the store: what was to be deleted stays
-        deletes, self._deferred_deletes = self._deferred_deletes, []
-        for path in deletes:
-            self.delete(path)
-        keep, self._deferred_keep = self._deferred_keep, None
-        if keep is not None:
-            self.prune(keep)
+
+    def published(self, source: Path, name: str, number: int) -> None:
+        """From an upload: ``source`` is committed in the store as ``name``."""
+        if name != source.name:
+            self._remote_names[source.absolute()] = name
+        if (number, name) not in self._remote_seen:
+            self._remote_seen = sorted([*self._remote_seen, (number, name)], reverse=True)
+
+    def retain(self) -> None:
+        """Run the deletes and the prune asked for so far (on an upload's thread once the newest state is committed
+        in the store, or where ``fit()`` ends); nothing while a checkpoint of this run is not in the store."""
+        if self.remote is None or self.unpublished:
+            return
+        with self._retention:
+            deletes, self._deferred_deletes = self._deferred_deletes, []
+            keep, self._deferred_keep = self._deferred_keep, None
+        try:
+            for path in deletes:
+                self._delete_remote(path)
+            if keep is not None:
+                self._prune_remote(keep)
+        except BaseException:
+            with self._retention:  # asked again: the next retention tries them once more
+                self._deferred_deletes[:0] = [path for path in deletes if self.names(path)]
+                self._deferred_keep = keep if self._deferred_keep is None else self._deferred_keep
+            raise
+
+    def publish_once(self, path: Path) -> None:
+        """Publish the local file ``path`` (under the project's local directory: a logger's file set aside, which
+        does not change again) to the same place under the store's URL with the next upload (and where ``fit()``
+        ends), so it is not lost with this machine. Main rank only; nothing without a store."""
+        if self.remote is not None and path not in self._set_aside:
+            self._mirror_key(path)  # refuses a path outside the project's directory now, where it is asked
+            self._set_aside.append(path)
+
+    def _take_set_aside(self) -> list[tuple[Path, str]]:
+        """Snapshot copies of the files to ``publish_once``, with their keys, for the next upload."""
+        paths, self._set_aside = self._set_aside, []
+        copies: list[tuple[Path, str]] = []
+        folder = self.root.parent / ".mirrored" / secrets.token_hex(4)
+        for path in paths:
+            if path.is_file():
+                folder.mkdir(parents=True, exist_ok=True)
+                copy = folder / f"{len(copies)}-{path.name}"
+                shutil.copyfile(path, copy)
+                copies.append((copy, self._mirror_key(path)))
+        return copies
 
     def settle_uploads(self) -> CheckpointError | None:
-        """Where ``fit()`` ends: publish the mirrored files (the loggers'), and upload the newest checkpoint whose
-        upload failed, once more; the error naming its local copy if it still cannot reach the store, else the
-        error of the files' publish (None when all of it is there)."""
+        """Where ``fit()`` ends: publish the mirrored files (the loggers'), upload the checkpoints whose upload
+        failed once more, oldest first, and run the retention still asked for; the error naming the newest one's
+        local copy if it still cannot reach the store, else the error of the files' publish (None when all of it
+        is there)."""
         self.finish_uploads()
         if self.remote is None:
             return None
         logs = self._publish_mirrors()
         if not self.unpublished:
+            self.retain()
             return logs
         newest = self.unpublished[-1]
         try:
-            name, _ = self.remote.publish(newest, self.run_id, self.next_number())
+            publish_in_order(self.remote, self, self.run_id, self.next_number(), None)
         except Exception as error:
+            others = [str(path) for path in self.unpublished if path != newest]
+            also = f" (and, not in the store either: {', '.join(others)})" if others else ""
             return CheckpointError(
                 f"The run's newest checkpoint never reached {self.remote.describe()} ({type(error).__name__}: "
-                f"{error}). It is kept locally at {newest}: resume from it with fit(resume={str(newest)!r}) on this "
-                "machine, or upload it with engine.save_state(<url>) after loading it."
+                f"{error}). It is kept locally at {newest}{also}: resume from it with fit(resume={str(newest)!r}) on "
+                "this machine, or upload it with engine.save_state(<url>) after loading it."
             )
-        self.unpublished.clear()
-        if name != newest.name:
-            self._remote_names[newest.absolute()] = name
+        self.retain()
         return logs
 
     def _publish_mirrors(self) -> CheckpointError | None:
         if self.remote is None:  # pragma: no cover - called only with a remote
             return None
         try:
-            mirrored = self.snapshot_mirrors()
-            for copy, key in mirrored:
-                put(self.remote.storage, copy, key)
-                copy.unlink()
-            if mirrored:
-                mirrored[0][0].parent.rmdir()
+            publish_files(self.remote, self._take_set_aside(), replace=False)
+            publish_files(self.remote, self.snapshot_mirrors())
         except Exception as error:
             return CheckpointError(
                 f"Publishing the run's logs to {self.remote.storage.describe()} failed where fit() ended "
@@ -327,7 +363,8 @@ class CheckpointDirectory:
         if remote is None:  # pragma: no cover - called only with a remote
             raise CheckpointError("No remote store.")
         problems = []
-        for _, name in remote.numbered():
+        self._remote_seen, self._remote_listed = remote.numbered(), True
+        for _, name in self._remote_seen:
             try:
                 record = remote.manifest(name)
                 if record is None:
@@ -378,23 +415,28 @@ class CheckpointDirectory:
         return path.absolute() in self._protected
 
     def is_checkpoint(self, path: Path) -> bool:
-        """True when ``path`` is a committed cadence checkpoint (it has a manifest), here or anywhere else."""
-        return is_checkpoint(path)
+        """True when ``path`` is a committed cadence checkpoint (it has a manifest), here or anywhere else; with a
+        store, one of this directory's names whose checkpoint is committed only there counts too (a resume on a
+        fresh machine: what a ranking restores must stay protected)."""
+        if is_checkpoint(path):
+            return True
+        if self.remote is None or not self.names(path):
+            return False
+        return self.remote.manifest(self._remote_names.get(path.absolute(), path.name)) is not None
 
     def delete(self, path: Path) -> bool:
         """Delete ``path`` if it is one of this directory's ``checkpoint_{n}``, committed (with a manifest: anything
         else under such a name is not cadence's to delete), written by this run, not a link, and not protected.
-        True if it was; with an upload in flight, True when it is to be deleted once that upload is committed in
-        the store (``finish_uploads``), and kept if it never is."""
+        True if it was; with a store, True when it is to be deleted once the newest upload is committed there (on
+        the upload's thread, ``retain``), and kept if it never is."""
         if not self.names(path) or path.is_symlink():
             return False
         if self.is_protected(path) or path in self.unpublished:
             return False
-        if self.remote is not None and self._uploads:
-            self._deferred_deletes.append(path)
-            return True
         if self.remote is not None:
-            return self._delete_remote(path)
+            with self._retention:
+                self._deferred_deletes.append(path)
+            return True
         if not self.wrote(path):
             return False
         shutil.rmtree(path, ignore_errors=True)
@@ -410,6 +452,7 @@ class CheckpointDirectory:
         if record is None or record.get(RUN_KEY) != self.run_id:
             return False
         self.remote.delete(name)
+        self._forget_remote(name)
         self._remote_names.pop(path.absolute(), None)
         if self.wrote(path):
             shutil.rmtree(path, ignore_errors=True)
@@ -418,13 +461,11 @@ class CheckpointDirectory:
     def prune(self, keep: int) -> None:
         """Delete this run's checkpoints older than its newest ``keep``, except protected ones: ``keep`` counts
         this run's checkpoints, protected ones too, and a protected one older than the newest ``keep`` stays
-        beyond it. Other runs' checkpoints are neither counted nor deleted (see ``delete``). With an upload in
-        flight, the prune runs once it is committed in the store (``finish_uploads``)."""
-        if self.remote is not None and self._uploads:
-            self._deferred_keep = keep
-            return
+        beyond it. Other runs' checkpoints are neither counted nor deleted (see ``delete``). With a store, the
+        prune runs once the newest upload is committed there (on the upload's thread, ``retain``)."""
         if self.remote is not None:
-            self._prune_remote(keep)
+            with self._retention:
+                self._deferred_keep = keep
             return
         own = [directory for _, directory in self.numbered() if self.wrote(directory)]
         for directory in own[keep:]:
@@ -438,7 +479,9 @@ class CheckpointDirectory:
             return
         own: list[tuple[int, str]] = []
         dead: list[str] = []
-        for number, name in self.remote.numbered():
+        numbered = self.remote.numbered()
+        self._remote_seen = numbered
+        for number, name in numbered:
             record = self.remote.manifest(name)
             if record is not None and record.get(RUN_KEY) == self.run_id:
                 own.append((number, name))
@@ -449,10 +492,12 @@ class CheckpointDirectory:
             local = self.root / name
             if not self.is_protected(local):
                 self.remote.delete(name)
+                self._forget_remote(name)
                 if self.wrote(local) and local not in self.unpublished:
                     shutil.rmtree(local, ignore_errors=True)
         for name in dead:
             self.remote.delete(name)
+            self._forget_remote(name)
         oldest_kept = kept[-1][0] if len(kept) == keep else -1
         for number, local in self._local_numbered():
             if (
@@ -463,6 +508,25 @@ class CheckpointDirectory:
             ):
                 shutil.rmtree(local, ignore_errors=True)
 
+    def _commit_record(self, directory: Path) -> dict[str, Any] | None:
+        """The manifest of the committed checkpoint ``directory``: the local copy's, else (with a store) the
+        store's commit record under its name there; None when neither is committed."""
+        if is_checkpoint(directory):
+            try:
+                manifest = json.loads((directory / MANIFEST).read_text())
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+                return {}  # replaced since is_checkpoint read it: name no run rather than guess
+            return manifest if isinstance(manifest, dict) else {}
+        if self.remote is None:
+            return None
+        try:
+            return self.remote.manifest(self._remote_names.get(directory.absolute(), directory.name))
+        except (CheckpointError, OSError):
+            return None  # damaged, or the store does not answer: not a checkpoint anyone could load now
+
+    def _forget_remote(self, name: str) -> None:
+        self._remote_seen = [(number, seen) for number, seen in self._remote_seen if seen != name]
+
     def warn_about_other_runs(self) -> None:
         """Warn, once per run, when this directory holds checkpoints another run wrote, and say how this run treats
         them. Call on the main process only, where fit() starts or before a run's first automatic save."""
@@ -471,8 +535,8 @@ class CheckpointDirectory:
         self._told = self.run_id
         others = [
             (directory.name, run)
-            for _, directory in reversed(self.numbered())
-            if is_checkpoint(directory) and (run := _recorded_run(directory)) != self.run_id
+            for _, directory in reversed(self.numbered(fresh=True))
+            if (committed := self._commit_record(directory)) is not None and (run := _run_in(committed)) != self.run_id
         ]
         if not others:
             return
@@ -486,8 +550,9 @@ class CheckpointDirectory:
             else "this run numbers its own after them and never deletes them; to continue that run instead, pass "
             "fit(..., resume='latest') (or engine.load_state())."
         )
+        where = self.remote.describe() if self.remote is not None else self.root
         warnings.warn(
-            f"{self.root} holds {len(others)} checkpoint(s) that this run did not write ({shown}): {advice} "
+            f"{where} holds {len(others)} checkpoint(s) that this run did not write ({shown}): {advice} "
             "checkpoint_total_limit and Checkpoint(save_top_k=...) count and delete only this run's checkpoints.",
             CadenceWarning,
             stacklevel=user_stacklevel(),
@@ -496,13 +561,15 @@ class CheckpointDirectory:
     def best(self, monitor: str, mode: Literal["min", "max"] = "min") -> Path:
         """The checkpoint here that scored best on ``monitor`` (lowest with ``mode="min"``, highest with "max"; the
         older one on a tie), as recorded when it was saved (``Checkpoint(monitor=...)`` records it). Reads only
-        the files on disk, so a fresh process finds it too: ``engine.load_state(engine.checkpoints.best(...))``."""
+        the files on disk, so a fresh process finds it too: ``engine.load_state(engine.checkpoints.best(...))``.
+        With a store, its committed checkpoints are candidates too, and a winner held only there is downloaded:
+        the path returned is always a local checkpoint."""
         if mode not in ("min", "max"):
             raise ValueError(f"best(mode=...) must be 'min' or 'max'; got {mode!r}.")
         scored = [
             (score if mode == "min" else -score, number, directory)
-            for number, directory in self.numbered()
-            if is_checkpoint(directory) and (score := recorded_score(directory, monitor)) is not None
+            for number, directory in self.numbered(fresh=True)
+            if (score := self._score(directory, monitor)) is not None
         ]
         if not scored:
             raise CheckpointError(
@@ -510,7 +577,32 @@ class CheckpointDirectory:
                 f"Engine(callbacks=[Checkpoint(monitor={monitor!r})]) and log {monitor!r} (fit() logs validation "
                 "metrics as 'val/<name>'), or load a checkpoint by path."
             )
-        return min(scored)[2]
+        winner: Path = min(scored)[2]
+        if is_checkpoint(winner) or self.remote is None:
+            return winner
+        name = self._remote_names.get(winner.absolute(), winner.name)
+        record = self.remote.manifest(name)
+        if record is None:  # pragma: no cover - deleted by another process since it was scored
+            raise CheckpointError(f"{self.remote.describe(name)} was deleted while best() read it; call it again.")
+        return self._local_copy(name, record)  # only in the store (a fresh machine): downloaded
+
+    def _score(self, directory: Path, monitor: str) -> float | None:
+        """The score on ``monitor`` recorded in the committed checkpoint ``directory``: read from the local copy,
+        else (with a store) from the store's copy of its state document alone."""
+        if is_checkpoint(directory):
+            return recorded_score(directory, monitor)
+        if self.remote is None:
+            return None
+        name = self._remote_names.get(directory.absolute(), directory.name)
+        try:
+            if self.remote.manifest(name) is None:
+                return None
+            with tempfile.TemporaryDirectory(prefix="cadence-best-") as scratch:
+                storage, key = self.remote.storage, self.remote.key(f"{name}/{SHARED_JSON}")
+                with_retries(lambda: storage.download(key, Path(scratch) / SHARED_JSON), f"reading {key}")
+                return recorded_score(Path(scratch), monitor)
+        except (CheckpointError, OSError):
+            return None  # damaged (loading it would fail too), or gone since it was listed
 
 
 def _files_of(directory: Path) -> Any:
@@ -518,6 +610,11 @@ def _files_of(directory: Path) -> Any:
         return json.loads((directory / MANIFEST).read_text()).get("files")
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
         return None
+
+
+def _run_in(manifest: dict[str, Any]) -> str | None:
+    run = manifest.get(RUN_KEY)
+    return run if isinstance(run, str) and run else None
 
 
 def _recorded_run(directory: Path) -> str | None:

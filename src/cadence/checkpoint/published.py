@@ -130,6 +130,28 @@ def put(storage: Storage, source: Path, key: str) -> None:
 _upload = put
 
 
+def put_new(storage: Storage, source: Path, key: str) -> str:
+    """Upload the small local file ``source`` (a log set aside, which never changes again) to ``key`` without
+    replacing anything: when ``key`` holds other bytes (another machine's file of the same name), to the first free
+    ``stem.N.suffix`` beside it. Its key."""
+    data = source.read_bytes()
+    stem, dot, suffix = key.rpartition(".") if "." in key.rpartition("/")[2] else (key, "", "")
+    candidate, number = key, 1
+    while True:
+        if _create_or_find(storage, candidate, data, f"uploading {source} to {storage.describe(candidate)}"):
+            return candidate
+        number += 1
+        candidate = f"{stem}.{number}{dot}{suffix}"
+
+
+def _create_or_find(storage: Storage, key: str, data: bytes, what: str) -> bool:
+    """True when ``key`` holds ``data`` now: created, or there already (a retry after a lost answer, or published
+    before); False when it holds other bytes."""
+    if with_retries(lambda: storage.create(key, data), what):
+        return True
+    return with_retries(lambda: storage.read(key), what) == data
+
+
 def fetch(storage: Storage, prefix: str, target: Path) -> dict[str, Any]:
     """Download the checkpoint committed at ``prefix`` into the new local directory ``target`` (written aside and
     moved into place, manifest last, so a local reader sees it whole or not at all); its manifest. The files'

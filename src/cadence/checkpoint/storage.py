@@ -220,14 +220,28 @@ def open_storage(location: str | os.PathLike[str], options: dict[str, Any] | Non
 
 def check_reachable(storage: Storage, caller: str) -> None:
     """List the root once, so missing credentials, an unknown bucket or an unreachable endpoint stop the run
-    before any training, with what to fix."""
+    before any training, with what to fix. A transient failure (throttling, a 5xx, a reset connection) is tried
+    again (``published.with_retries``); an answer that will not change (no credentials, no bucket) stops at once."""
+    from cadence.checkpoint.published import with_retries  # here: ``import cadence`` stays light
+
+    def check() -> None:
+        try:
+            storage.check()
+        except (ImportError, CheckpointError, FileNotFoundError, PermissionError):
+            raise
+        except Exception as error:
+            if _about_credentials(error):
+                raise _NoCredentials(error) from error  # not transient: with_retries raises it at once
+            raise
+
     try:
-        storage.check()
+        with_retries(check, f"reaching {storage.describe()}")
     except (ImportError, CheckpointError):
         raise
-    except Exception as error:
+    except Exception as raised:
+        error = raised.error if isinstance(raised, _NoCredentials) else raised
         name = type(error).__name__
-        credentials = "credential" in f"{name} {error}".lower() or isinstance(error, PermissionError)
+        credentials = _about_credentials(error) or isinstance(error, PermissionError)
         advice = (
             "Set credentials the usual way (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE, a config file "
             "or an instance role for s3://; GOOGLE_APPLICATION_CREDENTIALS for gs://), or pass them in "
@@ -237,6 +251,18 @@ def check_reachable(storage: Storage, caller: str) -> None:
             "Engine(storage_options={'endpoint_url': ...}))."
         )
         raise CheckpointError(f"{caller} cannot reach {storage.describe()}: {name}: {error}. {advice}") from error
+
+
+class _NoCredentials(PermissionError):
+    """A refusal for want of credentials, which no retry changes."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _about_credentials(error: BaseException) -> bool:
+    return "credential" in f"{type(error).__name__} {error}".lower()
 
 
 def _protocol(url: str) -> str:
