@@ -28,6 +28,7 @@ from cadence.checkpoint.checks import (
     optimizer_identity,
     warn_unmatched_callbacks,
 )
+from cadence.checkpoint.commit import remove_abandoned
 from cadence.checkpoint.errors import CheckpointError
 from cadence.checkpoint.files import FORMAT_VERSION, MANIFEST, CheckpointReader, CheckpointWriter
 from cadence.checkpoint.rng import capture_rng_states, check_rng_states, restore_rng_states
@@ -92,6 +93,8 @@ def begin_engine_save(
     if refusal is not None:
         raise CheckpointError(refusal)
     alone = probe is not None and not sees(engine.checkpoints.root, probe)
+    if alone:
+        remove_abandoned(final.parent)  # what saves killed on this rank's disk left; the main rank clears its own
     writer = CheckpointWriter(final, None if alone else temporary, buffers, alone=alone)
     try:
         # Every rank calls the strategy and the callbacks (their saves may be collectives); the main rank's entries
