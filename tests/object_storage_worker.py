@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 import cadence
 from cadence.callbacks import Checkpoint
 from cadence.checkpoint import storage
+from cadence.checkpoint.errors import CheckpointError
 from tests.helpers import RegressionStep, loader
 
 MAX_STEPS = 8
@@ -130,3 +131,60 @@ def ddp_resume(url: str, local_dir: str, batch_size: int) -> dict[str, Any]:
             workers.train_step(engine, net, optimizer, inputs, targets)
             seen.extend(engine.gather(ids).tolist())
     return {"after": seen, "weights": weights, "loaded": str(loaded)}
+
+
+def fsdp_on_own_disks(
+    url: str, root: str, saves: list[tuple[int, bool]], resume: bool, refused_rank: int | None = None
+) -> dict[str, Any]:
+    """A rank of an FSDP job to ``url`` whose local working copy is a directory of its own (``root/rank_<r>``), as
+    on machines with separate local disks: resume from the store's newest checkpoint when ``resume``, train 2 epochs
+    with an automatic save at each step of ``saves`` (``blocking`` beside it). ``refused_rank``: that rank's writes
+    to the store are refused (an ACL the store does not know), its reads are not. Returns the global sample ids after
+    the last save, the full weights at each save and at the end, and each save's failure, if any."""
+    from tests.distributed import workers
+
+    rank = int(os.environ["RANK"])
+    refused = {"s3_additional_kwargs": {"ACL": "no-such-acl"}, "config_kwargs": {"retries": {"max_attempts": 1}}}
+    options = refused if rank == refused_rank else None
+    engine = cadence.Engine(
+        accelerator="cpu",
+        strategy="fsdp",
+        seed=5,
+        project_dir=url,
+        local_dir=Path(root) / f"rank_{rank}",
+        storage_options=options,
+        progress_bar=False,
+    )
+    net = workers.model()
+    net, optimizer, data = engine.prepare(
+        net, torch.optim.AdamW(net.parameters(), lr=0.01), DataLoader(workers.dataset(), 4, shuffle=True)
+    )
+    loaded = str(engine.load_state()) if resume else None
+    at_load = workers.full_weights(engine, net)
+    after: list[int] = []
+    at_save: list[list[torch.Tensor]] = []
+    failures: list[str | None] = []
+    pending = dict(saves)
+    while data.epoch < 2:
+        for inputs, targets, ids in data:
+            workers.train_step(engine, net, optimizer, inputs, targets)
+            after.extend(engine.gather(ids).tolist())
+            if engine.state.step in pending:
+                after.clear()
+                try:
+                    engine.save_state(blocking=pending.pop(engine.state.step))
+                    engine.wait_for_checkpoint()
+                    failures.append(None)
+                except CheckpointError as error:
+                    failures.append(str(error))
+                at_save.append(workers.full_weights(engine, net))
+    engine.wait_for_checkpoint()
+    return {
+        "loaded": loaded,
+        "at_load": at_load,
+        "after": after,
+        "at_save": at_save,
+        "final": workers.full_weights(engine, net),
+        "failures": failures,
+        "local": sorted(str(path.relative_to(root)) for path in Path(root).rglob("checkpoint_*")),
+    }

@@ -31,7 +31,7 @@ import cadence
 from cadence import Callback
 from cadence.callbacks import Checkpoint
 from cadence.checkpoint.errors import CheckpointError
-from cadence.checkpoint.listing import verify
+from cadence.checkpoint.listing import list_stored, verify
 from cadence.checkpoint.published import PublishedCheckpoints, fetch
 from cadence.checkpoint.state_document import read_recorded
 from cadence.checkpoint.storage import open_storage
@@ -384,6 +384,67 @@ def test_ddp_saves_to_s3_in_the_background_and_resumes_on_another_machine(bucket
     assert resumed[0]["after"] == saved[0]["after"], "the resumed run saw another sample order"
     for rank in range(2):
         assert_bitwise_equal(resumed[rank]["weights"], saved[0]["weights"])
+
+
+@pytest.mark.slow
+def test_fsdp_ranks_on_separate_disks_each_upload_their_shards_and_resume_bitwise_on_new_disks(
+    bucket: str, tmp_path: Path
+) -> None:
+    from cadence.testing.spawn import spawn
+    from tests import object_storage_worker
+
+    url = f"{bucket}/fsdp"
+    # Each rank's local working copy is a directory of its own, as on machines with separate local disks. A save
+    # in the foreground at step 3, one in the background at step 6; 8 steps in all.
+    saved = spawn(2, object_storage_worker.fsdp_on_own_disks, url, str(tmp_path / "a"), [(3, True), (6, False)], False)
+    assert saved[0]["failures"] == saved[1]["failures"] == [None, None]
+    # No rank holds a whole checkpoint, so none is kept locally: the store's copy is the checkpoint.
+    assert saved[0]["local"] == saved[1]["local"] == []
+    entries = list_stored(f"{url}/checkpoints", check_checksums=True)
+    assert [(entry.name, entry.status, entry.step, entry.verified) for entry in entries] == [
+        ("checkpoint_0", "committed", 3, True),
+        ("checkpoint_1", "committed", 6, True),
+    ]
+    record = PublishedCheckpoints(open_storage(url)).manifest("checkpoint_1")
+    assert record is not None and record["world_size"] == 2
+    shards = [name for name in record["files"] if name.startswith("model_0.shards/")]
+    assert "rank_1.json" in record["files"] and len(shards) == 2, record["files"]
+    # A new job on new, empty local disks: every rank downloads the checkpoint and continues bit for bit.
+    resumed = spawn(2, object_storage_worker.fsdp_on_own_disks, url, str(tmp_path / "b"), [], True)
+    for rank in range(2):
+        assert resumed[rank]["loaded"] == str(tmp_path / "b" / f"rank_{rank}" / "checkpoints" / "checkpoint_1")
+        assert_bitwise_equal(resumed[rank]["at_load"], saved[0]["at_save"][1])
+        assert_bitwise_equal(resumed[rank]["final"], saved[0]["final"])
+    assert resumed[0]["after"] == saved[0]["after"], "the resumed run saw another sample order"
+
+
+@pytest.mark.slow
+def test_a_rank_whose_upload_fails_leaves_the_checkpoint_uncommitted_and_the_previous_one_usable(
+    bucket: str, tmp_path: Path
+) -> None:
+    from cadence.testing.spawn import spawn
+    from tests import object_storage_worker
+
+    url = f"{bucket}/fsdp"
+    first = spawn(2, object_storage_worker.fsdp_on_own_disks, url, str(tmp_path / "a"), [(3, True)], False)
+    assert first[0]["failures"] == [None]
+    # Rank 1 of the next job may read the store but not write to it: its shards never get there.
+    worker = object_storage_worker.fsdp_on_own_disks
+    failed = spawn(2, worker, url, str(tmp_path / "b"), [(6, True)], True, 1)
+    for rank in range(2):
+        (failure,) = failed[rank]["failures"]
+        assert failure is not None and "not committed" in failure and "rank 1" in failure, failure
+        assert "rank 0" not in failure, failure
+    entries = list_stored(f"{url}/checkpoints")
+    assert [(entry.name, entry.status) for entry in entries] == [
+        ("checkpoint_0", "committed"),
+        ("checkpoint_1", "incomplete"),
+    ]
+    resumed = spawn(2, worker, url, str(tmp_path / "c"), [], True)
+    for rank in range(2):
+        assert resumed[rank]["loaded"] == str(tmp_path / "c" / f"rank_{rank}" / "checkpoints" / "checkpoint_0")
+        assert_bitwise_equal(resumed[rank]["at_load"], first[0]["at_save"][0])
+        assert_bitwise_equal(resumed[rank]["final"], first[0]["final"])
 
 
 def test_the_checkpoint_commands_read_a_store(bucket: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

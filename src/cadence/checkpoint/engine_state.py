@@ -28,9 +28,11 @@ from cadence.checkpoint.checks import (
     optimizer_identity,
     warn_unmatched_callbacks,
 )
+from cadence.checkpoint.commit import remove_abandoned
 from cadence.checkpoint.errors import CheckpointError
-from cadence.checkpoint.files import MANIFEST, CheckpointReader, CheckpointWriter
+from cadence.checkpoint.files import FORMAT_VERSION, MANIFEST, CheckpointReader, CheckpointWriter
 from cadence.checkpoint.rng import capture_rng_states, check_rng_states, restore_rng_states
+from cadence.checkpoint.shard_uploads import Identity, identity, publish_shards, sees
 from cadence.checkpoint.state_document import (
     RANK_SECTIONS,
     SHARED_JSON,
@@ -81,13 +83,19 @@ def begin_engine_save(
     strategy = engine.strategy
     main = engine.is_main_process
     final = target if target is not None else engine.checkpoints.path(number)
-    prepared: tuple[Path | None, str | None] = (None, None)
+    prepared: tuple[Path | None, str | None, Identity | None] = (None, None, None)
+    # An automatic save to a store asks whether the ranks share the main rank's local directory (shard_uploads.py).
+    probing = target is None and engine.checkpoints.remote is not None
     if main:
-        prepared = engine.checkpoints.claim(target, final)
-    temporary, refusal = strategy.broadcast_object(prepared)
+        temporary, refusal = engine.checkpoints.claim(target, final)
+        prepared = (temporary, refusal, identity(temporary) if probing and temporary is not None else None)
+    temporary, refusal, probe = strategy.broadcast_object(prepared)
     if refusal is not None:
         raise CheckpointError(refusal)
-    writer = CheckpointWriter(final, temporary, buffers)
+    alone = probe is not None and not sees(engine.checkpoints.root, probe)
+    if alone:
+        remove_abandoned(final.parent)  # what saves killed on this rank's disk left; the main rank clears its own
+    writer = CheckpointWriter(final, None if alone else temporary, buffers, alone=alone)
     try:
         # Every rank calls the strategy and the callbacks (their saves may be collectives); the main rank's entries
         # go into state.json. Callbacks first: one may put back weights it swapped in (EMA) before models are read.
@@ -104,7 +112,7 @@ def begin_engine_save(
         _write_rank(engine, writer)
         writer.seal()
     except BaseException:
-        if main:
+        if main or writer.alone:
             writer.abort()
         raise
     return EngineSave(engine, writer, target, number, mirrored)
@@ -134,19 +142,47 @@ class EngineSave:
         """Every rank calls this, with collectives over the same group; returns the committed path and number."""
         writer = self._writer
         try:
-            files = collectives.all_gather_object(writer.finish())
+            gathered = collectives.all_gather_object((writer.finish(), writer.alone))
+            every_file = {name: entry for table, _ in gathered for name, entry in table.items()}
+            if any(alone for _, alone in gathered):
+                return self._publish_shards(collectives, every_file)
             outcome: tuple[Path | None, int, str | None] = (None, self._number, None)
             if self._main:
-                every_file = {name: entry for table in files for name, entry in table.items()}
                 outcome = self._checkpoints.commit(writer, every_file, self._target, self._mirrored, **self._manifest)
             committed, number, failure = collectives.broadcast_object(outcome)
             if failure is not None:
                 raise CheckpointError(failure)
             return committed, number
         except BaseException:
-            if self._main:
+            if self._main or writer.alone:
                 writer.abort()
             raise
+
+    def _publish_shards(self, collectives: ObjectCollectives, every_file: dict[str, Any]) -> tuple[Path, int]:
+        """The ranks' local directories are separate: every rank uploads its own files and the main rank commits
+        in the store (``shard_uploads.py``). No rank holds the whole checkpoint, so none is kept locally: the store's
+        copy is the checkpoint, downloaded by every rank that loads it."""
+        writer = self._writer
+        record = {"format_version": FORMAT_VERSION, **self._manifest, "run": self._checkpoints.run_id}
+        remote = self._checkpoints.remote
+        if remote is None:  # pragma: no cover - only automatic saves to a store probe the ranks' disks
+            raise CheckpointError("No remote store.")
+        mirrored = self._mirrored if self._main else []
+        try:
+            _, number = publish_shards(
+                collectives,
+                remote,
+                self._main,
+                writer.directory,
+                writer.files,
+                record | {"files": every_file},
+                self._number,
+                mirrored,
+            )
+        finally:
+            if self._main or writer.alone:
+                writer.abort()  # removes this rank's local directory, uploaded or not
+        return self._checkpoints.path(number), number
 
 
 def _owner(engine: Engine, optimizer: PreparedOptimizer) -> nn.Module | None:

@@ -73,10 +73,14 @@ class CheckpointWriter:
     the caller may change them as soon as ``write_tensors`` returns.
     """
 
-    def __init__(self, final: Path, directory: Path | None = None, buffers: HostBuffers | None = None) -> None:
+    def __init__(
+        self, final: Path, directory: Path | None = None, buffers: HostBuffers | None = None, alone: bool = False
+    ) -> None:
         """``directory``: the temporary directory another rank's writer created, to add this rank's files to.
-        ``buffers``: take a snapshot into them (see above)."""
+        ``buffers``: take a snapshot into them (see above). ``alone``: this rank of several writes into a directory
+        of its own (the ranks' local disks are separate), so it records the trees it writes itself."""
         self.final = final
+        self.alone = alone
         if directory is None:
             self.final.parent.mkdir(parents=True, exist_ok=True)
             directory = temporary_name(final)
@@ -132,7 +136,7 @@ class CheckpointWriter:
 
         def step() -> None:
             write(self.directory / subdirectory)
-            if record:
+            if record or self.alone:
                 self.record_tree(subdirectory)
 
         if self._deferred is None:

@@ -144,7 +144,8 @@ def _stored_entry(
             verify(local)
         else:
             stored = set(with_retries(lambda: published.storage.children(name), f"listing {published.describe(name)}"))
-            missing = sorted(set(manifest["files"]) - stored)
+            # One listing, of the top level: a sharded checkpoint's files lie a level below (model_0.shards/...).
+            missing = sorted({name.split("/", 1)[0] for name in manifest["files"]} - stored)
             if missing:
                 raise CheckpointError(
                     f"{published.describe(name)} lacks {', '.join(missing)}, which its manifest lists."

@@ -94,22 +94,38 @@ def publish(
     the commit record, or None when another save claimed ``prefix`` first (nothing was written then).
     ``patch``: fields of the commit record that differ from the local manifest (the number it is published as)."""
     local = json.loads((source / MANIFEST).read_text())
-    claim = json.dumps(
+    if not claim(storage, prefix, run):
+        return None
+    upload_files(storage, source, local["files"], prefix)
+    return commit_record(storage, prefix, {**local, **(patch or {})})
+
+
+def claim(storage: Storage, prefix: str, run: str) -> bool:
+    """Claim ``prefix`` for one save of ``run`` (step 1 above); False when another save claimed it first."""
+    mine = json.dumps(
         {"run": run, "token": secrets.token_hex(8), "host": socket.gethostname(), "pid": os.getpid()}
     ).encode()
     claim_key = _join(prefix, CLAIM)
-    with_retries(lambda: storage.create(claim_key, claim), f"claiming {storage.describe(claim_key)}")
+    with_retries(lambda: storage.create(claim_key, mine), f"claiming {storage.describe(claim_key)}")
     # Whoever reads back another claim lost: the condition refused this one, or a store that ignores it let the
     # last writer win. A refusal is no loss either when the claim read back is this one: a retry after a lost
     # answer (a reset connection) found the write that had landed.
-    if with_retries(lambda: storage.read(claim_key), f"reading {storage.describe(claim_key)}") != claim:
-        return None
-    names = sorted(local["files"], key=lambda name: -int(local["files"][name]["size"]))
+    return with_retries(lambda: storage.read(claim_key), f"reading {storage.describe(claim_key)}") == mine
+
+
+def upload_files(storage: Storage, source: Path, files: dict[str, dict[str, Any]], prefix: str) -> None:
+    """Upload ``files`` (names under the local directory ``source``, with their manifest entries) under
+    ``prefix`` (step 2 above), several at once, the largest first."""
+    names = sorted(files, key=lambda name: -int(files[name]["size"]))
     with ThreadPoolExecutor(max_workers=_UPLOADS) as pool:
         uploads = [pool.submit(_upload, storage, source / name, _join(prefix, name)) for name in names]
         for upload in uploads:
             upload.result()
-    record = {**local, **(patch or {})}
+
+
+def commit_record(storage: Storage, prefix: str, record: dict[str, Any]) -> dict[str, Any]:
+    """Write ``record`` as the commit record of the claimed ``prefix`` (step 3 above, once every file is there);
+    returns it."""
     key = _join(prefix, MANIFEST)
     data = json.dumps(record, indent=1, sort_keys=True).encode()
     created = with_retries(lambda: storage.create(key, data), f"committing {storage.describe(key)}")
@@ -250,6 +266,14 @@ class PublishedCheckpoints:
             if publish(self.storage, source, self.key(name), run, {"checkpoint_number": number}) is not None:
                 return name, number
             number += 1
+
+    def claim(self, run: str, first: int) -> tuple[str, int]:
+        """Claim the first ``checkpoint_{n}`` from ``n = first`` on that no other save claimed, for a save whose
+        files come from several places (``shard_uploads.py``); its name and number."""
+        number = first
+        while not claim(self.storage, self.key(f"checkpoint_{number}"), run):
+            number += 1
+        return f"checkpoint_{number}", number
 
     def fetch(self, name: str, target: Path) -> dict[str, Any]:
         return fetch(self.storage, self.key(name), target)
