@@ -375,8 +375,8 @@ def reachable_metrics(owner: Any, models: Iterable[nn.Module]) -> list[Any]:
 def number(value: Any) -> Value | None:
     """A loggable number as accumulated: a tensor's one element (float64, where it lives) or a float; None if not."""
     if isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = value.detach()
-        return (value if value.dim() == 0 else value.reshape(())).to(torch.float64)  # a loss is 0-dim: no view
+        detached = value.detach()
+        return (detached if detached.dim() == 0 else detached.reshape(())).to(torch.float64)  # 0-dim: no view
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
         return float(value)
     return None
@@ -569,20 +569,29 @@ class EpochMetricsState(Callback):
         owner, engine = self._owner, self._engine
         if engine is None:
             return {}
+        # The names earlier epochs produced go too: state.metrics comes back holding their values, which the
+        # resumed process's loggers must keep out of per-step rows as the uninterrupted one does.
+        names = sorted(owner.names)
         if engine.world_size == 1:
-            return {"ranks": [owner.training.state_dict()]} if owner._used else {}
+            return {"ranks": [owner.training.state_dict()], "names": names} if owner._used else {}
         # Every rank gathers, whether or not it logged yet: one that logged cannot know the others did.
         ranks = engine.strategy.all_gather_object((owner._used, owner.training.state_dict()))
-        return {"ranks": [state for _, state in ranks]} if any(used for used, _ in ranks) else {}
+        return {"ranks": [state for _, state in ranks], "names": names} if any(used for used, _ in ranks) else {}
 
     def check_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
             return  # saved before anything accumulated
-        ranks = state_dict.get("ranks")
-        if not isinstance(ranks, list) or not all(isinstance(rank, dict) for rank in ranks):
+        ranks, names = state_dict.get("ranks"), state_dict.get("names")
+        if (
+            not isinstance(ranks, list)
+            or not all(isinstance(rank, dict) for rank in ranks)
+            or not isinstance(names, list)
+            or not all(isinstance(name, str) for name in names)
+        ):
             raise ValueError(
-                "The checkpoint's epoch metrics (callback 'cadence.epoch_metrics') are not a list of per-rank states: "
-                "it was not written by this version of cadence. Resume from a checkpoint taken at an epoch's end."
+                "The checkpoint's epoch metrics (callback 'cadence.epoch_metrics') are not a list of per-rank states "
+                "and a list of names: it was not written by this version of cadence. Load it with the version that "
+                "saved it, or start the run afresh."
             )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -592,6 +601,7 @@ class EpochMetricsState(Callback):
         ranks: list[dict[str, Any]] = state_dict["ranks"]
         owner = self._owner
         owner._used = True
+        owner.names.update(state_dict["names"])
         if len(ranks) == engine.world_size:
             owner.training.load_state_dict(ranks[engine.rank])
             return
