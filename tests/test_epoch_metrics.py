@@ -357,3 +357,37 @@ def test_early_stopping_checkpoint_best_k_and_schedule_monitor_a_training_epoch_
     assert state.epoch == 2 and state.metrics["ids/mean"] == -17.5
     assert stopping.best_score == ranking.best_score == 2.5
     assert lrs == [0.1, 0.1, 0.05]  # halved at the end of each epoch whose ids/mean did not rise
+
+
+def test_after_a_mid_epoch_resume_step_rows_do_not_repeat_the_last_epoch_s_aggregates(tmp_path: Path) -> None:
+    # state.metrics comes back from the checkpoint with epoch 0's ids/mean in it; the resumed process must know the
+    # name is an epoch aggregate (the checkpoint says so) or its step rows repeat epoch 0's value.
+    def run(resume: Path | None, kill_at: int | None) -> None:
+        engine = cadence.Engine(
+            accelerator="cpu", progress_bar=False, model_summary=False, project_dir=tmp_path, callbacks=[CSVLogger()]
+        )
+
+        class Kill(cadence.Callback):
+            def on_batch_end(self, engine: cadence.Engine) -> None:
+                if engine.state.step == kill_at:
+                    engine.save_state(tmp_path / "mid_epoch_1")
+                    raise Killed
+
+        engine.add_callback(Kill())
+        with contextlib.suppress(Killed):
+            engine.fit(LogsIdMeans(engine), ids(6, 2), max_epochs=2, resume=resume)
+
+    run(None, 5)  # epoch 1's second batch
+    run(tmp_path / "mid_epoch_1", None)
+    with (tmp_path / "metrics.csv").open(newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [(row["step"], row["ids/mean"]) for row in rows if row["ids/mean"]] == [("3", "2.5"), ("6", "-7.5")]
+    assert [row["step"] for row in rows if row["loss"]] == ["1", "2", "3", "4", "5", "6"]
+
+
+def test_an_epoch_metrics_state_without_its_names_is_refused_with_the_fix() -> None:
+    saver = cadence.Engine(accelerator="cpu", progress_bar=False, model_summary=False).epoch_metrics.saver
+    state = {"ranks": [{"batches": 1, "entries": {}, "metrics": {}}], "names": ["ids/mean"]}
+    saver.check_state_dict(state)
+    with pytest.raises(ValueError, match=r"a list of names: it was not written by this version of cadence\. Load it"):
+        saver.check_state_dict({"ranks": state["ranks"]})

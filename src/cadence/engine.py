@@ -644,19 +644,18 @@ class Engine:
         ``weight`` (default: the batch's real samples, repeats left out). A ``torchmetrics`` ``Metric`` or
         ``MetricCollection`` the step updated is computed at the epoch's (pass's) end, over every rank, and reset.
         Nothing waits for the device or the other ranks before the end."""
-        if reduce is None and weight is None and not is_metric(value):
+        if is_metric(value):
+            self.epoch_metrics.log_metric(self, name, value, reduce, weight)
+        elif reduce is None and weight is None:
             self.state.metrics[name] = value
-            return
-        self.epoch_metrics.log(self, name, value, reduce, weight)
+        else:
+            self.epoch_metrics.log_value(self, name, value, reduce, weight)
 
     def log_dict(self, metrics: Mapping[str, Any], reduce: Reduce | None = None, weight: Any = None) -> None:
         """``engine.log(name, value, reduce, weight)`` for every item of ``metrics``. Tensors are kept as they are (no
         device sync); loggers read them when they write."""
-        if reduce is None and weight is None and not any(is_metric(value) for value in metrics.values()):
-            self.state.metrics.update(metrics)
-            return
         for name, value in metrics.items():
-            self.log(name, value, reduce, weight)
+            self.log(name, value, reduce, weight)  # each value looked at once: a metric object or a number
 
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
         """Record the run's hyperparameters for every attached logger (``Event.LOG_HYPERPARAMS``). A nested mapping

@@ -10,6 +10,7 @@ imported it and the value is one of its ``Metric`` / ``MetricCollection`` (``is_
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import sys
@@ -38,7 +39,13 @@ METRIC = "metric"
 
 def metric_types() -> tuple[type, ...]:
     """torchmetrics' ``Metric`` and ``MetricCollection`` when the user's code imported torchmetrics, else none."""
-    module = sys.modules.get("torchmetrics")
+    return _types_in(sys.modules.get("torchmetrics"))
+
+
+@functools.cache
+def _types_in(module: Any) -> tuple[type, ...]:
+    # Cached by module object: a step checks every value it returns, every batch; the classes of one imported
+    # torchmetrics never change (a re-imported module is another object, so another entry).
     metric, collection = getattr(module, "Metric", None), getattr(module, "MetricCollection", None)
     return tuple(kind for kind in (metric, collection) if isinstance(kind, type))
 
@@ -89,11 +96,11 @@ class Accumulator:
         if isinstance(weight, float) and weight == 0.0:
             return
         if reduce == "mean":
-            entry.total = entry.total + value * weight
+            entry.total = _added(entry.total, value * weight)
             entry.weight = entry.weight + weight
             return
         if reduce == "sum":
-            entry.total = entry.total + value * weight
+            entry.total = _added(entry.total, value * weight)
         elif entry.weight == 0.0:
             entry.total = value
         else:
@@ -178,6 +185,15 @@ def _kinds_clash(name: str, had: str, now: str) -> str:
         if METRIC not in (had, now)
         else f"{name!r} was logged both as a torchmetrics object and as a value in one epoch (pass)"
     ) + ": a name is reduced one way; log the other under a name of its own."
+
+
+def _added(total: Value, term: Value) -> Value:
+    """``total + term``, in place into ``total`` once it is a tensor of this accumulator's own: the first term makes
+    one (``total + term`` is a new tensor, never the caller's), later ones add into it with no allocation per batch.
+    The same rounding either way (one float64 addition)."""
+    if isinstance(total, torch.Tensor) and isinstance(term, torch.Tensor) and total.device == term.device:
+        return total.add_(term)
+    return total + term
 
 
 def _extreme(reduce: str, old: Value, new: Value) -> Value:
@@ -359,7 +375,8 @@ def reachable_metrics(owner: Any, models: Iterable[nn.Module]) -> list[Any]:
 def number(value: Any) -> Value | None:
     """A loggable number as accumulated: a tensor's one element (float64, where it lives) or a float; None if not."""
     if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return value.detach().reshape(()).to(torch.float64)
+        detached = value.detach()
+        return (detached if detached.dim() == 0 else detached.reshape(())).to(torch.float64)  # 0-dim: no view
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
         return float(value)
     return None
@@ -427,22 +444,26 @@ class EpochMetrics:
         if not any(callback is self.saver for callback in engine.callbacks):
             engine.add_callback(self.saver)
 
-    def log(self, engine: Engine, name: str, value: Any, reduce: str | None, weight: Any) -> None:
-        """``engine.log`` with ``reduce``, ``weight`` or a metric object."""
-        if not isinstance(name, str):
-            raise TypeError(f"engine.log() takes a metric name as a str; got {name!r}.")
+    def log_metric(self, engine: Engine, name: str, metric: Any, reduce: str | None, weight: Any) -> None:
+        """``engine.log`` of a torchmetrics object (``is_metric(metric)``, which the caller checked)."""
+        _check_name(name)
+        if reduce is not None or weight is not None:
+            raise ValueError(
+                f"engine.log({name!r}, <{type(metric).__name__}>, reduce=/weight=): a torchmetrics object is "
+                "computed at the end of the epoch (pass), over every rank, not reduced: drop reduce= and weight=."
+            )
+        scope = self.scope
+        if scope is not None:
+            scope.accumulator.add_metric(name, metric)
+            return
+        self.training.add_metric(name, metric)
+        self._start(engine)
+
+    def log_value(self, engine: Engine, name: str, value: Any, reduce: str | None, weight: Any) -> None:
+        """``engine.log`` of a number with ``reduce`` or ``weight`` (not a metric object: the caller checked)."""
+        _check_name(name)
         scope = self.scope
         target = scope.accumulator if scope is not None else self.training
-        if is_metric(value):
-            if reduce is not None or weight is not None:
-                raise ValueError(
-                    f"engine.log({name!r}, <{type(value).__name__}>, reduce=/weight=): a torchmetrics object is "
-                    "computed at the end of the epoch (pass), over every rank, not reduced: drop reduce= and weight=."
-                )
-            target.add_metric(name, value)
-            if scope is None:
-                self._start(engine)
-            return
         if reduce not in REDUCES:
             hint = "pass reduce='mean' (or 'sum', 'max', 'min') with weight=" if reduce is None else ""
             raise ValueError(
@@ -501,13 +522,18 @@ class EpochMetrics:
         self.names.update(results)
 
 
+def _check_name(name: Any) -> None:
+    if not isinstance(name, str):
+        raise TypeError(f"engine.log() takes a metric name as a str; got {name!r}.")
+
+
 def _training_real(engine: Engine) -> int | None:
     """The real samples of the training batch running now, from ``state.batch`` (None: unknown)."""
     samples = batch_samples(engine.state.batch)
     if samples is None:
         return None
     for loader in engine.dataloaders:
-        if loader.in_pass and loader.in_last_batch:
+        if loader.in_last_batch and loader.in_pass:  # the cheaper test first: it is False on most batches
             sampler = loader.cursor.sampler
             return sampler.real_in_last_batch(samples) if sampler is not None else samples
     return samples
@@ -543,20 +569,29 @@ class EpochMetricsState(Callback):
         owner, engine = self._owner, self._engine
         if engine is None:
             return {}
+        # The names earlier epochs produced go too: state.metrics comes back holding their values, which the
+        # resumed process's loggers must keep out of per-step rows as the uninterrupted one does.
+        names = sorted(owner.names)
         if engine.world_size == 1:
-            return {"ranks": [owner.training.state_dict()]} if owner._used else {}
+            return {"ranks": [owner.training.state_dict()], "names": names} if owner._used else {}
         # Every rank gathers, whether or not it logged yet: one that logged cannot know the others did.
         ranks = engine.strategy.all_gather_object((owner._used, owner.training.state_dict()))
-        return {"ranks": [state for _, state in ranks]} if any(used for used, _ in ranks) else {}
+        return {"ranks": [state for _, state in ranks], "names": names} if any(used for used, _ in ranks) else {}
 
     def check_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
             return  # saved before anything accumulated
-        ranks = state_dict.get("ranks")
-        if not isinstance(ranks, list) or not all(isinstance(rank, dict) for rank in ranks):
+        ranks, names = state_dict.get("ranks"), state_dict.get("names")
+        if (
+            not isinstance(ranks, list)
+            or not all(isinstance(rank, dict) for rank in ranks)
+            or not isinstance(names, list)
+            or not all(isinstance(name, str) for name in names)
+        ):
             raise ValueError(
-                "The checkpoint's epoch metrics (callback 'cadence.epoch_metrics') are not a list of per-rank states: "
-                "it was not written by this version of cadence. Resume from a checkpoint taken at an epoch's end."
+                "The checkpoint's epoch metrics (callback 'cadence.epoch_metrics') are not a list of per-rank states "
+                "and a list of names: it was not written by this version of cadence. Load it with the version that "
+                "saved it, or start the run afresh."
             )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -566,6 +601,7 @@ class EpochMetricsState(Callback):
         ranks: list[dict[str, Any]] = state_dict["ranks"]
         owner = self._owner
         owner._used = True
+        owner.names.update(state_dict["names"])
         if len(ranks) == engine.world_size:
             owner.training.load_state_dict(ranks[engine.rank])
             return
