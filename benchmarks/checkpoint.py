@@ -27,8 +27,8 @@ most one (~1.2 GB) at a time.
 ``ratio`` is the time an operation took over the time its reference would take for the same bytes (the
 reference's MB/s over the operation's): 1.00 runs at the reference's speed, 2.00 at half of it.
 
-    python benchmarks/checkpoint.py [--params 100_000_000] [--repeats 5] [--dir PATH]
-        [--loads | --background | --object-store]
+    python benchmarks/checkpoint.py [--params N] [--repeats 5] [--dir PATH]
+        [--loads | --background | --object-store [--save-every STEPS] [--saves N]]
         [--threads N]
 
 ``--loads`` times only the full loads (cadence, Accelerate, torch) against the raw cold read of the same bytes,
@@ -37,9 +37,21 @@ each time, the peak resident memory of the process during it, over the checkpoin
 and of two loads (into live state, and into a fresh model and optimizer), each in a process of its own that holds
 only the model and its optimizer, so the interpreter's own memory can be told apart.
 
-``--object-store`` starts moto's S3 server on localhost and times cadence's upload of a committed checkpoint
-against s3fs's own ``put`` of the same files (the bound), and saves to ``s3://`` (blocking, and until a background
-save returns) against a blocking local save of the same state.
+``--object-store`` starts moto's S3 server (``moto_server``) on localhost in a process of its own and measures, on
+the state of ``--params`` parameters + AdamW (``--params 85000000``: ~1 GB):
+
+* (a) the upload of a committed checkpoint by cadence's background upload (the thread a save to a URL
+  ``project_dir`` starts: claim, files, manifest last) against s3fs's own ``put`` of the same files to the same
+  server (the bound), taking turns in a rotated order over ``--repeats`` rounds; median and best;
+* (b) the training thread's stall at each save in a loop of training steps (a save every ``--save-every`` steps,
+  by default 3 uploads' time apart, so that an upload can end in between; ``--saves`` counted): the time ``save_state``
+  takes to return, which for a save to ``s3://`` includes finishing the previous upload (and retention's remote
+  deletes), for a background save and a blocking one to ``s3://``, against a blocking save to a local
+  ``project_dir`` of the same state; then where that time goes, from the training thread's stack sampled during
+  the saves.
+
+Every row counts the server's 5xx answers during it (from the server's request log: retried or not) and the
+rounds that failed; a row with failures still prints what its other rounds measured.
 
 ``--background`` measures background saves (``save_state(blocking=False)``) while the same model trains (AdamW,
 batches of ``BACKGROUND_BATCH``): the training stall per checkpoint (the time ``save_state`` takes to return, plus
@@ -809,6 +821,8 @@ UPLOAD = "cadence upload (claim, files, manifest)"
 STALL_LOCAL = "blocking save_state, local"
 STALL_BLOCKING = "blocking save_state to s3://, until it returns"
 STALL_BACKGROUND = "save_state(blocking=False) to s3://, until it returns"
+OBJECT_STORE_PARAMS = 20_000_000
+"""``--object-store``'s default model: a 240 MB state, a run of minutes against moto (a Python server)."""
 OBJECT_STORE_BATCH = 32
 """Batch of the training steps between saves: small, so a step of a ~1 GB model stays well under a second on a
 few CPU cores and the saves come at the spacing asked for."""
@@ -848,12 +862,15 @@ class MotoServer:
         """Where the log ends now: ``requests_since(mark)`` counts what the server answered after it."""
         return self._log.stat().st_size
 
-    def requests_since(self, mark: int) -> tuple[int, collections.Counter[int]]:
-        """The requests answered since ``mark``, and the count of each 5xx status among them."""
+    def requests_since(self, mark: int) -> tuple[int, collections.Counter[int], str]:
+        """The requests answered since ``mark``, the count of each 5xx status among them, and the first such
+        request's log line ("" if none)."""
         with open(self._log, "rb") as log:
             log.seek(mark)
-            statuses = [int(found[1]) for found in _STATUS.finditer(log.read())]
-        return len(statuses), collections.Counter(status for status in statuses if status >= 500)
+            lines = log.read().decode(errors="replace").splitlines()
+        statuses = [(int(found[1]), line) for line in lines if (found := _STATUS.search(line.encode()))]
+        failed = [(status, line) for status, line in statuses if status >= 500]
+        return len(statuses), collections.Counter(status for status, _ in failed), failed[0][1] if failed else ""
 
     def stop(self) -> None:
         self.process.terminate()
@@ -877,6 +894,8 @@ class Variant:
     """5xx answers of the server during its rounds (the clients retried them, or failed)."""
     requests: list[int] = field(default_factory=list)
     """Requests per round."""
+    first_server_error: str = ""
+    """The server's log line of the first 5xx answer."""
 
     def measure(
         self,
@@ -897,9 +916,10 @@ class Variant:
         else:
             elapsed = time.perf_counter() - start
             self.seconds.append(elapsed)
-        count, errors = server.requests_since(mark)
+        count, errors, line = server.requests_since(mark)
         self.requests.append(count)
         self.server_errors.update(errors)
+        self.first_server_error = self.first_server_error or line
         return elapsed
 
     def errors(self) -> str:
@@ -1085,8 +1105,9 @@ def run_object_store(root: Path, params: int, repeats: int, save_every: int | No
         step_time = statistics.median(train_step() for _ in range(3))
         upload_time = statistics.median(uploads[UPLOAD].seconds or uploads[UPLOAD_BOUND].seconds or [0.0])
         # The saves far enough apart that an upload can end before the next save (else the store's bandwidth, not
-        # the save, sets the pace): 1.5 uploads' time, in steps.
-        every = save_every or max(2, math.ceil(1.5 * upload_time / step_time))
+        # the save, sets the pace): 3 uploads' time, in steps, as training, the background write and the server
+        # share the cores (on 2 busy cores, 1.5 uploads' time was not enough: the next save waited for the upload).
+        every = save_every or max(2, math.ceil(3 * upload_time / step_time))
         print(
             f"loop:   a save every {every} steps (step {step_time:.2f} s, batch {OBJECT_STORE_BATCH}; upload "
             f"{upload_time:.1f} s), {saves} saves counted per row after one uncounted; checkpoint_total_limit=1"
@@ -1165,6 +1186,9 @@ def print_object_store(uploads: dict[str, Variant], loops: list[StallLoop], tota
         steps = f"{statistics.median(loop.steps):.3f}" if loop.steps else ""
         print(f"| {variant.name} | {best} | {median} | {ratio} | {steps} | {variant.errors()} |")
     print(f"(a training step alone, before the loops: {step_time:.3f} s)")
+    for variant in [*uploads.values(), *(loop.variant for loop in loops)]:
+        if variant.first_server_error:
+            print(f"first 5xx of {variant.name}: {variant.first_server_error.strip()}")
     for loop in loops:
         counted = max(1, len(loop.variant.seconds) + len(loop.variant.failures))
         spent = sum(loop.profile.values())
@@ -1186,7 +1210,12 @@ def _rate(variant: Variant, total: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--params", type=int, default=100_000_000, help="model parameters (default 100M)")
+    parser.add_argument(
+        "--params",
+        type=int,
+        default=None,
+        help="model parameters (default 100M; with --object-store 20M, a 240 MB state: 85000000 is ~1 GB)",
+    )
     parser.add_argument("--repeats", type=int, default=5, help="rounds; the best of each is reported (default 5)")
     parser.add_argument(
         "--dir",
@@ -1221,13 +1250,15 @@ def main() -> None:
         "--save-every",
         type=int,
         default=None,
-        help="with --object-store: training steps between saves (default: 1.5 uploads' time in steps)",
+        help="with --object-store: training steps between saves (default: 3 uploads' time in steps)",
     )
     parser.add_argument(
         "--saves", type=int, default=3, help="with --object-store: saves counted per stall row (default 3)"
     )
     parser.add_argument("--memory-of", choices=MEMORY_MODES, help=argparse.SUPPRESS)  # --loads runs it in a child
     args = parser.parse_args()
+    if args.params is None:
+        args.params = OBJECT_STORE_PARAMS if args.object_store else 100_000_000
     if args.memory_of is not None:
         measure_memory(args.dir, args.params, args.memory_of)
         return
