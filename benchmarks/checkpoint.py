@@ -27,8 +27,8 @@ most one (~1.2 GB) at a time.
 ``ratio`` is the time an operation took over the time its reference would take for the same bytes (the
 reference's MB/s over the operation's): 1.00 runs at the reference's speed, 2.00 at half of it.
 
-    python benchmarks/checkpoint.py [--params 100_000_000] [--repeats 5] [--dir PATH]
-        [--loads | --background | --object-store]
+    python benchmarks/checkpoint.py [--params N] [--repeats 5] [--dir PATH]
+        [--loads | --background | --object-store [--save-every STEPS] [--saves N]]
         [--threads N]
 
 ``--loads`` times only the full loads (cadence, Accelerate, torch) against the raw cold read of the same bytes,
@@ -37,9 +37,21 @@ each time, the peak resident memory of the process during it, over the checkpoin
 and of two loads (into live state, and into a fresh model and optimizer), each in a process of its own that holds
 only the model and its optimizer, so the interpreter's own memory can be told apart.
 
-``--object-store`` starts moto's S3 server on localhost and times cadence's upload of a committed checkpoint
-against s3fs's own ``put`` of the same files (the bound), and saves to ``s3://`` (blocking, and until a background
-save returns) against a blocking local save of the same state.
+``--object-store`` starts moto's S3 server (``moto_server``) on localhost in a process of its own and measures, on
+the state of ``--params`` parameters + AdamW (``--params 85000000``: ~1 GB):
+
+* (a) the upload of a committed checkpoint by cadence's background upload (the thread a save to a URL
+  ``project_dir`` starts: claim, files, manifest last) against s3fs's own ``put`` of the same files to the same
+  server (the bound), taking turns in a rotated order over ``--repeats`` rounds; median and best;
+* (b) the training thread's stall at each save in a loop of training steps (a save every ``--save-every`` steps,
+  by default 3 uploads' time apart, so that an upload can end in between; ``--saves`` counted): the time ``save_state``
+  takes to return, which for a save to ``s3://`` includes finishing the previous upload (and retention's remote
+  deletes), for a background save and a blocking one to ``s3://``, against a blocking save to a local
+  ``project_dir`` of the same state; then where that time goes, from the training thread's stack sampled during
+  the saves.
+
+Every row counts the server's 5xx answers during it (from the server's request log: retried or not) and the
+rounds that failed; a row with failures still prints what its other rounds measured.
 
 ``--background`` measures background saves (``save_state(blocking=False)``) while the same model trains (AdamW,
 batches of ``BACKGROUND_BATCH``): the training stall per checkpoint (the time ``save_state`` takes to return, plus
@@ -52,19 +64,26 @@ against the same run without checkpoints. The three runs take turns, in a rotate
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
+import functools
 import gc
+import importlib.metadata
 import logging
 import math
 import os
 import platform
+import re
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import urllib.error
+import urllib.request
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -796,136 +815,407 @@ def run_background(root: Path, params: int, repeats: int) -> None:
         )
 
 
+# --- object storage --------------------------------------------------------------------------------------------
 UPLOAD_BOUND = "s3fs put of the same files (bound)"
+UPLOAD = "cadence upload (claim, files, manifest)"
+STALL_LOCAL = "blocking save_state, local"
+STALL_BLOCKING = "blocking save_state to s3://, until it returns"
+STALL_BACKGROUND = "save_state(blocking=False) to s3://, until it returns"
+OBJECT_STORE_PARAMS = 20_000_000
+"""``--object-store``'s default model: a 240 MB state, a run of minutes against moto (a Python server)."""
+OBJECT_STORE_BATCH = 32
+"""Batch of the training steps between saves: small, so a step of a ~1 GB model stays well under a second on a
+few CPU cores and the saves come at the spacing asked for."""
+_STATUS = re.compile(rb'" (\d{3}) ')
 
 
-def run_object_store(root: Path, params: int, repeats: int) -> None:
-    """Checkpoints on object storage, against moto's S3 server on localhost (started here, on a thread): cadence's
-    upload of a committed checkpoint (claim, files, manifest last) against s3fs's own ``put`` of the same files to
-    the same server (the bound); and what a save to ``s3://`` costs the training thread, blocking and in the
-    background (both return before their upload, which runs on a thread of its own), against a blocking local save
-    of the same state."""
-    import socket
+class MotoServer:
+    """moto's S3 server on localhost in a process of its own, so its request handling does not share the GIL with
+    the benchmark's threads (training, upload). Its request log goes to a file: every request's HTTP status, so the
+    server's errors under load are counted, including the ones the clients' retries hide."""
 
-    import boto3
-    import fsspec.asyn
-    import s3fs
-    import s3fs.core
-    from moto.server import ThreadedMotoServer
+    def __init__(self, log: Path) -> None:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = log
+        with open(log, "wb") as output:
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", "from moto.server import main; main()", "-H", "127.0.0.1", "-p", str(self.port)],
+                stdout=output, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(self.url, timeout=2).close()
+                return
+            except urllib.error.HTTPError:
+                return  # it answered
+            except OSError:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"moto's S3 server did not start: {log.read_text()[-2000:]}") from None
+                time.sleep(0.2)
 
-    from cadence.checkpoint.published import publish
+    def mark(self) -> int:
+        """Where the log ends now: ``requests_since(mark)`` counts what the server answered after it."""
+        return self._log.stat().st_size
+
+    def requests_since(self, mark: int) -> tuple[int, collections.Counter[int], str]:
+        """The requests answered since ``mark``, the count of each 5xx status among them, and the first such
+        request's log line ("" if none)."""
+        with open(self._log, "rb") as log:
+            log.seek(mark)
+            lines = log.read().decode(errors="replace").splitlines()
+        statuses = [(int(found[1]), line) for line in lines if (found := _STATUS.search(line.encode()))]
+        failed = [(status, line) for status, line in statuses if status >= 500]
+        return len(statuses), collections.Counter(status for status, _ in failed), failed[0][1] if failed else ""
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+@dataclass
+class Variant:
+    """One measured operation of ``--object-store``: its times, and what went wrong (kept, never a dropped
+    round: the row still prints what it measured)."""
+
+    name: str
+    seconds: list[float] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    """The exceptions of the rounds that raised (their time is not in ``seconds``)."""
+    server_errors: collections.Counter[int] = field(default_factory=collections.Counter)
+    """5xx answers of the server during its rounds (the clients retried them, or failed)."""
+    requests: list[int] = field(default_factory=list)
+    """Requests per round."""
+    first_server_error: str = ""
+    """The server's log line of the first 5xx answer."""
+
+    def measure(
+        self,
+        server: MotoServer,
+        action: Callable[[], Any],
+        around: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+    ) -> float | None:
+        """Run ``action`` once (inside ``around()``), timed; its seconds, or None when it raised (counted in
+        ``failures``)."""
+        mark = server.mark()
+        start = time.perf_counter()
+        try:
+            with around():
+                action()
+        except Exception as error:
+            self.failures.append(f"{type(error).__name__}: {error}".splitlines()[0][:160])
+            elapsed = None
+        else:
+            elapsed = time.perf_counter() - start
+            self.seconds.append(elapsed)
+        count, errors, line = server.requests_since(mark)
+        self.requests.append(count)
+        self.server_errors.update(errors)
+        self.first_server_error = self.first_server_error or line
+        return elapsed
+
+    def errors(self) -> str:
+        parts = [f"{count} x {status}" for status, count in sorted(self.server_errors.items())]
+        if self.failures:
+            parts.append(f"{len(self.failures)} failed: {self.failures[0]}")
+        return "; ".join(parts) or "0"
+
+
+class StackSampler:
+    """Where the training thread waits: while ``sampling``, a thread looks at its stack every few milliseconds and
+    charges the time since the previous look to the innermost cadence calls on it (with the call below them, e.g.
+    ``Thread.join`` or an s3fs ``rm``). A profile of the stall that names cadence's own functions, without changing
+    them."""
+
+    def __init__(self, interval: float = 0.004) -> None:
+        self.seconds: collections.Counter[str] = collections.Counter()
+        self._interval = interval
+        self._target = threading.get_ident()
+        self._package = str(Path(cadence.__file__).resolve().parent)
+        self._active = threading.Event()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-stack-sampler", daemon=True)
+        self._thread.start()
+
+    @contextlib.contextmanager
+    def sampling(self) -> Iterator[None]:
+        self._active.set()
+        try:
+            yield
+        finally:
+            self._active.clear()
+
+    def _run(self) -> None:
+        last = time.perf_counter()
+        while not self._stopped.is_set():
+            self._active.wait(0.1)
+            now = time.perf_counter()
+            if not self._active.is_set():
+                last = now
+                continue
+            frame = sys._current_frames().get(self._target)
+            if frame is not None:
+                self.seconds[self._label(frame)] += now - last
+            last = now
+            time.sleep(self._interval)
+
+    def _label(self, frame: Any) -> str:
+        ours: list[str] = []
+        below = ""
+        while frame is not None and len(ours) < 3:
+            code = frame.f_code
+            name = getattr(code, "co_qualname", code.co_name)
+            if str(Path(code.co_filename).resolve()).startswith(self._package):
+                ours.append(f"{Path(code.co_filename).stem}.{name}")
+            elif not ours:
+                below = f"{Path(code.co_filename).stem}.{name}"
+            frame = frame.f_back
+        return " < ".join(ours) + (f" [in {below}]" if below else "") if ours else f"outside cadence [{below}]"
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._active.set()
+        self._thread.join()
+
+
+def cadence_upload(saved: Path, url: str) -> None:
+    """cadence's background upload of the committed local checkpoint ``saved`` (the thread a save to a URL
+    ``project_dir`` starts), to ``url``'s ``checkpoints/checkpoint_0``, waited for."""
+    from cadence.checkpoint.published import PublishedCheckpoints
     from cadence.checkpoint.storage import FsspecStorage
+    from cadence.checkpoint.uploads import Upload
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    upload = Upload(PublishedCheckpoints(FsspecStorage(url)), saved, "bench", 0, None, [])
+    upload.join()
+    if upload.error is not None:
+        raise upload.error
+
+
+def upload_rounds(server: MotoServer, fs: Any, saved: Path, repeats: int) -> dict[str, Variant]:
+    """(a) The same committed checkpoint uploaded by cadence and by s3fs's ``put`` (the bound), to fresh prefixes
+    of the same bucket, taking turns in a rotated order round after round; each round's objects are deleted after
+    it, untimed."""
+    files = files_under(saved)
+    variants = {name: Variant(name) for name in (UPLOAD_BOUND, UPLOAD)}
+    actions: dict[str, Callable[[int], Any]] = {
+        UPLOAD_BOUND: lambda index: fs.put(
+            [str(path) for path in files],
+            [f"bench/bound-{index}/{path.relative_to(saved).as_posix()}" for path in files],
+        ),
+        UPLOAD: lambda index: cadence_upload(saved, f"s3://bench/upload-{index}"),
+    }
+    names = list(actions)
+    for index in range(repeats):
+        shift = index % len(names)
+        for name in names[shift:] + names[:shift]:
+            variants[name].measure(server, lambda name=name, index=index: actions[name](index))
+        for prefix in (f"bench/bound-{index}", f"bench/upload-{index}"):
+            with contextlib.suppress(FileNotFoundError):
+                fs.rm(prefix, recursive=True)
+    return variants
+
+
+@dataclass
+class StallLoop:
+    """(b) The training thread's stall at saves taken in a loop of training steps."""
+
+    variant: Variant
+    steps: list[float] = field(default_factory=list)
+    """Every training step's seconds (between saves: the uploads run meanwhile)."""
+    profile: collections.Counter[str] = field(default_factory=collections.Counter)
+
+
+def stall_loop(
+    server: MotoServer,
+    engine: cadence.Engine,
+    train_step: Callable[[], float],
+    name: str,
+    save: Callable[[], Any],
+    every: int,
+    saves: int,
+    sampler: StackSampler,
+) -> StallLoop:
+    """``saves + 1`` saves, ``every`` training steps apart; the first (which has no upload before it to finish) is
+    not counted. A save's stall is the time ``save`` takes to return: for a save to ``s3://`` that includes
+    finishing the previous upload (waiting for it if it is not done, then retention's deletes). The page cache
+    is flushed (untimed) before each save. A failed upload (a warning when the next save takes it in) counts as a
+    failure."""
+    loop = StallLoop(Variant(name))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for index in range(saves + 1):
+            loop.steps.extend(train_step() for _ in range(every))
+            settle()
+            if index == 0:
+                save()
+                continue
+            sampler.seconds.clear()
+            loop.variant.measure(server, save, sampler.sampling)
+            loop.profile.update(sampler.seconds)
+        engine.wait_for_checkpoint()  # the last upload, and what it ended with
+    loop.variant.failures.extend(
+        str(warning.message).splitlines()[0][:160] for warning in caught if "failed" in str(warning.message)
+    )
+    return loop
+
+
+def run_object_store(root: Path, params: int, repeats: int, save_every: int | None, saves: int) -> None:
+    """Checkpoints on object storage, against moto's S3 server on localhost in a process of its own: (a) cadence's
+    background upload of a committed checkpoint against s3fs's own ``put`` of the same files to the same server
+    (the bound); (b) the training thread's stall at each save in a loop of training steps, with the upload to
+    ``s3://`` in the background (a background save, and a blocking one), against a blocking local save of the same
+    state; and where the stall's time goes."""
+    import s3fs
+
+    server = MotoServer(root / "moto.log")
     for name, value in (
         ("AWS_ACCESS_KEY_ID", "bench"),
         ("AWS_SECRET_ACCESS_KEY", "bench"),
         ("AWS_DEFAULT_REGION", "us-east-1"),
-        ("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}"),
+        ("AWS_ENDPOINT_URL", server.url),
     ):
         os.environ[name] = value
-    # Every s3fs request goes through fsspec.asyn.sync from the thread that wants it: count the training thread's
-    # during the saves to s3:// after the first (retention and numbering belong on the upload thread, not here).
-    on_training_thread = [0, 0.0]
-    synchronous = fsspec.asyn.sync
-    saving = threading.Event()
-
-    def counted(loop: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
-        if not saving.is_set() or threading.current_thread() is not threading.main_thread():
-            return synchronous(loop, func, *args, **kwargs)
-        start = time.perf_counter()
-        try:
-            return synchronous(loop, func, *args, **kwargs)
-        finally:
-            on_training_thread[0] += 1
-            on_training_thread[1] += time.perf_counter() - start
-
-    def save_counted(**kwargs: Any) -> Any:
-        saving.set()
-        try:
-            return remote.save_state(**kwargs)
-        finally:
-            saving.clear()
-
-    fsspec.asyn.sync = s3fs.core.sync = counted
-    timed_saves = 0
+    sampler = StackSampler()
     try:
-        boto3.client("s3").create_bucket(Bucket="bench")
-        torch.manual_seed(0)
-        model = make_model(params)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        step_once(model, optimizer)
-        remote = cadence.Engine(
-            accelerator="cpu", progress_bar=False, model_summary=False, project_dir="s3://bench/run",
-            local_dir=root / "remote",
-        )  # fmt: skip
-        remote.prepare(model, optimizer)
-        saved = remote.save_state(root / "saved")
-        files = list(files_under(saved))
-        total = sum(path.stat().st_size for path in files)
         fs = s3fs.S3FileSystem()
-        storage = FsspecStorage("s3://bench/uploads")
-        print(f"server: moto {ThreadedMotoServer.__module__} on 127.0.0.1:{port}, s3fs {s3fs.__version__}")
-        print(f"bytes:  {total:,} B ({total / MB:,.0f} MB) in {len(files)} files; repeats {repeats}")
-        bench = Bench()
-        for round_number in range(repeats):
-            prefix = f"round-{round_number}"
-            targets = [f"bench/bound/{prefix}/{path.name}" for path in files]
-            bench.time(
-                UPLOAD_BOUND, None, lambda: total, lambda targets=targets: fs.put([str(p) for p in files], targets)
-            )
-            bench.time(
-                "cadence upload (claim, files, manifest)", UPLOAD_BOUND, lambda: total,
-                lambda prefix=prefix: publish(storage, saved, prefix, "bench"),
-            )  # fmt: skip
-            here = root / f"local-{round_number}"
-            bench.time("blocking save_state, local", None, lambda: total, lambda here=here: remote.save_state(here))
-            remove(here)
-            bench.time(
-                "blocking save_state to s3://, until it returns", "blocking save_state, local", lambda: total,
-                save_counted,
-            )  # fmt: skip
-            remote.wait_for_checkpoint()  # its upload, which ran on while the row's clock had stopped
-            if round_number == 0:
-                on_training_thread[:] = [0, 0.0]  # the run's first save lists the store once: not steady state
-            timed_saves += 2
-            pending = bench.time(
-                "save_state(blocking=False) to s3://, until it returns", "blocking save_state, local", lambda: total,
-                lambda: save_counted(blocking=False),
-            )  # fmt: skip
-            if pending is not None:
-                pending.result()
-            remote.wait_for_checkpoint()
-            remote.checkpoints.prune(keep=1)
+        fs.mkdir("bench")
+        engine, train_step, width = object_store_training(params, root / "local")
+        saved = engine.save_state(root / "saved")
+        total = size_of(saved)
+        fs.put(str(files_under(saved)[-1]), "bench/warm-up")  # connects, untimed
+        versions = f"moto {importlib.metadata.version('moto')}, s3fs {s3fs.__version__}"
+        print(f"server: moto_server (a process of its own) on 127.0.0.1:{server.port}; {versions}")
+        print(f"disk:   {describe_disk(root)}")
         print(
-            bench.table(
-                [
-                    UPLOAD_BOUND,
-                    "cadence upload (claim, files, manifest)",
-                    "blocking save_state, local",
-                    "blocking save_state to s3://, until it returns",
-                    "save_state(blocking=False) to s3://, until it returns",
-                ]
-            )
+            f"state:  {LAYERS} x Linear({width}, {width}) + AdamW: {total:,} B ({total / MB:,.0f} MB) in "
+            f"{len(files_under(saved))} files; {os.cpu_count()} CPUs, torch {torch.get_num_threads()} threads; "
+            f"load average {os.getloadavg()[0]:.1f} at the start"
         )
-        requests, seconds = on_training_thread
+        uploads = upload_rounds(server, fs, saved, repeats)
+        remove(saved)
+
+        step_time = statistics.median(train_step() for _ in range(3))
+        upload_time = statistics.median(uploads[UPLOAD].seconds or uploads[UPLOAD_BOUND].seconds or [0.0])
+        # The saves far enough apart that an upload can end before the next save (else the store's bandwidth, not
+        # the save, sets the pace): 3 uploads' time, in steps, as training, the background write and the server
+        # share the cores (on 2 busy cores, 1.5 uploads' time was not enough: the next save waited for the upload).
+        every = save_every or max(2, math.ceil(3 * upload_time / step_time))
         print(
-            f"store requests from the training thread per save to s3:// (after the first): "
-            f"{requests / max(timed_saves - 1, 1):.1f}, {1000 * seconds / max(timed_saves - 1, 1):.1f} ms"
+            f"loop:   a save every {every} steps (step {step_time:.2f} s, batch {OBJECT_STORE_BATCH}; upload "
+            f"{upload_time:.1f} s), {saves} saves counted per row after one uncounted; checkpoint_total_limit=1"
         )
+        loop = functools.partial(stall_loop, server, every=every, saves=saves, sampler=sampler)
+        loops = [loop(engine, train_step, STALL_LOCAL, engine.save_state)]
+        engine.close()
+        del engine, train_step
+        gc.collect()
+        engine, train_step, _ = object_store_training(params, "s3://bench/run", local_dir=root / "remote")
+        loops.append(loop(engine, train_step, STALL_BLOCKING, engine.save_state))
+        loops.append(loop(engine, train_step, STALL_BACKGROUND, lambda: engine.save_state(blocking=False)))
+        engine.close()
+        print_object_store(uploads, loops, total, step_time)
     finally:
-        fsspec.asyn.sync = s3fs.core.sync = synchronous
+        sampler.stop()
         server.stop()
+
+
+def object_store_training(
+    params: int, project_dir: str | Path, **options: Any
+) -> tuple[cadence.Engine, Callable[[], float], int]:
+    """An engine saving to ``project_dir`` (keeping one checkpoint), its model stepped twice (AdamW's state
+    exists), and a timed training step."""
+    torch.manual_seed(0)
+    model = make_model(params)
+    engine = cadence.Engine(
+        accelerator="cpu", progress_bar=False, model_summary=False, project_dir=project_dir,
+        checkpoint_total_limit=1, **options,
+    )  # fmt: skip
+    prepared, optimizer = engine.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+    batch = torch.randn(OBJECT_STORE_BATCH, model[0].in_features)
+
+    def train_step() -> float:
+        start = time.perf_counter()
+        engine.backward(prepared(batch).square().mean())
+        optimizer.step()
+        optimizer.zero_grad()
+        return time.perf_counter() - start
+
+    for _ in range(2):
+        train_step()
+    return engine, train_step, model[0].in_features
+
+
+def print_object_store(uploads: dict[str, Variant], loops: list[StallLoop], total: int, step_time: float) -> None:
+    print()
+    print(
+        "| upload | MB | best s | median s | MB/s (median) | throughput / bound's: best, median (goal >= 0.90) | "
+        "requests per round | server 5xx, failures |\n|---|---:|---:|---:|---:|---:|---:|---|"
+    )
+    bound = uploads[UPLOAD_BOUND].seconds
+    for variant in uploads.values():
+        ratio = ""
+        if variant.seconds and bound and variant.name != UPLOAD_BOUND:
+            medians = statistics.median(bound) / statistics.median(variant.seconds)
+            ratio = f"{min(bound) / min(variant.seconds):.2f}, {medians:.2f}"
+        print(f"| {variant.name} | {total / MB:,.0f} | {_times(variant)} | {_rate(variant, total)} | {ratio} | "
+              f"{statistics.median(variant.requests) if variant.requests else ''} | {variant.errors()} |")  # fmt: skip
+    print()
+    print(
+        "| save, in a loop of training steps | stall s: best | median | stall / blocking local save (median; goal "
+        "<= 0.15 for the background save) | step s between saves (median) | server 5xx, failures |"
+        "\n|---|---:|---:|---:|---:|---|"
+    )
+    reference = loops[0].variant.seconds
+    for loop in loops:
+        variant = loop.variant
+        ratio = (
+            f"{statistics.median(variant.seconds) / statistics.median(reference):.2f}"
+            if variant.seconds and reference
+            else ""
+        )
+        best = f"{min(variant.seconds):.3f}" if variant.seconds else "n/a"
+        median = f"{statistics.median(variant.seconds):.3f}" if variant.seconds else "n/a"
+        steps = f"{statistics.median(loop.steps):.3f}" if loop.steps else ""
+        print(f"| {variant.name} | {best} | {median} | {ratio} | {steps} | {variant.errors()} |")
+    print(f"(a training step alone, before the loops: {step_time:.3f} s)")
+    for variant in [*uploads.values(), *(loop.variant for loop in loops)]:
+        if variant.first_server_error:
+            print(f"first 5xx of {variant.name}: {variant.first_server_error.strip()}")
+    for loop in loops:
+        counted = max(1, len(loop.variant.seconds) + len(loop.variant.failures))
+        spent = sum(loop.profile.values())
+        print()
+        print(f"where the training thread waits, {loop.variant.name} (sampled; s per save):")
+        for label, seconds in loop.profile.most_common(8):
+            print(f"  {seconds / counted:7.3f}  {100 * seconds / spent if spent else 0:5.1f}%  {label}")
+
+
+def _times(variant: Variant) -> str:
+    if not variant.seconds:
+        return "n/a | n/a"
+    return f"{min(variant.seconds):.2f} | {statistics.median(variant.seconds):.2f}"
+
+
+def _rate(variant: Variant, total: int) -> str:
+    return f"{total / MB / statistics.median(variant.seconds):,.1f}" if variant.seconds else ""
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--params", type=int, default=100_000_000, help="model parameters (default 100M)")
+    parser.add_argument(
+        "--params",
+        type=int,
+        default=None,
+        help="model parameters (default 100M; with --object-store 20M, a 240 MB state: 85000000 is ~1 GB)",
+    )
     parser.add_argument("--repeats", type=int, default=5, help="rounds; the best of each is reported (default 5)")
     parser.add_argument(
         "--dir",
@@ -956,8 +1246,19 @@ def main() -> None:
         help="torch's intra-op threads (default: torch's choice); with --background, fewer threads than cores "
         "leave the writer a core, as training on an accelerator does",
     )
+    parser.add_argument(
+        "--save-every",
+        type=int,
+        default=None,
+        help="with --object-store: training steps between saves (default: 3 uploads' time in steps)",
+    )
+    parser.add_argument(
+        "--saves", type=int, default=3, help="with --object-store: saves counted per stall row (default 3)"
+    )
     parser.add_argument("--memory-of", choices=MEMORY_MODES, help=argparse.SUPPRESS)  # --loads runs it in a child
     args = parser.parse_args()
+    if args.params is None:
+        args.params = OBJECT_STORE_PARAMS if args.object_store else 100_000_000
     if args.memory_of is not None:
         measure_memory(args.dir, args.params, args.memory_of)
         return
@@ -971,8 +1272,9 @@ def main() -> None:
     try:
         mode = run_loads if args.loads else run_background if args.background else run
         if args.object_store:
-            mode = run_object_store
-        mode(root, args.params, args.repeats)
+            run_object_store(root, args.params, args.repeats, args.save_every, args.saves)
+        else:
+            mode(root, args.params, args.repeats)
     finally:
         shutil.rmtree(root, ignore_errors=True)
         if created:
