@@ -185,7 +185,7 @@ def check_shared(shared: Any, origin: str) -> dict[str, Any]:
         for alias in aliases:
             _field(aliases, alias, str, origin, f"{where}.aliases")
         _field(model, "grads", bool, origin, where)
-        if "grad_ranks" in model:  # absent from a single process's and older checkpoints
+        if "grad_ranks" in model:  # absent from a single process's checkpoints
             _count(model, "grad_ranks", origin, where, least=1)
     for index, optimizer in enumerate(document["optimizers"]):
         where = f"optimizers[{index}]"
