@@ -37,7 +37,8 @@ SHARED_TENSORS = "state.safetensors"
 SCORE_KEY = "checkpoint_score"
 """A key a callback may put in its state: ``{"monitor": name, "value": score, "mode": "min" | "max"}`` (or None)
 records that the checkpoint it is saved in scored ``value`` on metric ``name``, where ``mode`` says which way is
-better (absent before cadence recorded it); ``recorded_score`` reads it from disk."""
+better (a callback that records none gets no best in ``cadence checkpoint list``); ``recorded_score`` reads it
+from disk."""
 PROTECTS_KEY = "checkpoint_protects"
 """A key a callback may put in its state: the checkpoints it holds from retention (``CheckpointDirectory.protect``)
 when the checkpoint it is saved in was written: names of checkpoints beside it, absolute paths elsewhere, None for
