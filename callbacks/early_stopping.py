@@ -139,12 +139,10 @@ class EarlyStopping(Callback):
                 "best_step": step,
                 "stopped_step": step,
                 "last_check_step": int,
+                "stop_reason": (str, type(None)),
+                "reference": (torch.Tensor, float, int),
             },
         )
-        if "stop_reason" in state_dict:  # absent from checkpoints of earlier versions
-            check_state_fields(owner, state_dict, {"stop_reason": (str, type(None))})
-        if "reference" in state_dict:  # absent from checkpoints of earlier versions
-            check_state_fields(owner, state_dict, {"reference": (torch.Tensor, float, int)})
         for name in ("best_score", "reference"):
             value = state_dict.get(name)
             if isinstance(value, torch.Tensor) and value.numel() != 1:
@@ -153,11 +151,10 @@ class EarlyStopping(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.wait_count = int(state_dict["wait_count"])
         self.best_score = float(state_dict["best_score"])
-        # Earlier versions kept only the reference, under best_score.
-        self._reference = float(state_dict.get("reference", state_dict["best_score"]))
+        self._reference = float(state_dict["reference"])
         self.best_step = state_dict["best_step"]
         self.stopped_step = state_dict["stopped_step"]
-        self.stop_reason = state_dict.get("stop_reason")  # absent from checkpoints of earlier versions
+        self.stop_reason = state_dict["stop_reason"]
         self._restored_stop_step = self.stopped_step
         self._last_check_step = int(state_dict["last_check_step"])
 

@@ -288,7 +288,8 @@ class Logger(Callback):
         self._losses = [loss for loss in self._losses if loss.step <= restored_step]
         if self.project_dir is not None:
             # Rows still buffered were never handed to the backend, so none of them is in the checkpoint's position
-            # unless the checkpoint does not say (an older one): keep those of the restored step then.
+            # unless the checkpoint holds none (the logger was not attached when it was saved): keep those of the
+            # restored step then.
             self._pending = [
                 (step, row)
                 for step, row in self._pending

@@ -68,7 +68,7 @@ class MixedPrecision(Callback):
     def check_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._attached()
         owner = f"callback {self.state_key!r}"
-        if "precision" in state_dict:
+        if state_dict:  # empty: saved by a MixedPrecision never attached, which has no precision yet
             check_state_fields(owner, state_dict, {"precision": str})
             if state_dict["precision"] not in _NAMES:
                 refuse_state(owner, f"its precision {state_dict['precision']!r} is none of {', '.join(_NAMES)}")
@@ -105,11 +105,8 @@ class MixedPrecision(Callback):
 
 
 def _saved_precision(state_dict: dict[str, Any]) -> str | None:
-    """The precision a checkpoint was saved in; ``None`` when unknown (checkpoints of earlier cadence versions: a bf16
-    or fp32 run saved an empty table, an fp16 run its grad scaler's state alone)."""
+    """The precision a checkpoint was saved in; ``None`` for the empty state of a ``MixedPrecision`` never attached."""
     saved = state_dict.get("precision")
-    if saved is None and state_dict:
-        return "fp16"
     return saved if isinstance(saved, str) else None
 
 

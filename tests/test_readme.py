@@ -1,4 +1,5 @@
-"""The README's code that promises a behaviour runs as written: its learning-rate scheduler snippet."""
+"""The README's code that promises a behaviour runs as written: its learning-rate scheduler snippet; its Layout
+section names only files that exist."""
 
 from __future__ import annotations
 
@@ -53,3 +54,24 @@ def test_the_epoch_metrics_snippet_prints_what_the_readme_shows(
     )
     assert shown is not None
     assert capsys.readouterr().out.strip() == shown.group(1)
+
+
+def test_the_layout_section_names_only_files_and_folders_that_exist() -> None:
+    root = README.parent
+    found = re.search(r"## Layout\n\n```\n(.*?)```", README.read_text(), re.DOTALL)
+    assert found is not None, "README.md has no Layout block"
+    named: list[Path] = []
+    folder = root
+    for line in found.group(1).splitlines():
+        if line[:18].strip():
+            folder = root / line[:18].strip()
+            named.append(folder)
+        for name in re.findall(r"(?<![\w/-])([\w/-]+\.(?:py|md))\b", line[18:]):
+            named.append(root / name if "/" in name else folder / name)  # docs/x.md: from the root
+    # A package's modules, in parentheses that may go on over the next line: ``checkpoint/ (engine_state, ...)``.
+    block = " ".join(line[18:] for line in found.group(1).splitlines())
+    for package, modules in re.findall(r"\b([a-z_]+)/ \(([a-z_, .]+?)\)", block):
+        named += [root / "src" / "cadence" / package / f"{module}.py" for module in re.findall(r"[a-z_]+", modules)]
+    assert len(named) > 30
+    missing = [str(path.relative_to(root)) for path in named if not path.exists()]
+    assert not missing, f"README.md's Layout names what does not exist: {missing}"

@@ -1,4 +1,5 @@
-"""State documents every field where ``help(cadence.State)`` shows it."""
+"""State documents every field, as a docstring under it (editors show it) and where ``help(cadence.State)`` shows it;
+it keeps what callbacks and users read, and its checkpointed counters are listed once."""
 
 from __future__ import annotations
 
@@ -12,7 +13,11 @@ import torch
 from torch import nn
 
 from cadence import Callback, Engine
-from cadence.state import State, _doc, _list_fields
+from cadence.attribute_docs import attribute_docs, document_fields
+from cadence.checkpoint.errors import CheckpointCorrupted
+from cadence.checkpoint.state_document import check_shared
+from cadence.fit_progress import FitProgress
+from cadence.state import COUNTERS, State
 
 
 def _words(text: str) -> str:
@@ -25,24 +30,49 @@ def _help_text(cls: type) -> str:
     return _words(re.sub(r"(?m)^ \|  ?", "", rendered))
 
 
-def test_help_shows_every_public_field_with_its_type_and_documentation() -> None:
-    shown = _help_text(State)
-    public = [field for field in dataclasses.fields(State) if not field.name.startswith("_")]
-    assert len(public) > 10
+@pytest.mark.parametrize("cls", [State, FitProgress])
+def test_help_shows_every_public_field_with_its_type_and_its_docstring(cls: type) -> None:
+    shown, docs = _help_text(cls), attribute_docs(cls)
+    assert docs is not None
+    public = [field for field in dataclasses.fields(cls) if not field.name.startswith("_")]
+    assert len(public) > 5
     for field in public:
-        assert _words(f"{field.name}: {field.type} {field.metadata['doc']}") in shown
-    assert "Optimizer updates really applied (skipped steps never count)." in shown
+        assert field.name in docs, f"{cls.__name__}.{field.name} has no docstring under it"
+        assert _words(f"{field.name}: {field.type} {docs[field.name]}") in shown
+        assert not field.metadata.get("doc"), "documentation is a docstring an editor shows, not string data"
+    assert "Optimizer updates really applied (skipped steps never count)." in _help_text(State)
+
+
+def test_every_state_field_names_its_writer() -> None:
+    docs = attribute_docs(State)
+    assert docs is not None
+    for field in dataclasses.fields(State):
+        if not field.name.startswith("_"):
+            assert re.search(r"\b(Written|Set|Reset|Counted)\b", docs[field.name]), field.name
+
+
+def test_state_keeps_at_most_26_public_fields_and_the_loop_s_own_progress_is_fit_progress() -> None:
+    public = {field.name for field in dataclasses.fields(State) if not field.name.startswith("_")}
+    assert len(public) <= 26, sorted(public)
+    assert not public & {"validated_step", "ended_epochs", "min_steps", "min_epochs", "below_minimum"}
+    engine = Engine(accelerator="cpu", progress_bar=False)
+    engine.state.stop("enough", exit_code=3)
+    assert engine.fit_progress.stop_requested and engine.fit_progress.stop_reason == "enough"
+    assert (engine.state.stop_reason, engine.state.exit_code) == ("enough", 3)
+    with pytest.raises(AttributeError):
+        engine.state.stop_reason = "written by hand"  # type: ignore[misc]
 
 
 def test_a_public_field_without_documentation_is_refused_when_the_class_is_defined() -> None:
-    with pytest.raises(TypeError, match=r"Partial\.undocumented has no documentation: declare it with field"):
+    with pytest.raises(TypeError, match=r"Partial\.undocumented has no documentation: write its docstring under it"):
 
-        @_list_fields
+        @document_fields
         @dataclasses.dataclass
         class Partial:
             """A state with one documented field and one without."""
 
-            documented: int = dataclasses.field(default=0, metadata=_doc("Counted by the test."))
+            documented: int = 0
+            """Counted by the test."""
             undocumented: int = 0
 
 
@@ -112,6 +142,15 @@ def test_counters_keep_the_metrics_as_json_and_restore_them() -> None:
     assert nan != nan and restored.metrics == {
         "loss": 0.25, "val/mse": 0.5, "per_class": [1, 2], "lr": 0.1, "np": 1.5, "tag": "warmup"
     }  # fmt: skip
-    del counters["metrics"]  # a checkpoint of an earlier version: the metrics logged so far stay
-    restored.load_counters(counters)
-    assert restored.metrics["loss"] == 0.25
+
+
+def test_the_counters_are_listed_once_and_the_checkpoint_checks_each() -> None:
+    counters = State().counters()
+    assert list(counters) == [counter.name for counter in COUNTERS]
+    shared = {"counters": counters, "fit": FitProgress().saved_state(), "models": [], "optimizers": [],
+              "schedulers": [], "callbacks": {}, "registered": []}  # fmt: skip
+    check_shared(shared, "state.json")
+    for name in counters:
+        partial = {**shared, "counters": {key: value for key, value in counters.items() if key != name}}
+        with pytest.raises(CheckpointCorrupted, match=f"has no '{name}'"):
+            check_shared(partial, "state.json")

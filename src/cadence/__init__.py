@@ -6,6 +6,7 @@ from cadence.checkpoint.files import CheckpointError
 from cadence.engine import Engine
 from cadence.errors import CadenceWarning
 from cadence.event import Event
+from cadence.fit_progress import FitProgress
 from cadence.inputs import seed_everything
 from cadence.schedule import Schedule
 from cadence.state import State
@@ -17,6 +18,7 @@ __all__ = [
     "CheckpointError",
     "Engine",
     "Event",
+    "FitProgress",
     "Schedule",
     "State",
     "TrainingStep",

@@ -16,9 +16,10 @@ from cadence.data import ResumableBatchSampler, workers_start_shielded
 from cadence.errors import CadenceWarning
 from cadence.stacklevel import user_stacklevel
 
-_STATE_KEYS = ("epoch", "batches_done", "loader", "generator", "generator_at_epoch_start")
-"""What ``load_state_dict`` needs; ``samples_done``, ``num_samples`` and ``seed`` are optional (older states lack
-them)."""
+_STATE_KEYS = (
+    "epoch", "batches_done", "samples_done", "loader", "generator", "generator_at_epoch_start", "num_samples", "seed"
+)  # fmt: skip
+"""What ``load_state_dict`` needs: every key ``state_dict`` writes."""
 
 
 class DataCursor:
@@ -279,7 +280,7 @@ class DataCursor:
                 f"The dataloader state lacks {missing}: it was not written by PreparedDataLoader.state_dict(). "
                 "Load a checkpoint saved by cadence (engine.save_state), or start a fresh run."
             )
-        seed = state_dict.get("seed")
+        seed = state_dict["seed"]
         if seed is not None and type(seed) is not int:
             raise CheckpointCorrupted(
                 f"The dataloader state's seed is {type(seed).__name__} {seed!r}, not an int: the checkpoint was "
@@ -299,7 +300,7 @@ class DataCursor:
         self._warn_if_resized(state_dict)
         self.epoch = int(state_dict["epoch"])
         self._pending_batches = int(state_dict["batches_done"])
-        self._pending_samples = int(state_dict.get("samples_done", 0))
+        self._pending_samples = int(state_dict["samples_done"])
         sampler = self.sampler
         if sampler is not None:
             # A finished epoch saved over more samples than there are now: its end is the end of the current data.
@@ -307,7 +308,7 @@ class DataCursor:
             self.loader.load_state_dict({})  # the sampler's start_sample carries the position
         else:
             self.loader.load_state_dict(state_dict["loader"] if state_dict["loader"] is not None else {})
-        self._restore_seed(state_dict.get("seed"))
+        self._restore_seed(state_dict["seed"])
         # Kept for this cursor's own next state_dict(): a run resumed mid-epoch and saved again in the same epoch
         # must save where the epoch's generator started, or its resume would draw other workers' seeds.
         self._generator_at_epoch_start = state_dict["generator_at_epoch_start"]
@@ -351,8 +352,8 @@ class DataCursor:
 
     def _position_problem(self, state_dict: dict[str, Any]) -> str | None:
         epoch = int(state_dict["epoch"])
-        batches, samples = int(state_dict["batches_done"]), int(state_dict.get("samples_done", 0))
-        saved_size = state_dict.get("num_samples")
+        batches, samples = int(state_dict["batches_done"]), int(state_dict["samples_done"])
+        saved_size = state_dict["num_samples"]
         saved_over = "" if saved_size is None else f" (saved over {saved_size} samples)"
         sampler = self.sampler
         if batches or samples:
@@ -385,14 +386,14 @@ class DataCursor:
     def _saved_epoch_finished(self, state_dict: dict[str, Any]) -> bool:
         """Whether a saved position had no batch left in its epoch (a run stopped on the epoch's last batch): the
         resumed pass only ends the epoch, whatever the dataset's size now."""
-        sampler, saved_size = self.sampler, state_dict.get("num_samples")
+        sampler, saved_size = self.sampler, state_dict["num_samples"]
         if sampler is None or saved_size is None:
             return False
-        return sampler.count_batches(saved_size - int(state_dict.get("samples_done", 0))) == 0
+        return sampler.count_batches(saved_size - int(state_dict["samples_done"])) == 0
 
     def _warn_if_resized(self, state_dict: dict[str, Any]) -> None:
-        saved_size, size = state_dict.get("num_samples"), self._dataset_size()
-        batches, samples = int(state_dict["batches_done"]), int(state_dict.get("samples_done", 0))
+        saved_size, size = state_dict["num_samples"], self._dataset_size()
+        batches, samples = int(state_dict["batches_done"]), int(state_dict["samples_done"])
         # Between epochs nothing of the saved epoch is continued: a new dataset simply starts a new epoch.
         if saved_size is None or size is None or saved_size == size or not (batches or samples):
             return

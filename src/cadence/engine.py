@@ -36,6 +36,7 @@ from cadence.data import batches_per_epoch, check_shardable, draw_seed, make_bat
 from cadence.epoch_metrics import EpochMetrics, Reduce, as_numbers, gather_trimmed, is_metric, last_step_values
 from cadence.evaluation import run_predict, run_test
 from cadence.event import Event
+from cadence.fit_progress import FitProgress
 from cadence.hyperparams import flatten_hyperparams
 from cadence.inputs import (
     PREPARABLE,
@@ -113,7 +114,8 @@ class Engine:
         callbacks = check_callbacks(callbacks)
         self._compile_options = compile_options(compile)
         self.strategy = resolve_strategy(strategy, accelerator, timeout)
-        self.state = State()
+        self._fit_progress = FitProgress()
+        self.state = State(_progress=self._fit_progress)
         self.seed = seed
         self.project_dir = project_path
         self.progress_bar = progress_bar
@@ -182,6 +184,12 @@ class Engine:
     def is_main_process(self) -> bool:
         """True on rank 0, the process that prints, logs and commits checkpoints."""
         return self.strategy.rank == 0
+
+    @property
+    def fit_progress(self) -> FitProgress:
+        """``fit()``'s own progress (epoch ends and validations processed, its minimum, the stop asked of it): read
+        it, never write it; ``fit()`` does, and checkpoints save it (``cadence.fit_progress``)."""
+        return self._fit_progress
 
     @property
     def callbacks(self) -> Sequence[Callback]:

@@ -28,7 +28,9 @@ its ``VALIDATION_END``, so the callbacks that save checkpoints save that step on
 from any checkpoint never runs a validation the checkpoint's run already ran (and logged).
 
 A stop (``state.stop``) takes effect after the batch it was asked in, at once or, below ``min_steps`` /
-``min_epochs``, when they are reached. The loaders a previous ``fit()`` prepared are tracked here (``FitLoaders``,
+``min_epochs``, when they are reached. What only this loop reads (the epoch ends and validations it processed, its
+minimum, the stop asked of it) is its own ``FitProgress`` (``engine.fit_progress``), which checkpoints save as one
+section. The loaders a previous ``fit()`` prepared are tracked here (``FitLoaders``,
 one per engine), because only ``fit()`` reuses or releases them; the loop uses only the engine's public members."""
 
 from __future__ import annotations
@@ -158,11 +160,11 @@ def set_up_fit(
     train_loader, val_loader = loaders.prepare(engine, train_dataloader, val_dataloader)
     for callback in defaults:
         engine.add_callback(callback)
-    state = engine.state
-    state.clear_stop()
+    state, progress = engine.state, engine.fit_progress
+    progress.clear_stop()
     _prepared_then_resume(engine, resume)
     state.max_epochs, state.max_steps = plan.max_epochs, plan.max_steps
-    state.min_epochs, state.min_steps = plan.min_epochs, plan.min_steps
+    progress.min_epochs, progress.min_steps = plan.min_epochs, plan.min_steps
     run = FitRun(engine, step, model, optimizer, scheduler, train_loader, val_loader, plan, resume is not None)
     state.should_stop = run.limit_reached()
     if not state.should_stop:
@@ -197,6 +199,7 @@ class FitRun:
         resumed: bool,
     ) -> None:
         self.engine, self.state, self.step, self.plan = engine, engine.state, step, plan
+        self.progress = engine.fit_progress
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.train_loader, self.val_loader = train_loader, val_loader
         self.resumed = resumed
@@ -227,7 +230,7 @@ class FitRun:
             self.train_loader.after_batch_end = None
             for loader, setting in given:
                 loader.drives_training = setting
-            state.below_minimum = state.validation_pending = False
+            self.progress.below_minimum = state.validation_pending = False
             _finish(engine)
         return _report(engine)
 
@@ -285,7 +288,7 @@ class FitRun:
         schedule's step, both before ``VALIDATION_END`` so a checkpoint taken there holds both."""
         every = self.plan.val_every_n_epochs
         due = self.val_loader is not None and every is not None and self.train_loader.epoch % every == 0
-        if due and self.state.validated_step != self.state.step:
+        if due and self.progress.validated_step != self.state.step:
             self.validate(before_end=self.step_schedules_at_epoch_end)
         else:
             self.step_epoch_schedule()
@@ -307,13 +310,8 @@ class FitRun:
         last epoch (an ``EPOCH_END`` checkpoint comes before its validation and schedule step), or the validation of
         the step it was saved at (a ``BATCH_END`` checkpoint comes before the step's validation). ``Checkpoint`` and
         ``Preemption`` save such a step after its validation (``state.validation_pending``), leaving nothing here;
-        other saves (``Timer``'s, a hand-made one, an older cadence's) may come before it."""
-        state, finished = self.state, self.train_loader.epoch - 1
-        if state.ended_epochs is not None:
-            pending_end = state.ended_epochs == finished
-        else:  # a checkpoint from before ended_epochs: its validation marks the epoch's end
-            pending_end = self.val_loader is not None and state.validated_epochs == finished
-        if pending_end:
+        other saves (``Timer``'s, a hand-made one) may come before it."""
+        if self.progress.ended_epochs == self.train_loader.epoch - 1:
             self.end_epoch()
         elif self.step_validation_due():
             self.validate_once()
@@ -327,7 +325,7 @@ class FitRun:
         epoch ends even when a stop was asked at it), or the one a run ended by ``max_steps`` gets. The same rules as
         ``after_batch_end``, ``end_epoch`` and ``train``, asked before they run."""
         state, every = self.state, self.plan.val_every_n_epochs
-        if self.val_loader is None or state.validated_step == state.step:
+        if self.val_loader is None or self.progress.validated_step == state.step:
             return False
         if self.step_validation_due():
             return True
@@ -339,17 +337,18 @@ class FitRun:
 
     def step_validation_due(self) -> bool:
         every, state = self.plan.val_every_n_steps, self.state
-        return every is not None and state.step > 0 and state.step % every == 0 and state.validated_step != state.step
+        validated = self.progress.validated_step == state.step
+        return every is not None and state.step > 0 and state.step % every == 0 and not validated
 
     def validate_once(self) -> None:
-        if self.val_loader is not None and self.state.validated_step != self.state.step:
+        if self.val_loader is not None and self.progress.validated_step != self.state.step:
             self.validate(before_end=self.step_schedule_after_validation)
 
     def validate(self, before_end: Callable[[], None] | None = None) -> None:
         """One validation: ``validation_step`` over the validation loader (its first ``val_batches`` batches), every
         prepared model in eval mode without grad, each metric's mean over samples and ranks logged as ``val/<name>``.
         However it ends, every model and submodule gets its mode back and the next validation starts at the loader's
-        first batch; only a finished validation counts as one (``validated_step``)."""
+        first batch; only a finished validation counts as one (``FitProgress.validated_step``)."""
         engine, state, loader = self.engine, self.state, self.val_loader
         if loader is None:
             raise RuntimeError("fit() cannot validate without a val_dataloader")  # callers check first
@@ -368,7 +367,7 @@ class FitRun:
             batches.close()
             loader.end_epoch_early()  # a pass cut short (val_batches, an exception): the next starts afresh
         engine.log_dict(means.reduce())
-        state.validated_epochs, state.validated_step = self.train_loader.epoch, state.step
+        self.progress.validated_step = state.step
         if before_end is not None:
             before_end()
         state.validation_pending = False
@@ -387,7 +386,7 @@ class FitRun:
     def step_epoch_schedule(self) -> None:
         if self.scheduler is not None:
             self.scheduler.end_epoch(self.train_loader.epoch)
-        self.state.ended_epochs = self.train_loader.epoch
+        self.progress.ended_epochs = self.train_loader.epoch
 
     # --- limits --------------------------------------------------------------------------------------------
     def limit_reached(self) -> bool:
@@ -399,13 +398,13 @@ class FitRun:
 
     def update_minimum(self) -> None:
         """Let a stop asked below ``min_steps`` / ``min_epochs`` take effect once both are reached."""
-        state, plan = self.state, self.plan
-        state.below_minimum = (plan.min_steps is not None and state.step < plan.min_steps) or (
+        state, progress, plan = self.state, self.progress, self.plan
+        progress.below_minimum = (plan.min_steps is not None and state.step < plan.min_steps) or (
             plan.min_epochs is not None and self.train_loader.epoch < plan.min_epochs
         )
-        if not state.stop_requested or state.should_stop:
+        if not progress.stop_requested or state.should_stop:
             return
-        if state.below_minimum:
+        if progress.below_minimum:
             if not self._announced_wait:
                 self._announced_wait = True
                 self.engine.print(

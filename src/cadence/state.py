@@ -3,310 +3,140 @@
 from __future__ import annotations
 
 import math
-import textwrap
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
+from cadence.attribute_docs import document_fields
+from cadence.fit_progress import FitProgress
+
 Number = float | int | torch.Tensor
-_Class = TypeVar("_Class", bound=type)
 
 
-def _doc(text: str) -> dict[str, str]:
-    """A field's documentation, as ``field(metadata=...)``: ``_list_fields`` puts it where ``help()`` shows it."""
-    return {"doc": text}
-
-
-def _list_fields(cls: _Class) -> _Class:
-    """Append each public field, its type and its ``doc`` to the class docstring: ``help()`` and IDEs show the
-    class docstring but no attribute docstrings, and the text stays written once, beside the field."""
-    entries = []
-    for each in fields(cls):
-        if each.name.startswith("_"):
-            continue
-        if "doc" not in each.metadata:
-            raise TypeError(
-                f"{cls.__name__}.{each.name} has no documentation: declare it with field(..., metadata=_doc(...))."
-            )
-        text = textwrap.fill(each.metadata["doc"], width=100, initial_indent="    ", subsequent_indent="    ")
-        entries.append(f"{each.name}: {each.type}\n{text}")
-    if cls.__doc__ is not None:  # None under python -OO, which strips docstrings
-        cls.__doc__ += "\n\nFields:\n\n" + "\n\n".join(entries)
-    return cls
-
-
-@_list_fields
+@document_fields
 @dataclass(slots=True)
 class State:
     """Counters and flags of one engine. Read freely; write only the fields whose documentation names you."""
 
-    step: int = field(
-        default=0,
-        metadata=_doc(
-            "Optimizer updates really applied (skipped steps never count). Written by the prepared optimizer."
-        ),
-    )
+    step: int = 0
+    """Optimizer updates really applied (skipped steps never count). Written by the prepared optimizer."""
 
-    epoch: int = field(
-        default=0,
-        metadata=_doc(
-            "Index of the current training epoch; it stays the finished epoch's index through ``EPOCH_END`` and "
-            "validation, until the next ``EPOCH_START``. Written by the training dataloader at ``EPOCH_START``."
-        ),
-    )
+    epoch: int = 0
+    """Index of the current training epoch; it stays the finished epoch's index through ``EPOCH_END`` and
+    validation, until the next ``EPOCH_START``. Written by the training dataloader at ``EPOCH_START``."""
 
-    batch_idx: int = field(
-        default=-1,
-        metadata=_doc(
-            "Index within the epoch of the current training batch (the number of batches seen before it). Written by "
-            "the training dataloader before ``BATCH_START``."
-        ),
-    )
+    batch_idx: int = -1
+    """Index within the epoch of the current training batch (the number of batches seen before it). Written by
+    the training dataloader before ``BATCH_START``."""
 
-    is_last_batch: bool = field(
-        default=False,
-        metadata=_doc("True when the current batch is the dataloader's last of the epoch. Written with ``batch_idx``."),
-    )
+    is_last_batch: bool = False
+    """True when the current batch is the dataloader's last of the epoch. Written with ``batch_idx``."""
 
-    num_batches: int | None = field(
-        default=None,
-        metadata=_doc(
-            "Batches in the current epoch, ``None`` for a dataloader without a length. Written at ``EPOCH_START``."
-        ),
-    )
+    num_batches: int | None = None
+    """Batches in the current epoch, ``None`` for a dataloader without a length. Written at ``EPOCH_START``."""
 
-    batch: Any = field(
-        default=None,
-        metadata=_doc(
-            "The current training batch, on the device, from ``BATCH_START`` through ``BATCH_END``; ``None`` "
-            "between batches (so it holds no device memory during validation). Written by the training dataloader."
-        ),
-    )
+    batch: Any = None
+    """The current training batch, on the device, from ``BATCH_START`` through ``BATCH_END``; ``None`` between
+    batches (so it holds no device memory during validation). Written by the training dataloader."""
 
-    sync_gradients: bool = field(
-        default=True,
-        metadata=_doc(
-            "True when this batch ends an optimizer step. Written at ``BATCH_START`` by the callback that owns "
-            "accumulation; True when no callback writes it."
-        ),
-    )
+    sync_gradients: bool = True
+    """True when this batch ends an optimizer step. Written at ``BATCH_START`` by the callback that owns
+    accumulation; True when no callback writes it."""
 
-    loss: torch.Tensor | None = field(
-        default=None,
-        metadata=_doc("The current batch's loss as passed to ``engine.backward``. Written by ``engine.backward``."),
-    )
+    loss: torch.Tensor | None = None
+    """The current batch's loss as passed to ``engine.backward``. Written by ``engine.backward``."""
 
-    num_items: Number | None = field(
-        default=None,
-        metadata=_doc(
-            "Items the current loss sums over (token-level losses), or ``None``. Written by ``engine.backward``."
-        ),
-    )
+    num_items: Number | None = None
+    """Items the current loss sums over (token-level losses), or ``None``. Written by ``engine.backward``."""
 
-    loss_divisor: Number = field(
-        default=1,
-        metadata=_doc(
-            "The engine divides the loss by this before backward. Reset to 1 by ``engine.backward``; written at "
-            "``BEFORE_BACKWARD`` (gradient accumulation)."
-        ),
-    )
+    loss_divisor: Number = 1
+    """The engine divides the loss by this before backward. Reset to 1 by ``engine.backward``; written at
+    ``BEFORE_BACKWARD`` (gradient accumulation)."""
 
-    grad_divisor: Number | None = field(
-        default=None,
-        metadata=_doc(
-            "When set, gradients are divided by it after unscaling and before ``BEFORE_OPTIMIZER_STEP`` (item-count "
-            "normalisation), by every prepared optimizer that steps. Written by callbacks before a sync step's "
-            "``optimizer.step()``. The engine never resets it, so it holds for every optimizer of that step: the "
-            "callback that set it clears it (``GradientAccumulation`` does at each window's first ``BATCH_START``)."
-        ),
-    )
+    grad_divisor: Number | None = None
+    """When set, gradients are divided by it after unscaling and before ``BEFORE_OPTIMIZER_STEP`` (item-count
+    normalisation), by every prepared optimizer that steps. Written by callbacks before a sync step's
+    ``optimizer.step()``. The engine never resets it, so it holds for every optimizer of that step: the callback
+    that set it clears it (``GradientAccumulation`` does at each window's first ``BATCH_START``)."""
 
-    skip_reason: str | None = field(
-        default=None,
-        metadata=_doc(
-            'Why the last ``optimizer.step()`` did not update the weights (``"accumulating"``, ``"overflow"``, a '
-            "veto's reason), ``None`` when it did. Written by the prepared optimizer."
-        ),
-    )
+    skip_reason: str | None = None
+    """Why the last ``optimizer.step()`` did not update the weights (``"accumulating"``, ``"overflow"``, a
+    veto's reason), ``None`` when it did. Written by the prepared optimizer."""
 
-    skipped_steps: dict[str, int] = field(
-        default_factory=dict,
-        metadata=_doc(
-            "How many ``optimizer.step()`` calls were skipped, by reason. Written by the prepared optimizer."
-        ),
-    )
+    skipped_steps: dict[str, int] = field(default_factory=dict)
+    """How many ``optimizer.step()`` calls were skipped, by reason. Written by the prepared optimizer."""
 
-    optimizer: torch.optim.Optimizer | None = field(
-        default=None,
-        metadata=_doc(
-            "The prepared optimizer whose step is running, during ``BEFORE/AFTER_OPTIMIZER_STEP``; else ``None``. "
-            "Written by the prepared optimizer."
-        ),
-    )
+    optimizer: torch.optim.Optimizer | None = None
+    """The prepared optimizer whose step is running, during ``BEFORE/AFTER_OPTIMIZER_STEP``; else ``None``.
+    Written by the prepared optimizer."""
 
-    metrics: dict[str, Any] = field(
-        default_factory=dict,
-        metadata=_doc(
-            "Latest value of every logged metric. Written through ``engine.log`` / ``engine.log_dict``; restored by "
-            "``load_state`` as the checkpoint saved it, tensors as Python numbers (or lists), values that are no "
-            "number, string or list of them left out."
-        ),
-    )
+    metrics: dict[str, Any] = field(default_factory=dict)
+    """Latest value of every logged metric. Written through ``engine.log`` / ``engine.log_dict``; restored by
+    ``load_state`` as the checkpoint saved it, tensors as Python numbers (or lists), values that are no number,
+    string or list of them left out."""
 
-    hyperparams: dict[str, str | int | float | bool] = field(
-        default_factory=dict,
-        metadata=_doc(
-            "The run's hyperparameters, flattened (nested names joined with ``/``). Written by "
-            "``engine.log_hyperparams``, before ``Event.LOG_HYPERPARAMS``; not saved in checkpoints (a resumed "
-            "script logs them again)."
-        ),
-    )
+    hyperparams: dict[str, str | int | float | bool] = field(default_factory=dict)
+    """The run's hyperparameters, flattened (nested names joined with ``/``). Written by
+    ``engine.log_hyperparams``, before ``Event.LOG_HYPERPARAMS``; not saved in checkpoints (a resumed script
+    logs them again)."""
 
-    max_steps: int | None = field(
-        default=None,
-        metadata=_doc("The run's step limit, when ``fit()`` was given one. Written by ``fit()``."),
-    )
+    max_steps: int | None = None
+    """The run's step limit, when ``fit()`` was given one. Written by ``fit()``."""
 
-    max_epochs: int | None = field(
-        default=None,
-        metadata=_doc("The run's epoch limit, when ``fit()`` was given one. Written by ``fit()``."),
-    )
+    max_epochs: int | None = None
+    """The run's epoch limit, when ``fit()`` was given one. Written by ``fit()``."""
 
-    should_stop: bool = field(
-        default=False,
-        metadata=_doc(
-            "``fit()`` ends after the current batch. Set by ``stop()``, or by ``fit()`` when a ``stop_requested`` "
-            "below the minimum may take effect."
-        ),
-    )
+    should_stop: bool = False
+    """``fit()`` ends after the current batch. Set by ``stop()``, or by ``fit()`` when a stop asked below its
+    minimum (``FitProgress.below_minimum``) may take effect."""
 
-    stop_reason: str | None = field(
-        default=None,
-        metadata=_doc(
-            "Why ``stop()`` was called, when the caller said (``fit()`` prints it when it ends). Set by ``stop()``; "
-            "cleared when ``fit()`` starts."
-        ),
-    )
+    validation_pending: bool = False
+    """True from the end of an optimizer step (before its ``BATCH_END``) until its ``VALIDATION_END`` when
+    ``fit()`` validates at this step before training on (every ``val_every_n_steps`` updates, at the end of an
+    epoch due for validation, when ``max_steps`` ends the run). A callback that saves a checkpoint of the step
+    waits for ``VALIDATION_END`` (``Checkpoint`` and ``Preemption`` do), so the checkpoint holds the validation
+    and a resume never runs it again. Written by ``fit()``."""
 
-    exit_code: int | None = field(
-        default=None,
-        metadata=_doc(
-            "The process exit status ``fit()`` ends with, as ``SystemExit(exit_code)`` raised once every callback's "
-            "``FIT_END`` ran and the stop was printed (``Preemption`` asks for one), or ``None`` for a normal "
-            "return. Set by ``stop(exit_code=...)``; cleared when ``fit()`` starts."
-        ),
-    )
+    checkpoint_dir: Path | None = None
+    """The checkpoint last saved or loaded. Written by ``save_state`` / ``load_state``; for a background save,
+    when the engine observes its commit (with ``SAVE_STATE``)."""
 
-    validated_epochs: int | None = field(
-        default=0,
-        metadata=_doc(
-            "Completed training epochs when ``fit()`` last validated (``None``: unknown, from a checkpoint older than "
-            "this field). A run resumed from a checkpoint taken between an epoch's end and its validation runs that "
-            "validation first, as the uninterrupted run did. Written by ``fit()``."
-        ),
-    )
+    checkpoint_step: int | None = None
+    """``step`` as saved in ``checkpoint_dir`` (a background save commits later than the step it holds). Written
+    with ``checkpoint_dir``."""
 
-    ended_epochs: int | None = field(
-        default=0,
-        metadata=_doc(
-            "Training epochs whose end ``fit()`` has processed: the epoch's validation when one was due, then its "
-            '``Schedule(interval="epoch")`` step (``None``: unknown, from a checkpoint older than this field). '
-            "A run resumed from an ``EPOCH_END`` checkpoint processes that epoch's end first, as the uninterrupted run "
-            "did. Written by ``fit()``, before ``VALIDATION_END``."
-        ),
-    )
+    exception: BaseException | None = None
+    """The exception ``fit()`` is handling at ``EXCEPTION``. Written by ``fit()``."""
 
-    validated_step: int | None = field(
-        default=None,
-        metadata=_doc(
-            "``step`` when ``fit()`` last validated (``None``: not yet). ``fit()`` never validates twice at one step, "
-            "and a run resumed from a checkpoint taken at a step due for validation (``val_every_n_steps``) before "
-            "it ran validates first. Written by ``fit()`` at ``VALIDATION_START``."
-        ),
-    )
+    eval_batch_idx: int = -1
+    """Index of the current batch of a ``test()`` or ``predict()`` pass (-1 before its first). Written by that
+    pass before each batch runs."""
 
-    validation_pending: bool = field(
-        default=False,
-        metadata=_doc(
-            "True from the end of an optimizer step (before its ``BATCH_END``) until its ``VALIDATION_END`` when "
-            "``fit()`` validates at this step before training on (every ``val_every_n_steps`` updates, at the end "
-            "of an epoch due for validation, when ``max_steps`` ends the run). A callback that saves a checkpoint "
-            "of the step waits for ``VALIDATION_END`` (``Checkpoint`` and ``Preemption`` do), so the checkpoint "
-            "holds the validation and a resume never runs it again. Written by ``fit()``."
-        ),
-    )
-
-    min_steps: int | None = field(
-        default=None,
-        metadata=_doc("The run's ``min_steps``, when ``fit()`` was given one. Written by ``fit()``."),
-    )
-
-    min_epochs: int | None = field(
-        default=None,
-        metadata=_doc("The run's ``min_epochs``, when ``fit()`` was given one. Written by ``fit()``."),
-    )
-
-    below_minimum: bool = field(
-        default=False,
-        metadata=_doc(
-            "True while ``fit()``'s ``min_steps`` / ``min_epochs`` are not reached: a ``stop()`` asked for now is kept "
-            "in ``stop_requested`` and takes effect once they are (``stop(now=True)`` and exit codes do not wait). "
-            "Written by ``fit()`` after each batch and epoch."
-        ),
-    )
-
-    stop_requested: bool = field(
-        default=False,
-        metadata=_doc(
-            "Set by ``stop()``; ``should_stop`` follows at once, or when the minimum is reached (``below_minimum``). "
-            "Saved in checkpoints, so a resumed run stops where the uninterrupted one did. Cleared when ``fit()`` "
-            "starts a fresh run."
-        ),
-    )
-
-    checkpoint_dir: Path | None = field(
-        default=None,
-        metadata=_doc(
-            "The checkpoint last saved or loaded. Written by ``save_state`` / ``load_state``; for a background save, "
-            "when the engine observes its commit (with ``SAVE_STATE``)."
-        ),
-    )
-
-    checkpoint_step: int | None = field(
-        default=None,
-        metadata=_doc(
-            "``step`` as saved in ``checkpoint_dir`` (a background save commits later than the step it holds). "
-            "Written with ``checkpoint_dir``."
-        ),
-    )
-
-    exception: BaseException | None = field(
-        default=None,
-        metadata=_doc("The exception ``fit()`` is handling at ``EXCEPTION``. Written by ``fit()``."),
-    )
-
-    eval_batch_idx: int = field(
-        default=-1,
-        metadata=_doc(
-            "Index of the current batch of a ``test()`` or ``predict()`` pass (-1 before its first). Written by that "
-            "pass before each batch runs."
-        ),
-    )
-
-    eval_num_batches: int | None = field(
-        default=None,
-        metadata=_doc(
-            "Batches in the running ``test()`` or ``predict()`` pass (this rank's), ``None`` for a dataloader without "
-            "a length. Written by that pass before ``TEST_START`` / ``PREDICT_START``."
-        ),
-    )
+    eval_num_batches: int | None = None
+    """Batches in the running ``test()`` or ``predict()`` pass (this rank's), ``None`` for a dataloader without
+    a length. Written by that pass before ``TEST_START`` / ``PREDICT_START``."""
 
     _veto: str | None = None
-    _urgent_stop: bool = False  # a stop(now=True) or with an exit code: a wall clock or a signal, never replayed
     _window_non_finite: Any = False
     _non_finite_steps: Any = 0
+    _progress: FitProgress = field(default_factory=FitProgress, repr=False)
+    """``fit()``'s progress (``Engine.fit_progress``), where ``stop()`` records its request."""
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why ``stop()`` was called, when the caller said (``fit()`` prints it when it ends); the first reason given
+        wins. Set by ``stop()``; cleared when ``fit()`` starts."""
+        return self._progress.stop_reason
+
+    @property
+    def exit_code(self) -> int | None:
+        """The process exit status ``fit()`` ends with, as ``SystemExit(exit_code)`` raised once every callback's
+        ``FIT_END`` ran and the stop was printed (``Preemption`` asks for one), or ``None`` for a normal return. Set by
+        ``stop(exit_code=...)``; cleared when ``fit()`` starts."""
+        return self._progress.exit_code
 
     @property
     def non_finite_steps(self) -> int:
@@ -341,27 +171,22 @@ class State:
         given wins. ``exit_code`` (0-255) makes ``fit()`` end the process with that status after its normal end
         (``exit_code``); the first one given wins.
 
-        While ``fit()``'s ``min_steps`` / ``min_epochs`` are not reached (``below_minimum``) the stop waits for them,
-        as in Lightning, unless ``now=True`` or an ``exit_code`` is given (a wall-clock budget or a scheduler's
-        signal cannot wait)."""
+        While ``fit()``'s ``min_steps`` / ``min_epochs`` are not reached (``FitProgress.below_minimum``) the
+        stop waits for them, as in Lightning, unless ``now=True`` or an ``exit_code`` is given (a wall-clock budget
+        or a scheduler's signal cannot wait). The request is kept in ``engine.fit_progress``."""
         if reason is not None and not (isinstance(reason, str) and reason):
             raise ValueError(f"stop() takes a non-empty string reason or None; got {reason!r}.")
         if exit_code is not None and (type(exit_code) is not int or not 0 <= exit_code <= 255):
             raise ValueError(f"stop(exit_code=...) takes an integer from 0 to 255 or None; got {exit_code!r}.")
-        self.stop_requested = True
-        self._urgent_stop = self._urgent_stop or now or exit_code is not None
-        if now or exit_code is not None or not self.below_minimum:
+        progress = self._progress
+        progress.stop_requested = True
+        progress.urgent_stop = progress.urgent_stop or now or exit_code is not None
+        if progress.urgent_stop or not progress.below_minimum:
             self.should_stop = True
-        if self.stop_reason is None:
-            self.stop_reason = reason
-        if self.exit_code is None:
-            self.exit_code = exit_code
-
-    def clear_stop(self) -> None:
-        """Forget any stop asked so far (its reason, exit code, request). Called by ``fit()`` as it starts, before a
-        resume restores the request a checkpoint holds."""
-        self.stop_reason = self.exit_code = None
-        self.stop_requested = self._urgent_stop = False
+        if progress.stop_reason is None:
+            progress.stop_reason = reason
+        if progress.exit_code is None:
+            progress.exit_code = exit_code
 
     def veto_step(self, reason: str) -> None:
         """Skip the optimizer step about to run; ``reason`` lands in ``skip_reason``. Call at
@@ -383,41 +208,26 @@ class State:
             self._window_non_finite = False  # the step's gradients are dropped with it
 
     def counters(self) -> dict[str, Any]:
-        """The fields a checkpoint must restore for an exact resume (JSON-safe)."""
-        return {
-            "step": self.step,
-            "epoch": self.epoch,
-            "batch_idx": self.batch_idx,
-            "skipped_steps": dict(self.skipped_steps),
-            "non_finite_steps": self.non_finite_steps,
-            "validated_epochs": self.validated_epochs,
-            "ended_epochs": self.ended_epochs,
-            "validated_step": self.validated_step,
-            "stop_requested": self.stop_requested and not self._urgent_stop,
-            "requested_stop_reason": self.stop_reason if self.stop_requested and not self._urgent_stop else None,
-            "metrics": _portable_metrics(self.metrics),
-        }
+        """The fields a checkpoint must restore for an exact resume (JSON-safe), one per ``COUNTERS`` entry."""
+        return {counter.name: counter.to_json(getattr(self, counter.name)) for counter in COUNTERS}
 
     def load_counters(self, counters: dict[str, Any]) -> None:
-        """Restore what ``counters()`` returned."""
-        self.step = int(counters["step"])
-        self.epoch = int(counters["epoch"])
-        self.batch_idx = int(counters["batch_idx"])
-        self.skipped_steps = {str(k): int(v) for k, v in counters["skipped_steps"].items()}
-        self._non_finite_steps = int(counters.get("non_finite_steps", 0))  # absent before cadence 0.2
+        """Restore what ``counters()`` returned (checked against ``COUNTERS`` by the load first)."""
+        for counter in COUNTERS:
+            setattr(self, counter.attribute or counter.name, counter.to_json(counters[counter.name]))
         self._window_non_finite = False
-        validated = counters.get("validated_epochs")  # absent before cadence 0.2: unknown
-        self.validated_epochs = None if validated is None else int(validated)
-        # Absent from checkpoints written before mid-epoch validation and Schedule existed: unknown, or no request.
-        ended = counters.get("ended_epochs")
-        self.ended_epochs = None if ended is None else int(ended)
-        validated_step = counters.get("validated_step")
-        self.validated_step = None if validated_step is None else int(validated_step)
-        self.stop_requested = bool(counters.get("stop_requested", False))
-        if self.stop_requested:
-            self.stop_reason = counters.get("requested_stop_reason")
-        if "metrics" in counters:  # absent from earlier checkpoints: the metrics logged so far stay
-            self.metrics = dict(counters["metrics"])
+
+
+@dataclass(frozen=True)
+class Counter:
+    """One ``State`` counter a checkpoint saves: its JSON type, its least value (a count), and how it is saved."""
+
+    name: str
+    kind: type
+    least: int = 0
+    to_json: Callable[[Any], Any] = int
+    attribute: str | None = None
+    """The attribute restored, when not ``name`` (a read-only property's own field)."""
 
 
 def _portable_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
@@ -438,3 +248,15 @@ def _json_safe(value: Any) -> bool:
     if value is None or isinstance(value, (bool, int, float, str)):
         return True
     return isinstance(value, (list, tuple)) and all(_json_safe(item) for item in value)
+
+
+COUNTERS: tuple[Counter, ...] = (
+    Counter("step", int),
+    Counter("epoch", int),
+    Counter("batch_idx", int, least=-1),
+    Counter("skipped_steps", dict, to_json=lambda skipped: {str(k): int(v) for k, v in skipped.items()}),
+    Counter("non_finite_steps", int, attribute="_non_finite_steps"),
+    Counter("metrics", dict, to_json=_portable_metrics),
+)
+"""What ``state.json``'s ``counters`` section holds, in one list: ``State.counters()`` saves it,
+``State.load_counters()`` restores it, ``cadence.checkpoint.state_document`` checks it."""

@@ -18,6 +18,7 @@ from torch import nn
 import cadence
 from cadence import CheckpointError, Event
 from cadence.callbacks import GradientAccumulation, MixedPrecision
+from cadence.checkpoint.errors import CheckpointCorrupted
 from cadence.checkpoint.files import checksums_of
 from cadence.testing import RecordingCallback
 from tests.helpers import RegressionStep, assert_bitwise_equal, loader, make_model, make_optimizer, parameters
@@ -713,13 +714,17 @@ def test_a_resumed_finished_run_has_its_last_metrics(tmp_path: Path) -> None:
     assert type(state.metrics["val/mse"]) is float and "note" not in state.metrics  # logged after the save
 
 
-def test_a_checkpoint_without_metrics_still_loads_and_keeps_the_metrics_logged(tmp_path: Path, saved: Path) -> None:
+@pytest.mark.parametrize(("section", "key"), [("counters", "metrics"), ("fit", "ended_epochs")])
+def test_a_checkpoint_without_a_field_of_format_1_is_refused_and_changes_nothing(
+    tmp_path: Path, saved: Path, section: str, key: str
+) -> None:
     from tests.checkpoint.test_state_document import rewrite
 
-    rewrite(saved, "state.json", lambda document: document["counters"].pop("metrics"))  # as earlier versions wrote
+    rewrite(saved, "state.json", lambda document: document[section].pop(key))  # no released cadence wrote this
     eng = engine(tmp_path / "run")
     step = RegressionStep(seed=11, scheduler=True)
     eng.prepare(step.model, step.optimizer, step.scheduler, loader(shuffle=True))
     eng.log("mine", 1.5)
-    eng.load_state(saved)
-    assert eng.state.step == 3 and eng.state.metrics == {"mine": 1.5}
+    with pytest.raises(CheckpointCorrupted, match=f"the document has no '{key}'|{section} has no '{key}'"):
+        eng.load_state(saved)
+    assert eng.state.step == 0 and eng.state.metrics == {"mine": 1.5}

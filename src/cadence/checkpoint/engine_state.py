@@ -1,5 +1,6 @@
 """Save and restore everything an engine needs to continue a run exactly: models (and gradients accumulated
-mid-window), optimizers, schedulers, callbacks, registered objects, State counters, and, per rank, the
+mid-window), optimizers, schedulers, callbacks, registered objects, State counters, ``fit()``'s progress, and, per
+rank, the
 dataloaders' positions and every RNG.
 
 What a model or an optimizer writes is its strategy's business (``Strategy.save_model`` ...); this module lays
@@ -204,6 +205,7 @@ def _write_shared(
 ) -> None:
     shared = {
         "counters": engine.state.counters(),
+        "fit": engine.fit_progress.saved_state(),
         "models": models,
         "optimizers": [
             {**entry, **optimizer_identity(optimizer.optimizer)}
@@ -248,6 +250,7 @@ class _Checked:
     callbacks: dict[str, Any]
     registered: list[Any]
     counters: dict[str, Any]
+    fit: dict[str, Any]
     loaders: list[Any]
     rng: Any
     lr_note: str | None
@@ -318,6 +321,7 @@ def _read_and_check(engine: Engine, reader: CheckpointReader) -> _Checked:
             for index, saved in enumerate(shared["registered"])
         ],
         counters=shared["counters"],
+        fit=shared["fit"],
         loaders=loaders,
         rng=rng,
         lr_note=lr_note,
@@ -334,6 +338,7 @@ def _apply(engine: Engine, reader: CheckpointReader, checked: _Checked) -> None:
     for apply in (*checked.models, *checked.optimizers):
         apply()
     engine.state.load_counters(checked.counters)
+    engine.fit_progress.load_saved_state(checked.fit)
     for loader, loader_state in zip(engine.dataloaders, checked.loaders, strict=True):
         loader.load_state_dict(reader.owned(loader_state))
     if checked.rng is not None:

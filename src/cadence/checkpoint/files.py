@@ -45,6 +45,9 @@ from cadence.checkpoint.snapshot import HostBuffers, below_this_thread
 from cadence.checkpoint.state_document import check_manifest
 
 FORMAT_VERSION = 1
+"""The checkpoint format this cadence writes and reads (the manifest's ``format_version``). Format 1 is the layout
+``cadence.checkpoint.state_document`` describes, the first one released; a checkpoint of any other format is refused
+with the reason, never read by guesswork. ``tests/test_format_1_checkpoint.py`` keeps format 1 loadable."""
 PART_BYTES = 256 * 1024 * 1024
 """Safetensors files of a checkpoint are split into parts of about this size: a file's checksums are computed on
 one core, so parts let a save and a load hash on every core."""
@@ -263,7 +266,9 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     version = manifest.get("format_version")
     if version != FORMAT_VERSION:
         raise CheckpointError(
-            f"{directory} has checkpoint format {version!r}; this cadence reads format {FORMAT_VERSION}."
+            f"{directory} has checkpoint format {version!r}, and this cadence reads format {FORMAT_VERSION} only: load "
+            "it with the cadence version that wrote it, or resume from a checkpoint this version wrote. Nothing was "
+            "loaded."
         )
     check_manifest(manifest, str(path))
     for name, expected in manifest["files"].items():

@@ -30,8 +30,8 @@ if TYPE_CHECKING:
 _NAME = re.compile(r"^checkpoint_(\d+)$")
 
 RUN_KEY = "run"
-"""The manifest field naming the run that committed the checkpoint (``CheckpointDirectory.run_id``). Checkpoints
-saved before cadence recorded it have none: they count as another run's."""
+"""The manifest field naming the run that committed the checkpoint (``CheckpointDirectory.run_id``); every checkpoint
+of format 1 has it."""
 
 
 class CheckpointDirectory:
@@ -542,8 +542,6 @@ class CheckpointDirectory:
             return
         names = [name for name, _ in others]
         shown = ", ".join(names) if len(names) <= 3 else f"{names[0]}, {names[1]}, ..., {names[-1]}"
-        if any(run is None for _, run in others):
-            shown += "; those saved before cadence recorded which run wrote a checkpoint count as another run's"
         advice = (
             "this resumed run never deletes them."
             if self._resumed

@@ -238,7 +238,7 @@ def _held_name(name: str | None, holder: str, root: Path | None) -> str | None:
 
 
 def _mark_best(loadable: list[Entry], recorded: dict[str, Recorded]) -> None:
-    """Per monitor, the best score by the mode its newest record names (older records name none: no best then);
+    """Per monitor, the best score by the mode its newest record names (a record that names none: no best then);
     the older checkpoint on a tie, as ``CheckpointDirectory.best``."""
     modes: dict[str, str] = {}
     for entry in reversed(loadable):

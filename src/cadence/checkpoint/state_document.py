@@ -18,12 +18,14 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
 from cadence.checkpoint.codec import encode
 from cadence.checkpoint.errors import CheckpointCorrupted
+from cadence.fit_progress import SAVED_TYPES
+from cadence.state import COUNTERS
 from cadence.strategies.storage import MODEL_LAYOUTS, OPTIMIZER_LAYOUTS
 from cadence.validators import is_number
 
@@ -35,7 +37,8 @@ SHARED_TENSORS = "state.safetensors"
 SCORE_KEY = "checkpoint_score"
 """A key a callback may put in its state: ``{"monitor": name, "value": score, "mode": "min" | "max"}`` (or None)
 records that the checkpoint it is saved in scored ``value`` on metric ``name``, where ``mode`` says which way is
-better (absent before cadence recorded it); ``recorded_score`` reads it from disk."""
+better (a callback that records none gets no best in ``cadence checkpoint list``); ``recorded_score`` reads it
+from disk."""
 PROTECTS_KEY = "checkpoint_protects"
 """A key a callback may put in its state: the checkpoints it holds from retention (``CheckpointDirectory.protect``)
 when the checkpoint it is saved in was written: names of checkpoints beside it, absolute paths elsewhere, None for
@@ -55,6 +58,7 @@ _CHECKSUMS = ("sha256", "crc32")
 Sections = Mapping[str, tuple[type | None, str | None]]
 SHARED_SECTIONS: Sections = {
     "counters": (dict, None),
+    "fit": (dict, None),
     "models": (list, None),
     "optimizers": (list, "optimizer_{}"),
     "schedulers": (list, "scheduler_{}"),
@@ -63,22 +67,6 @@ SHARED_SECTIONS: Sections = {
 }
 RANK_SECTIONS: Sections = {"rng": (None, "rng"), "dataloaders": (list, "dataloader_{}")}
 
-# state.json's counters: (name, type, least value for a count, presence). "required": always there; "optional":
-# absent from older checkpoints; "nullable": absent from older checkpoints, or None.
-Presence = Literal["required", "optional", "nullable"]
-COUNTERS: tuple[tuple[str, type, int, Presence], ...] = (
-    ("step", int, 0, "required"),
-    ("epoch", int, 0, "required"),
-    ("batch_idx", int, -1, "required"),
-    ("non_finite_steps", int, 0, "optional"),
-    ("validated_epochs", int, 0, "nullable"),
-    ("ended_epochs", int, 0, "nullable"),
-    ("validated_step", int, 0, "nullable"),
-    ("stop_requested", bool, 0, "optional"),
-    ("requested_stop_reason", str, 0, "nullable"),
-    ("metrics", dict, 0, "optional"),
-    ("skipped_steps", dict, 0, "required"),
-)
 RUN_FIELDS = (("step", 0), ("world_size", 1), ("checkpoint_number", 0))
 """What an engine checkpoint's manifest adds to the files, with each count's least value."""
 
@@ -171,19 +159,23 @@ def check_run_fields(manifest: dict[str, Any], origin: str) -> None:
 
 
 def check_shared(shared: Any, origin: str) -> dict[str, Any]:
-    """``state.json``: counters, models, optimizers, schedulers, callbacks and registered objects."""
+    """``state.json``: counters, ``fit()``'s progress, models, optimizers, schedulers, callbacks and registered
+    objects."""
     document = _table(shared, origin, "the document")
     counters = _field(document, "counters", dict, origin, "the document")
-    for key, kind, least, presence in COUNTERS:
-        if (presence == "optional" and key not in counters) or (presence == "nullable" and counters.get(key) is None):
-            continue
-        if kind is int:
-            _count(counters, key, origin, "counters", least=least)
+    for counter in COUNTERS:
+        if counter.kind is int:
+            _count(counters, counter.name, origin, "counters", least=counter.least)
         else:
-            _field(counters, key, kind, origin, "counters")
+            _field(counters, counter.name, counter.kind, origin, "counters")
     skipped = counters["skipped_steps"]
     for reason in skipped:
         _count(skipped, reason, origin, "counters.skipped_steps")
+    progress = _field(document, "fit", dict, origin, "the document")
+    for name, kinds in SAVED_TYPES.items():
+        value = _field(progress, name, kinds, origin, "fit")
+        if type(value) is int and value < 0:
+            _fail(origin, f"fit.{name}", f"must be at least 0, not {value}")
     _check_sections(document, SHARED_SECTIONS, origin)
     for index, model in enumerate(document["models"]):
         where = f"models[{index}]"
@@ -194,7 +186,7 @@ def check_shared(shared: Any, origin: str) -> dict[str, Any]:
         for alias in aliases:
             _field(aliases, alias, str, origin, f"{where}.aliases")
         _field(model, "grads", bool, origin, where)
-        if "grad_ranks" in model:  # absent from a single process's and older checkpoints
+        if "grad_ranks" in model:  # absent from a single process's checkpoints
             _count(model, "grad_ranks", origin, where, least=1)
     for index, optimizer in enumerate(document["optimizers"]):
         where = f"optimizers[{index}]"

@@ -117,7 +117,7 @@ def read_model(strategy: Strategy, module: nn.Module, reader: TensorSource, inde
 
 def _saved_gradients(strategy: Strategy, reader: TensorSource, index: int, entry: dict[str, Any]) -> dict[str, Any]:
     """The gradients model ``index`` had accumulated mid-window on this rank: from the one file of a single process
-    (or of an older checkpoint, which held rank 0's alone), or from this rank's own file of several."""
+    (no ``grad_ranks``), or from this rank's own file of several."""
     if not entry["grads"]:
         return {}
     ranks = entry.get("grad_ranks")
