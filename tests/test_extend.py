@@ -6,12 +6,16 @@ from __future__ import annotations
 import inspect
 import subprocess
 import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 import cadence
 import cadence.extend
-from tests.test_layering import CALLBACKS, _imports, _module_name
+from cadence.extend import CheckpointCorrupted
+from cadence.testing import FakeEngine
+from tests.test_layering import CALLBACKS, ROOT, _imports, _module_name
 
 NAMES = cadence.extend.__all__
 
@@ -58,13 +62,35 @@ def test_every_name_is_used_by_a_built_in_feature_or_named_by_one_that_is() -> N
 
 
 def test_the_state_checks_raise_the_declared_error() -> None:
-    from cadence.extend import CheckpointCorrupted, check_state_fields, refuse_state
+    from cadence.extend import check_state_fields, refuse_state
 
     with pytest.raises(CheckpointCorrupted, match=r"state for callback 'Mine' is malformed: it has no 'count'"):
         check_state_fields("callback 'Mine'", {}, {"count": int})
     with pytest.raises(CheckpointCorrupted, match="bad"):
         refuse_state("callback 'Mine'", "bad")
     assert issubclass(CheckpointCorrupted, cadence.CheckpointError)
+
+
+def test_the_example_callback_in_the_architecture_docs_runs(tmp_path: Path) -> None:
+    """The section users read for the rule holds a whole callback written with it; it must work as written."""
+    section = (ROOT / "docs" / "architecture.md").read_text().split("## Writing your own callback: `cadence.extend`")
+    code = section[1].split("```python\n", 1)[1].split("```", 1)[0]
+    assert "from cadence.extend import" in code
+    namespace: dict[str, Any] = {"__name__": "users_callbacks"}
+    exec(compile(code, "architecture.md", "exec"), namespace)
+    counter = namespace["BatchCounter"](warn_after=2)
+
+    with pytest.warns(cadence.CadenceWarning, match="^2 batches trained") as caught:
+        FakeEngine(callbacks=[counter], project_dir=tmp_path).run(steps=3)
+    assert counter.batches == 3
+    assert [warning.filename for warning in caught] == ["architecture.md"]  # the user's callback, not cadence
+    with pytest.raises(ValueError, match=r"BatchCounter\(warn_after=\.\.\.\) needs an integer >= 1; got 0"):
+        namespace["BatchCounter"](warn_after=0)
+    with pytest.raises(CheckpointCorrupted, match="it has no 'batches'"):
+        counter.check_state_dict({})
+    resumed = namespace["BatchCounter"](warn_after=2)
+    resumed.load_state_dict(counter.state_dict())
+    assert resumed.batches == 3
 
 
 @pytest.mark.slow  # a fresh interpreter: this one has imported much more already
