@@ -9,12 +9,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from cadence import Callback
-from cadence.checkpoint.checks import check_state_fields
-from cadence.compat import version_counter
-from cadence.errors import CadenceWarning
-from cadence.stacklevel import user_stacklevel
-from cadence.validators import integer
+from cadence import CadenceWarning, Callback
+from cadence.extend import check_state_fields, integer, user_stacklevel, version_counter
 
 if TYPE_CHECKING:
     from cadence import Engine

@@ -13,14 +13,12 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from cadence.checkpoint.state_document import PROTECTS_KEY, SCORE_KEY
-from cadence.errors import CadenceWarning
-from cadence.stacklevel import user_stacklevel
-from cadence.validators import is_integer, is_number
+from cadence import CadenceWarning
+from cadence.extend import PROTECTS_KEY, SCORE_KEY, is_integer, is_number, user_stacklevel
 
 if TYPE_CHECKING:
     from cadence import Engine
-    from cadence.checkpoint.background import PendingCheckpoint
+    from cadence.extend import PendingCheckpoint
 
 Mode = Literal["min", "max"]
 _MODES = ("min", "max")

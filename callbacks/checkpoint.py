@@ -7,19 +7,15 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cadence import Callback
-from cadence.checkpoint.checks import check_state_fields
-from cadence.errors import CadenceWarning
-from cadence.schedule import steps_in_run
-from cadence.stacklevel import user_stacklevel
-from cadence.validators import boolean, optional_integer
+from cadence import CadenceWarning, Callback
+from cadence.extend import boolean, check_state_fields, optional_integer, steps_in_run, user_stacklevel
 
 from .best_checkpoint import BestCheckpoints, Mode, check_ranking_arguments
 from .checkpoint_space import UNTIL_STOPPED_EPOCHS, free_bytes, least_checkpoint_bytes, planned_saves, space_warning
 
 if TYPE_CHECKING:
     from cadence import Engine
-    from cadence.checkpoint.background import PendingCheckpoint
+    from cadence.extend import PendingCheckpoint
 
 
 def save_once(engine: Engine, stale: Path | None = None) -> Path:

@@ -11,15 +11,14 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from cadence.checkpoint.commit import fsync_path
-from cadence.errors import CadenceWarning
-from cadence.stacklevel import user_stacklevel
+from cadence import CadenceWarning
+from cadence.extend import fsync_path, user_stacklevel
 
 from .logger import Logger
 
 if TYPE_CHECKING:
     from cadence import Engine
-    from cadence.checkpoint.layout import CheckpointDirectory
+    from cadence.extend import CheckpointDirectory
 
 MARK = ("_written_by", "cadence CSVLogger")
 """The entry CSVLogger writes first in its ``hparams.json``: the file it may move aside or add to is only one

@@ -8,11 +8,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from cadence import Callback
-from cadence.checkpoint.checks import check_state_fields, refuse_state
-from cadence.errors import CadenceWarning
-from cadence.stacklevel import user_stacklevel
-from cadence.validators import integer, is_number
+from cadence import CadenceWarning, Callback
+from cadence.extend import check_state_fields, integer, is_number, refuse_state, user_stacklevel
 
 if TYPE_CHECKING:
     from cadence import Engine

@@ -10,9 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from cadence import Callback
-from cadence.checkpoint.checks import check_state_fields
-from cadence.compat import foreach_copy_, foreach_lerp_
-from cadence.validators import integer, is_number
+from cadence.extend import check_state_fields, foreach_copy_, foreach_lerp_, integer, is_number
 
 if TYPE_CHECKING:
     from cadence import Engine

@@ -11,9 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from cadence import Callback
-from cadence.checkpoint.checks import check_state_fields, check_state_items
-from cadence.compat import foreach_max_abs
-from cadence.validators import integer
+from cadence.extend import check_state_fields, check_state_items, foreach_max_abs, integer
 
 if TYPE_CHECKING:
     from cadence import Engine

@@ -13,10 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from cadence import Callback
-from cadence.checkpoint.checks import refuse_state
-from cadence.errors import CadenceWarning
-from cadence.stacklevel import user_stacklevel
+from cadence import CadenceWarning, Callback
+from cadence.extend import refuse_state, user_stacklevel
 
 if TYPE_CHECKING:
     from cadence import Engine

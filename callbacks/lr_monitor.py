@@ -8,10 +8,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from cadence import Callback
-from cadence.errors import CadenceWarning
-from cadence.stacklevel import user_stacklevel
-from cadence.validators import boolean
+from cadence import CadenceWarning, Callback
+from cadence.extend import boolean, user_stacklevel
 
 if TYPE_CHECKING:
     from cadence import Engine

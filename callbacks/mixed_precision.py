@@ -5,11 +5,16 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING, Any, Literal
 
-from cadence import Callback
-from cadence.checkpoint.checks import check_state_fields, refuse_state
-from cadence.errors import CadenceWarning
-from cadence.precision import AutocastPrecision, GradScalerPrecision, Precision, check_scaler_state
-from cadence.stacklevel import user_stacklevel
+from cadence import CadenceWarning, Callback
+from cadence.extend import (
+    AutocastPrecision,
+    GradScalerPrecision,
+    Precision,
+    check_scaler_state,
+    check_state_fields,
+    refuse_state,
+    user_stacklevel,
+)
 
 if TYPE_CHECKING:
     from cadence import Engine

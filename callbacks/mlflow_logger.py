@@ -15,8 +15,8 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cadence.errors import CadenceWarning
-from cadence.stacklevel import user_stacklevel
+from cadence import CadenceWarning
+from cadence.extend import user_stacklevel
 
 from .delivery import Delivery, first_line
 from .logger import Logger, check_run_id, missing_package, unwritable

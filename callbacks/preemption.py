@@ -16,17 +16,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from cadence import Callback
-from cadence.errors import CadenceWarning
-from cadence.stacklevel import user_stacklevel
-from cadence.validators import boolean, integer, is_integer
+from cadence import CadenceWarning, Callback
+from cadence.extend import boolean, integer, is_integer, user_stacklevel
 
 from .checkpoint import save_once
 from .timer import warn_outside_fit
 
 if TYPE_CHECKING:
-    from cadence import Engine
-    from cadence.state import State
+    from cadence import Engine, State
 
 EX_TEMPFAIL = 75
 """sysexits.h's "temporary failure; the user is invited to retry": the run is unfinished but safe to resume."""

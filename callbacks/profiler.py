@@ -13,10 +13,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.profiler import ProfilerAction, ProfilerActivity, record_function, tensorboard_trace_handler
 
-from cadence import Callback
-from cadence.errors import CadenceWarning
-from cadence.stacklevel import user_stacklevel
-from cadence.validators import boolean, integer
+from cadence import CadenceWarning, Callback
+from cadence.extend import boolean, integer, user_stacklevel
 
 if TYPE_CHECKING:
     from cadence import Engine

@@ -14,7 +14,7 @@ from time import monotonic
 from typing import TYPE_CHECKING
 
 from cadence import Callback
-from cadence.validators import is_integer, is_number
+from cadence.extend import is_integer, is_number
 
 if TYPE_CHECKING:
     from rich.console import Console

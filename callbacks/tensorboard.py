@@ -8,8 +8,8 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cadence.errors import CadenceWarning
-from cadence.stacklevel import user_stacklevel
+from cadence import CadenceWarning
+from cadence.extend import user_stacklevel
 
 from .logger import Logger
 

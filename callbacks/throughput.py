@@ -11,10 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from cadence import Callback
-from cadence.errors import CadenceWarning
-from cadence.stacklevel import user_stacklevel
-from cadence.validators import integer, is_integer, is_number
+from cadence import CadenceWarning, Callback
+from cadence.extend import integer, is_integer, is_number, user_stacklevel
 
 from .flops import device_peak_flops
 

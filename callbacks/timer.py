@@ -12,11 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from cadence import Callback
-from cadence.checkpoint.checks import check_state_fields
-from cadence.errors import CadenceWarning
-from cadence.stacklevel import user_stacklevel
-from cadence.validators import integer, is_number
+from cadence import CadenceWarning, Callback
+from cadence.extend import check_state_fields, integer, is_number, user_stacklevel
 
 if TYPE_CHECKING:
     from cadence import Engine

@@ -15,8 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from cadence.errors import CadenceWarning
-from cadence.stacklevel import user_stacklevel
+from cadence import CadenceWarning
+from cadence.extend import user_stacklevel
 
 from .delivery import Delivery
 from .logger import Logger, check_run_id, missing_package, unwritable

@@ -6,7 +6,9 @@ module, or an undocumented field. A torch upgrade that changes one of them shoul
 names torch.compile and FSDP add inside state-dict keys (``_orig_mod`` ...) are data, listed where keys are read
 (``strategies/optimizer_state.py``).
 
-Public (no underscore) because callbacks may use only the core's public names.
+Internal: callbacks and loggers, built-in or yours, reach the few shims a feature needs (``foreach_copy_``,
+``foreach_lerp_``, ``foreach_max_abs``, ``version_counter``) through ``cadence.extend``, the supported API for
+writing them, and never import this module, whose shims change with torch.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ the value it got; ``True`` and ``False`` are never integers or numbers here, alt
 ``int``. A wrong integer or number raises ``ValueError`` (out of range and wrong type read as one rule: "an integer
 >= 1"); a wrong flag raises ``TypeError``.
 
-Public (no underscore) because callbacks may use only the core's public names.
+Callbacks and loggers import these checks from ``cadence.extend``, the supported API for writing them.
 """
 
 from __future__ import annotations
