@@ -34,6 +34,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from cadence.accelerate.samplers import SeedableRandomSampler
+from cadence.compat import is_iterable_dataset
 from cadence.data import ResumableBatchSampler, to_stateful
 from cadence.validators import is_integer
 from cadence.wrappers import PreparedDataLoader
@@ -157,7 +158,7 @@ def accelerate_loader(
     own order, and so does a ``RandomSampler`` given a generator other than the loader's).
     ``broadcast(obj)`` returns rank 0's ``obj`` on every rank."""
     batch_size = loader.batch_size
-    if loader._dataset_kind == 1 or batch_size is None:
+    if is_iterable_dataset(loader) or batch_size is None:
         return loader
     given = loader.sampler
     if isinstance(given, SeedableRandomSampler) and not given.replacement and len(given) == len(given.data_source):

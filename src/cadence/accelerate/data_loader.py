@@ -29,6 +29,7 @@ from cadence.accelerate.operations import broadcast_object_list, find_batch_size
 from cadence.accelerate.samplers import BatchSamplerShard, SeedableRandomSampler
 from cadence.accelerate.state import PartialState
 from cadence.accelerate.utils.random import synchronize_rng_state
+from cadence.compat import requested_num_samples
 from cadence.validators import is_integer
 from cadence.wrappers import PreparedDataLoader
 
@@ -221,7 +222,7 @@ def _batch_sampler(
         seedable = SeedableRandomSampler(
             sampler.data_source,
             replacement=sampler.replacement,
-            num_samples=sampler._num_samples,
+            num_samples=requested_num_samples(sampler),
             generator=sampler.generator,
             data_seed=data_seed,
         )

@@ -29,6 +29,7 @@ from torch.utils.hooks import RemovableHandle
 
 from cadence.accelerate.data import accelerate_loader, skip_first_batches
 from cadence.callback import Callback
+from cadence.compat import scheduler_step_count
 from cadence.compile import split_compiled
 from cadence.inputs import is_preparable
 from cadence.wrappers import PreparedModule, PreparedOptimizer, PreparedScheduler
@@ -56,7 +57,7 @@ class AcceleratedScheduler:
         self._seen_updates = updates
         total = getattr(self.scheduler, "total_steps", None)
         for _ in range(self.steps):
-            if total is not None and self.scheduler._step_count > total:
+            if total is not None and scheduler_step_count(self.scheduler) > total:
                 return
             self.scheduler.step(*args, **kwargs)
 
