@@ -128,6 +128,27 @@ def test_callbacks_use_only_public_core_names_and_no_front_end() -> None:
     assert checked > 0, "callbacks/ should import the core (cadence.Callback at least)"
 
 
+# The one front-end module that may import core modules beyond ``cadence``'s public names: it gathers what the facade
+# needs until cadence.extend declares it (each import there names its proposed public form).
+FRONT_END_BRIDGE = CORE / "accelerate" / "internals.py"
+
+
+def test_the_front_ends_use_the_public_core_and_the_callbacks_only() -> None:
+    """A front end composes the engine as a user would: ``cadence``'s public names, ``cadence.extend``, the callbacks
+    and its own modules; whatever else it needs from the core comes through ``FRONT_END_BRIDGE`` alone."""
+    allowed = ("cadence.extend", "cadence.callbacks", *FRONT_ENDS)
+    found = []
+    for path in _front_end_files():
+        if path == FRONT_END_BRIDGE:
+            continue
+        for module, name in _imports(path, _module_name(path, CORE, "cadence")):
+            if module == "cadence" or not _is_within(module, "cadence"):
+                continue  # the public API, or another package
+            if not any(_is_within(module, top) for top in allowed):
+                found.append(f"{path.relative_to(ROOT)}: {module}.{name}")
+    assert found == [], f"import these from cadence, or through {FRONT_END_BRIDGE.relative_to(ROOT)}: {found}"
+
+
 def test_the_import_parser_sees_what_the_rules_forbid(tmp_path: Path) -> None:
     """The rules above pass only if the parser can see the imports they forbid: nested, relative, private."""
     package = tmp_path / "pkg"

@@ -33,11 +33,14 @@ from typing import Any, Literal, cast
 import torch
 from torch.utils.data import DataLoader
 
+from cadence.accelerate.internals import (
+    PreparedDataLoader,
+    ResumableBatchSampler,
+    is_integer,
+    is_iterable_dataset,
+    to_stateful,
+)
 from cadence.accelerate.samplers import SeedableRandomSampler
-from cadence.compat import is_iterable_dataset
-from cadence.data import ResumableBatchSampler, to_stateful
-from cadence.validators import is_integer
-from cadence.wrappers import PreparedDataLoader
 
 ShuffleMode = Literal["seedable", "draw", "stream", "generator"]
 
