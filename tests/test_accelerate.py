@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import cadence
-import cadence.accelerate.accelerator
+import cadence.accelerate.arguments
 from cadence.accelerate import Accelerator, DataLoaderConfiguration, ProjectConfiguration, load_checkpoint_in_model
 from cadence.callbacks import GradientAccumulation, MixedPrecision
 
@@ -256,10 +256,10 @@ def test_non_blocking_must_say_how_cadence_copies_batches(monkeypatch: pytest.Mo
     for non_blocking in (True, False, None):
         Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(non_blocking=non_blocking)).end_training()
     # The check runs before any device is used, so the device it resolves can be stood in for.
-    monkeypatch.setattr(cadence.accelerate.accelerator, "resolve_device", lambda accelerator: torch.device("cuda", 0))
+    monkeypatch.setattr(cadence.accelerate.arguments, "resolve_device", lambda accelerator: torch.device("cuda", 0))
     with pytest.raises(NotImplementedError, match=r"non_blocking=False\) on 'cuda'.*with non_blocking=True"):
         Accelerator(dataloader_config=DataLoaderConfiguration(non_blocking=False))
-    monkeypatch.setattr(cadence.accelerate.accelerator, "resolve_device", lambda accelerator: torch.device("mps"))
+    monkeypatch.setattr(cadence.accelerate.arguments, "resolve_device", lambda accelerator: torch.device("mps"))
     with pytest.raises(NotImplementedError, match=r"non_blocking=True\) on 'mps'.*plain \(blocking\) copy"):
         Accelerator(dataloader_config=DataLoaderConfiguration(non_blocking=True))
 

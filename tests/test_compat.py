@@ -5,6 +5,7 @@ A failure here after a torch upgrade names the one shim to adapt; nothing else i
 
 from __future__ import annotations
 
+import ast
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -47,6 +48,31 @@ def test_requested_num_samples_is_none_unless_the_user_gave_one(sampler_type: ty
     assert compat.requested_num_samples(default) is None
     assert default.num_samples == 6  # the public property fills the default in: it cannot tell the two apart
     assert compat.requested_num_samples(sampler_type(data, replacement=True, num_samples=6)) == 6
+
+
+def test_scheduler_step_count_counts_the_constructor_step_and_each_step() -> None:
+    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1.0, total_steps=2)
+    assert compat.scheduler_step_count(scheduler) == 1
+    for _ in range(2):
+        optimizer.step()
+        scheduler.step()
+    assert compat.scheduler_step_count(scheduler) == 3  # past total_steps: OneCycleLR refuses the next step
+    with pytest.raises(ValueError, match="total steps"):
+        scheduler.step()
+
+
+def test_metric_progress_is_the_update_count_and_the_cached_result() -> None:
+    torchmetrics = pytest.importorskip("torchmetrics")
+    metric = torchmetrics.MeanMetric()
+    assert compat.metric_progress(metric) == (0, None)
+    metric.update(torch.tensor([1.0, 3.0]))
+    value = metric.compute()
+    assert compat.metric_progress(metric) == (1, value)
+    metric.update(torch.tensor([5.0]))  # an update drops the cached result
+    assert compat.metric_progress(metric) == (2, None)
+    compat.set_metric_progress(metric, 7, None)
+    assert compat.metric_progress(metric) == (7, None) and metric.compute().item() == 3.0
 
 
 def test_live_iterator_is_the_iterator_a_stateful_loader_keeps_between_passes() -> None:
@@ -189,3 +215,89 @@ def test_version_counter_rises_at_each_in_place_change_only() -> None:
     with torch.no_grad():
         weight.add_(1)
     assert compat.version_counter(weight) > before
+
+
+ROOT = Path(__file__).resolve().parents[1]
+# Python's own underscore names, documented as public API: sys._getframe, os._exit, a namedtuple's _fields, _asdict,
+# _replace and _make, an Enum's _value_, _name_ and _missing_.
+PYTHON_NAMES = {"_getframe", "_exit", "_fields", "_asdict", "_replace", "_make", "_value_", "_name_", "_missing_"}
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _own_private_names(trees: list[ast.Module]) -> set[str]:
+    """The private names cadence defines itself: set on ``self`` / ``cls``, or defined in a class or module body."""
+    own: set[str] = set()
+    for tree in trees:
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in {"self", "cls"}
+            ):
+                own.add(node.attr)
+            elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                own.add(node.name)
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                own.add(node.target.id)
+            elif isinstance(node, ast.Assign):
+                own.update(target.id for target in node.targets if isinstance(target, ast.Name))
+    return {name for name in own if _is_private(name)}
+
+
+def _foreign_private_reads(tree: ast.Module, own: set[str]) -> list[str]:
+    """``obj._name`` (or ``getattr(obj, "_name")``) where no cadence code defines ``_name`` and Python does not
+    document it: a private attribute of another package's object (torch, torchdata, torchmetrics ...)."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        name = None
+        if isinstance(node, ast.Attribute):
+            receiver = node.value
+            if not (isinstance(receiver, ast.Name) and receiver.id in {"self", "cls"}):
+                name = node.attr
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and len(node.args) > 1:
+            given = node.args[1]
+            if node.func.id in {"getattr", "hasattr", "setattr"} and isinstance(given, ast.Constant):
+                name = str(given.value)
+        if name is not None and _is_private(name) and name not in own and name not in PYTHON_NAMES:
+            found.append((node.lineno, ast.unparse(node)))
+    return [f"{line}: {text}" for line, text in sorted(found)]
+
+
+def test_no_module_but_compat_reads_another_packages_private_attributes() -> None:
+    """A torch upgrade that renames an internal should break one file, checked shim by shim above: so every read of
+    another package's private attribute (found by name: one that cadence never defines, on any object but ``self``)
+    goes through a function of ``cadence.compat``. The core, the callbacks and the front ends are scanned."""
+    files = [
+        path
+        for folder in (ROOT / "src" / "cadence", ROOT / "callbacks")
+        for path in sorted(folder.rglob("*.py"))
+        if path.name != "compat.py"
+    ]
+    assert ROOT / "src" / "cadence" / "accelerate" / "training.py" in files
+    trees = {path: ast.parse(path.read_text(), filename=str(path)) for path in files}
+    own = _own_private_names(list(trees.values()))
+    found = [
+        f"{path.relative_to(ROOT)}:{use}" for path, tree in trees.items() for use in _foreign_private_reads(tree, own)
+    ]
+    assert found == [], f"read these through a function of cadence/compat.py (with a check in this file): {found}"
+
+
+def test_the_private_attribute_scan_sees_each_form() -> None:
+    source = (
+        "class Mine:\n"
+        "    _kept = 0\n"
+        "    def __init__(self, loader, sampler, other):\n"
+        "        self._seen = loader._dataset_kind\n"
+        "        getattr(sampler, '_num_samples')\n"
+        "        other._seen, other._kept, self._fresh, sys._getframe(1), loader.__class__\n"
+        "        self.scheduler._step_count\n"
+    )
+    tree = ast.parse(source)
+    assert _foreign_private_reads(tree, _own_private_names([tree])) == [
+        "4: loader._dataset_kind",
+        "5: getattr(sampler, '_num_samples')",
+        "7: self.scheduler._step_count",
+    ]

@@ -24,7 +24,7 @@ import cadence
 import cadence.callbacks
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = [ROOT / "src" / "cadence", ROOT / "callbacks", ROOT / "frontends"]
+SOURCES = [ROOT / "src" / "cadence", ROOT / "callbacks"]
 _CITATION = re.compile(r"``?([A-Za-z_][\w.]*)(\([^`]*\))?``?")
 _KEYWORD = re.compile(r"(?:^|[(,]\s*)([A-Za-z_]\w*)=")
 _MISSING = object()

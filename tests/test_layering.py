@@ -1,9 +1,10 @@
-"""The layers docs/architecture.md draws, checked on the real files: core (src/cadence) <- callbacks/ <- frontends/.
+"""The layers docs/architecture.md draws, checked on the real files: core (src/cadence) <- callbacks/ <- front ends
+(``cadence.accelerate``, ``cadence.defaults``: modules of src/cadence that sit above the callbacks).
 
 The core never imports a callback or a front end (one named exception: the default summary and bar), callbacks
-import only ``cadence``, ``cadence.extend`` (their declared API) and each other, and pyproject.toml installs each of
-those folders under its name (``cadence.callbacks``, ``cadence.<front end>``) and every package folder, so no module
-is left out of a wheel.
+import only ``cadence``, ``cadence.extend`` (their declared API) and each other, never a front end, and
+pyproject.toml maps callbacks/ alone under its name (``cadence.callbacks``) and lists every package folder, so no
+module is left out of a wheel.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import cadence.extend
 ROOT = Path(__file__).resolve().parents[1]
 CORE = ROOT / "src" / "cadence"
 CALLBACKS = ROOT / "callbacks"
-FRONTENDS = ROOT / "frontends"
+# The front ends: modules of src/cadence that compose the engine with callbacks, so they sit above both layers.
+FRONT_ENDS = {"cadence.accelerate": CORE / "accelerate", "cadence.defaults": CORE / "defaults.py"}
 
 # (importing file, imported module): the core's imports above itself, of one front-end module, made lazily at the
 # point of use. The default summary and bar are concrete callbacks, so a front-end module names them
@@ -54,17 +56,17 @@ def _imports(path: Path, module: str) -> list[tuple[str, str | None]]:
     return found
 
 
+def _front_end_files() -> list[Path]:
+    return sorted(file for path in FRONT_ENDS.values() for file in ([path] if path.is_file() else path.rglob("*.py")))
+
+
 def _core_files() -> list[Path]:
-    return sorted(CORE.rglob("*.py"))
-
-
-def _front_ends() -> list[Path]:
-    """Each front end: a package, ``frontends/<name>/`` (a package folder is what pyproject.toml can map)."""
-    return sorted(path for path in FRONTENDS.iterdir() if (path / "__init__.py").is_file())
+    front_ends = set(_front_end_files())
+    return sorted(path for path in CORE.rglob("*.py") if path not in front_ends)
 
 
 def _front_end_modules() -> set[str]:
-    return {f"cadence.{path.stem}" for path in _front_ends()}
+    return set(FRONT_ENDS)
 
 
 def _is_within(module: str, package: str) -> bool:
@@ -83,7 +85,6 @@ def _setuptools() -> dict[str, Any]:
 def _installed_packages() -> dict[str, Path]:
     """Each package folder of the three layers under the name it is installed as."""
     roots = {"cadence": CORE, "cadence.callbacks": CALLBACKS}
-    roots |= {f"cadence.{path.name}": path for path in _front_ends()}
     found = {}
     for name, root in roots.items():
         for init in root.rglob("__init__.py"):
@@ -92,26 +93,22 @@ def _installed_packages() -> dict[str, Path]:
 
 
 def test_pyproject_installs_every_package_folder_under_its_name() -> None:
-    """A front end or a package folder missing from pyproject.toml would be missing from wheels (and the import
-    hook of an editable install); a loose module in frontends/ could not be mapped at all."""
+    """A package folder missing from pyproject.toml would be missing from wheels; callbacks/ is the one folder
+    outside src/ (the product's layout), so it is the one mapping."""
     setuptools = _setuptools()
     mapped = {name: ROOT / folder for name, folder in setuptools["package-dir"].items()}
-    assert mapped == {
-        "": CORE.parent,
-        "cadence.callbacks": CALLBACKS,
-        **{f"cadence.{path.name}": path for path in _front_ends()},
-    }, "map each front end: [tool.setuptools.package-dir] 'cadence.<name>' = 'frontends/<name>'"
+    assert mapped == {"": CORE.parent, "cadence.callbacks": CALLBACKS}, "map callbacks/ alone in package-dir"
     packages = _installed_packages()
-    assert {"cadence.accelerate.utils", "cadence.defaults", "cadence.checkpoint"} <= set(packages)
+    assert {"cadence.accelerate.utils", "cadence.callbacks", "cadence.checkpoint"} <= set(packages)
     assert sorted(setuptools["packages"]) == sorted(packages), "list every package folder in [tool.setuptools]"
-    loose = sorted(path.name for path in FRONTENDS.iterdir() if path.suffix == ".py")
-    assert loose == [], f"front ends are packages: move {loose} to frontends/<name>/__init__.py"
+    assert all(path.exists() for path in FRONT_ENDS.values()), f"a front end moved: update FRONT_ENDS {FRONT_ENDS}"
 
 
 def test_the_core_imports_no_callback_and_no_front_end() -> None:
     upward = ["cadence.callbacks", *_front_end_modules()]
     files = _core_files()
     assert CORE / "loop.py" in files and CORE / "callbacks" not in files
+    assert CORE / "defaults.py" not in files and CORE / "accelerate" / "accelerator.py" not in files
     edges = set()
     for path in files:
         for module, name in _imports(path, _module_name(path, CORE, "cadence")):
@@ -180,6 +177,27 @@ def test_the_callback_rule_refuses_every_other_core_import(tmp_path: Path) -> No
     ]
 
 
+# The one front-end module that may import core modules beyond ``cadence``'s public names: it gathers what the facade
+# needs until cadence.extend declares it (each import there names its proposed public form).
+FRONT_END_BRIDGE = CORE / "accelerate" / "internals.py"
+
+
+def test_the_front_ends_use_the_public_core_and_the_callbacks_only() -> None:
+    """A front end composes the engine as a user would: ``cadence``'s public names, ``cadence.extend``, the callbacks
+    and its own modules; whatever else it needs from the core comes through ``FRONT_END_BRIDGE`` alone."""
+    allowed = ("cadence.extend", "cadence.callbacks", *FRONT_ENDS)
+    found = []
+    for path in _front_end_files():
+        if path == FRONT_END_BRIDGE:
+            continue
+        for module, name in _imports(path, _module_name(path, CORE, "cadence")):
+            if module == "cadence" or not _is_within(module, "cadence"):
+                continue  # the public API, or another package
+            if not any(_is_within(module, top) for top in allowed):
+                found.append(f"{path.relative_to(ROOT)}: {module}.{name}")
+    assert found == [], f"import these from cadence, or through {FRONT_END_BRIDGE.relative_to(ROOT)}: {found}"
+
+
 def test_the_import_parser_sees_what_the_rules_forbid(tmp_path: Path) -> None:
     """The rules above pass only if the parser can see the imports they forbid: nested, relative, private."""
     package = tmp_path / "pkg"
@@ -239,7 +257,7 @@ def test_no_module_outside_engine_py_touches_the_engines_private_members() -> No
     """The loop, evaluation, checkpoints, callbacks and front ends use Engine's public members (``cadence.loop``
     owns the loaders fit() reuses; ``release_dataloader`` is public), so Engine's private fields can change freely."""
     files = [path for path in _core_files() if path != CORE / "engine.py"]
-    files += [*sorted(CALLBACKS.rglob("*.py")), *sorted(FRONTENDS.rglob("*.py"))]
+    files += [*sorted(CALLBACKS.rglob("*.py")), *_front_end_files()]
     found = [f"{path.relative_to(ROOT)}:{use}" for path in files for use in _engine_private_uses(path.read_text())]
     assert found == []
 

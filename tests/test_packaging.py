@@ -1,5 +1,6 @@
 """How cadence is installed: ``pip install .``, ``pip install -e .`` and a built wheel each give a fresh environment
-the whole package (``cadence.callbacks`` from callbacks/, the front ends from frontends/), and the package a script
+the whole package (``cadence.callbacks`` from callbacks/, the rest, front ends included, from src/cadence/), and
+the package a script
 imports is the engine, wherever the script runs.
 
 Each install goes into a new virtual environment whose only other contents are the running interpreter's packages
@@ -22,7 +23,7 @@ import pytest
 import cadence
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = ("pyproject.toml", "README.md", "src", "callbacks", "frontends")
+SOURCES = ("pyproject.toml", "README.md", "src", "callbacks")
 IMPORTS = (
     "import cadence, cadence.callbacks, cadence.accelerate, cadence.accelerate.utils, cadence.defaults\n"
     "print(cadence.__file__)\nprint(cadence.callbacks.__file__)\nprint(cadence.accelerate.utils.__file__)\n"
@@ -96,12 +97,12 @@ def _imported(python: Path, tmp_path: Path) -> list[Path]:
 
 
 def _installed_copies(files: list[Path], site: Path) -> None:
-    relative = ["__init__.py", "callbacks/__init__.py", "accelerate/utils/__init__.py", "defaults/__init__.py"]
+    relative = ["__init__.py", "callbacks/__init__.py", "accelerate/utils/__init__.py", "defaults.py"]
     sources = [
         ROOT / "src/cadence/__init__.py",
         ROOT / "callbacks/__init__.py",
-        ROOT / "frontends/accelerate/utils/__init__.py",
-        ROOT / "frontends/defaults/__init__.py",
+        ROOT / "src/cadence/accelerate/utils/__init__.py",
+        ROOT / "src/cadence/defaults.py",
     ]
     for file, name, origin in zip(files, relative, sources, strict=True):
         assert file == site / "cadence" / name and not file.is_symlink()
@@ -130,8 +131,8 @@ def test_an_editable_install_imports_callbacks_and_front_ends_from_their_folders
     assert _imported(python, tmp_path) == [
         source / "src/cadence/__init__.py",
         source / "callbacks/__init__.py",
-        source / "frontends/accelerate/utils/__init__.py",
-        source / "frontends/defaults/__init__.py",
+        source / "src/cadence/accelerate/utils/__init__.py",
+        source / "src/cadence/defaults.py",
     ]
 
 
@@ -143,10 +144,10 @@ def test_a_wheel_holds_front_ends_and_callbacks_as_real_files_and_installs(tmp_p
     (wheel,) = wheels.glob("cadence-*.whl")
     with zipfile.ZipFile(wheel) as archive:
         members = {info.filename: info for info in archive.infolist()}
-        front_ends = [*(ROOT / "frontends").glob("*/*.py"), *(ROOT / "frontends").glob("*/*/*.py")]
-        assert {path.parent.name for path in front_ends} >= {"accelerate", "utils", "defaults"}
+        front_ends = [ROOT / "src/cadence/defaults.py", *(ROOT / "src/cadence/accelerate").rglob("*.py")]
+        assert {path.parent.name for path in front_ends} >= {"cadence", "accelerate", "utils"}
         for front_end in front_ends:
-            info = members[f"cadence/{front_end.relative_to(ROOT / 'frontends').as_posix()}"]
+            info = members[f"cadence/{front_end.relative_to(ROOT / 'src/cadence').as_posix()}"]
             assert stat.S_ISREG(info.external_attr >> 16) and archive.read(info) == front_end.read_bytes()
         assert archive.read("cadence/callbacks/progress.py") == (ROOT / "callbacks" / "progress.py").read_bytes()
         entry_points = next(name for name in members if name.endswith(".dist-info/entry_points.txt"))
@@ -193,10 +194,10 @@ def test_a_clone_named_cadence_beside_the_script_does_not_shadow_the_installed_p
 @pytest.mark.slow
 def test_mypy_checks_callbacks_and_front_ends_under_their_installed_names(tmp_path: Path) -> None:
     """``make lint``'s mypy reads the package through the strict install's links (docs/architecture.md,
-    Packaging): a type error in callbacks/ or frontends/ is reported, in the module users import."""
+    Packaging): a type error in callbacks/ or a front end is reported, in the module users import."""
     source = _source_copy(tmp_path)
     mistake = '\n\ndef _wrong() -> int:\n    return "not an int"\n'
-    for module in ("callbacks/timer.py", "frontends/accelerate/utils/__init__.py"):
+    for module in ("callbacks/timer.py", "src/cadence/accelerate/utils/__init__.py"):
         (source / module).write_text((source / module).read_text() + mistake)
     python = _fresh_venv(tmp_path)
     _pip(python, "install", "--editable", str(source), "--config-settings", "editable_mode=strict", cwd=tmp_path)
@@ -215,7 +216,7 @@ def test_mypy_checks_callbacks_and_front_ends_under_their_installed_names(tmp_pa
 
 
 def test_the_repository_holds_no_symlink() -> None:
-    """callbacks/ and frontends/ reach the package through pyproject.toml's package-dir, not through links, which
+    """callbacks/ reaches the package through pyproject.toml's package-dir, not through links, which
     a Windows checkout turns into text files."""
     if not (ROOT / ".git").exists() or shutil.which("git") is None:
         pytest.skip("not a git checkout: the tracked files are unknown")

@@ -1,8 +1,9 @@
-"""Every torch (and torchdata) internal the core and the callbacks rely on, in one place.
+"""Every torch (and torchdata, torchmetrics) internal the core, the callbacks and the front ends rely on, in one place.
 
 Each function here reads or calls something torch does not document as public: a private attribute, a private
 module, or an undocumented field. A torch upgrade that changes one of them should mean editing this file only;
-``tests/test_compat.py`` checks, shim by shim, that the installed torch still behaves as each one assumes. The
+``tests/test_compat.py`` checks, shim by shim, that the installed torch still behaves as each one assumes, and
+that no other module reads another package's private attribute. The
 names torch.compile and FSDP add inside state-dict keys (``_orig_mod`` ...) are data, listed where keys are read
 (``strategies/optimizer_state.py``).
 
@@ -23,6 +24,7 @@ from torch.utils.data import DataLoader, RandomSampler
 from torch.utils.data.dataloader import _DatasetKind
 
 if TYPE_CHECKING:
+    from torch.optim.lr_scheduler import LRScheduler
     from torchdata.stateful_dataloader import StatefulDataLoader
 
 
@@ -36,6 +38,23 @@ def requested_num_samples(sampler: RandomSampler) -> int | None:
     """The ``num_samples=`` a ``RandomSampler`` was built with, ``None`` when left to the dataset's length (the
     public ``num_samples`` property fills that default in, so it cannot tell the two apart)."""
     return sampler._num_samples
+
+
+def scheduler_step_count(scheduler: LRScheduler) -> int:
+    """How many times ``scheduler.step()`` has run, the one its constructor makes included
+    (``LRScheduler._step_count``): ``OneCycleLR`` raises once it passes ``total_steps``, which only this tells."""
+    return int(scheduler._step_count)
+
+
+def metric_progress(metric: Any) -> tuple[int, Any]:
+    """A torchmetrics ``Metric``'s update count and cached ``compute()`` result (``_update_count``, ``_computed``):
+    with its states, all that ``merge_state`` and ``compute`` read."""
+    return int(metric._update_count), metric._computed
+
+
+def set_metric_progress(metric: Any, update_count: int, computed: Any) -> None:
+    """Set what ``metric_progress`` reads (``None`` for ``computed`` makes the next ``compute()`` recompute)."""
+    metric._update_count, metric._computed = update_count, computed
 
 
 def live_iterator(loader: StatefulDataLoader[Any]) -> Any | None:

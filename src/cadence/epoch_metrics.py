@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from cadence.callback import Callback
+from cadence.compat import metric_progress, set_metric_progress
 from cadence.validators import is_number
 
 if TYPE_CHECKING:
@@ -303,7 +304,7 @@ def metric_state(metric: Any) -> dict[str, Any]:
                 if isinstance(value, list)
                 else (value.detach().cpu().clone())
             )
-        saved[f"{key}/_update_count"] = int(leaf._update_count)
+        saved[f"{key}/_update_count"] = metric_progress(leaf)[0]
     return saved
 
 
@@ -319,13 +320,13 @@ def merge_metric_state(metric: Any, saved: Mapping[str, Any]) -> None:
         count = int(saved.get(f"{key}/_update_count", 0))
         if not count:
             continue
-        if leaf._update_count:
+        updates = metric_progress(leaf)[0]
+        if updates:
             leaf.merge_state(states)
         else:
             for name, value in states.items():
                 setattr(leaf, name, value)
-        leaf._update_count += count
-        leaf._computed = None
+        set_metric_progress(leaf, updates + count, None)
 
 
 def _to_device(value: Any, device: torch.device) -> Any:
@@ -344,7 +345,7 @@ class MetricsGuard:
         for leaf, (states, count, computed) in self._saved:
             for name, value in states.items():
                 setattr(leaf, name, value)
-            leaf._update_count, leaf._computed = count, computed
+            set_metric_progress(leaf, count, computed)
 
 
 def _snapshot(leaf: Any) -> tuple[dict[str, Any], int, Any]:
@@ -352,7 +353,7 @@ def _snapshot(leaf: Any) -> tuple[dict[str, Any], int, Any]:
         name: [item.clone() for item in value] if isinstance(value, list) else value.clone()
         for name, value in leaf.metric_state.items()
     }
-    return states, leaf._update_count, leaf._computed
+    return states, *metric_progress(leaf)
 
 
 def _unique(metrics: Iterable[Any]) -> list[Any]:

@@ -578,7 +578,7 @@ def _default_callbacks(engine: Engine) -> list[Callback]:
         return []
     try:
         # The core's one import above itself, lazy and in this one place: the defaults are concrete callbacks,
-        # which only a front end may name (cadence.defaults is frontends/defaults/).
+        # which only a front end may name (cadence.defaults, src/cadence/defaults.py).
         from cadence.defaults import default_model_summary, default_progress_bar
     except ImportError as error:
         off = ", ".join(name for name, on in (("model_summary=False", summary), ("progress_bar=False", bar)) if on)

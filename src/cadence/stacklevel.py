@@ -32,7 +32,7 @@ def user_stacklevel() -> int:
 
 
 def _inside(frame: FrameType) -> bool:
-    # By module name, not by file: the same module is reached through src/, the top-level callbacks/ and
-    # frontends/ folders, an editable install's link tree or a wheel, and its name is the same in each.
+    # By module name, not by file: the same module is reached through src/, the top-level callbacks/ folder, an
+    # editable install's link tree or a wheel, and its name is the same in each.
     name = frame.f_globals.get("__name__")
     return isinstance(name, str) and name.partition(".")[0] in _THROUGH

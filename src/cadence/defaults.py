@@ -8,7 +8,7 @@ an uninstalled checkout lacks.
 
 from __future__ import annotations
 
-from cadence.callback import Callback
+from cadence import Callback
 from cadence.callbacks.model_summary import ModelSummary
 from cadence.callbacks.progress import RichProgressBar
 

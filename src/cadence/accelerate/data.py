@@ -33,10 +33,14 @@ from typing import Any, Literal, cast
 import torch
 from torch.utils.data import DataLoader
 
+from cadence.accelerate.internals import (
+    PreparedDataLoader,
+    ResumableBatchSampler,
+    is_integer,
+    is_iterable_dataset,
+    to_stateful,
+)
 from cadence.accelerate.samplers import SeedableRandomSampler
-from cadence.data import ResumableBatchSampler, to_stateful
-from cadence.validators import is_integer
-from cadence.wrappers import PreparedDataLoader
 
 ShuffleMode = Literal["seedable", "draw", "stream", "generator"]
 
@@ -157,7 +161,7 @@ def accelerate_loader(
     own order, and so does a ``RandomSampler`` given a generator other than the loader's).
     ``broadcast(obj)`` returns rank 0's ``obj`` on every rank."""
     batch_size = loader.batch_size
-    if loader._dataset_kind == 1 or batch_size is None:
+    if is_iterable_dataset(loader) or batch_size is None:
         return loader
     given = loader.sampler
     if isinstance(given, SeedableRandomSampler) and not given.replacement and len(given) == len(given.data_source):

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cadence.validators import is_integer
+from cadence.accelerate.internals import is_integer
 
 __all__ = [
     "DistributedOperationException",
@@ -47,6 +47,15 @@ class DistributedOperationException(Exception):
 
 def is_torch_tensor(data: Any) -> bool:
     """True for a ``torch.Tensor``."""
+    return isinstance(data, torch.Tensor)
+
+
+def all_tensors(data: Any) -> bool:
+    """True when ``data`` is a tensor, or lists, tuples and dicts of tensors only."""
+    if isinstance(data, list | tuple):
+        return all(all_tensors(item) for item in data)
+    if isinstance(data, dict):
+        return all(all_tensors(item) for item in data.values())
     return isinstance(data, torch.Tensor)
 
 

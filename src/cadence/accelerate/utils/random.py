@@ -6,9 +6,9 @@ from collections.abc import Iterable
 
 import torch
 
+from cadence import seed_everything
 from cadence.accelerate.operations import broadcast
 from cadence.accelerate.state import PartialState
-from cadence.inputs import seed_everything
 
 __all__ = ["set_seed", "synchronize_rng_state", "synchronize_rng_states"]
 

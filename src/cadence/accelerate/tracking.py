@@ -1,5 +1,5 @@
-"""The ``Accelerator`` members for experiment trackers (``log_with``, ``init_trackers``, ``log``, ``get_tracker``,
-``end_training``), on cadence's ``Logger`` backends.
+"""What the ``Accelerator``'s tracker members (``log_with``, ``init_trackers``, ``log``, ``get_tracker``,
+``end_training``) run on: cadence's ``Logger`` backends.
 
 A tracker here is a ``Logger`` backend used on its own: ``accelerator.log(values, step)`` hands one row to the
 backend's ``write`` and makes it durable with ``persist``. The backend is not attached to the Engine, so it writes
@@ -20,15 +20,13 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cadence.callback import Callback
+from cadence import Callback
+from cadence.accelerate.internals import flatten_hyperparams, is_integer, refuse_state
 from cadence.callbacks import CSVLogger, Logger, MLflowLogger, TensorBoardLogger, WandbLogger
 from cadence.callbacks.logger import plain_rows
-from cadence.checkpoint.checks import refuse_state
-from cadence.hyperparams import flatten_hyperparams
-from cadence.validators import is_integer
 
 if TYPE_CHECKING:
-    from cadence.engine import Engine
+    from cadence import Engine
 
 
 class TensorBoardTracker(TensorBoardLogger):
@@ -170,7 +168,7 @@ def _installed() -> list[str]:
     return [name for name, package in _PACKAGES.items() if package is None or importlib.util.find_spec(package)]
 
 
-def _refuse_kwargs(member: str, kwargs: Mapping[str, Any] | None) -> None:
+def refuse_kwargs(member: str, kwargs: Mapping[str, Any] | None) -> None:
     if kwargs:
         raise NotImplementedError(
             f"cadence.accelerate.Accelerator does not support {member}={dict(kwargs)!r}: a tracker's options are "
@@ -218,75 +216,35 @@ class TrackerPositions(Callback):
         tracker.resume(step if saved is None else saved.get(tracker.name, -1))
 
 
-class TrackingMembers:
-    """Mixed into ``Accelerator``, which sets ``self.engine``, ``self.log_with`` and ``self.trackers`` before any
-    member is used."""
+def start_trackers(
+    log_with: list[str | Logger],
+    run: Path,
+    project_name: str,
+    engine: Engine,
+    positions: TrackerPositions,
+    config: Mapping[str, Any] | None,
+) -> list[Tracker]:
+    """``Accelerator.init_trackers``: each tracker of ``log_with`` started in ``run``, continuing the last load's
+    history, with ``config`` stored."""
+    fresh = [_tracker(entry, run, project_name, engine) for entry in log_with]
+    for tracker in fresh:
+        tracker.start(run)
+        positions.resume(tracker)
+        if config is not None:
+            tracker.store_init_configuration(config)
+    return fresh
 
-    engine: Engine
-    log_with: list[str | Logger]
-    trackers: list[Tracker]
-    _tracker_positions: TrackerPositions
 
-    if TYPE_CHECKING:
-
-        @property
-        def logging_dir(self) -> Path: ...
-
-    def init_trackers(
-        self,
-        project_name: str,
-        config: Mapping[str, Any] | None = None,
-        init_kwargs: Mapping[str, Any] | None = None,
-    ) -> None:
-        """Start every tracker of ``log_with``: ``csv`` writes ``metrics.csv`` in ``logging_dir / project_name``,
-        ``tensorboard`` its event files there; ``mlflow`` logs to the MLflow experiment ``project_name`` (its store
-        in ``project_dir/mlflow``), ``wandb`` to the W&B project ``project_name``; a ``Logger`` instance writes where
-        it was told. ``config`` becomes MLflow's params and W&B's config, and ``hparams.json`` for the others.
-        ``init_kwargs`` is refused: pass a configured ``Logger`` instance instead. After a ``load_state`` each
-        tracker continues the checkpoint's history."""
-        if not isinstance(project_name, str) or not project_name:
-            raise TypeError(f"init_trackers(project_name={project_name!r}) takes the run's name, a non-empty str.")
-        _refuse_kwargs("init_trackers(init_kwargs)", init_kwargs)
-        run = Path(self.logging_dir).absolute() / project_name  # absolute: it wins over the engine's project_dir
-        fresh = [_tracker(entry, run, project_name, self.engine) for entry in self.log_with]
-        for tracker in fresh:
-            tracker.start(run)
-            self._tracker_positions.resume(tracker)
-            if config is not None:
-                tracker.store_init_configuration(config)
-        self.trackers.extend(fresh)
-
-    def log(
-        self, values: Mapping[str, Any], step: int | None = None, log_kwargs: Mapping[str, Any] | None = None
-    ) -> None:
-        """Write ``values`` (numbers, or one-element tensors) as one row at ``step`` to every tracker, on the main
-        process only. ``step=None`` is the Engine's optimizer step (``engine.state.step``); TensorBoard keeps the
-        first value of a name at a step."""
-        _refuse_kwargs("log(log_kwargs)", log_kwargs)
-        if not isinstance(values, Mapping):
-            raise TypeError(f"log(values={values!r}) takes a dict of metric names to values.")
-        for tracker in self.trackers:
-            tracker.log(values, step)
-
-    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
-        """The tracker called ``name`` (``"csv"``, ``"tensorboard"``, or a ``Logger`` instance's class name);
-        ``unwrap=True`` gives its ``Logger`` backend."""
-        for tracker in self.trackers:
-            if tracker.name == name:
-                return tracker.tracker if unwrap else tracker
-        started = ", ".join(repr(tracker.name) for tracker in self.trackers) or "none"
-        raise ValueError(
-            f"get_tracker({name!r}): no such tracker was started (started: {started}). Name it in "
-            "Accelerator(log_with=[...]) and call accelerator.init_trackers(project_name) first."
-        )
-
-    def end_training(self) -> None:
-        """Flush and close every tracker, then close the Engine (and the process group it created)."""
-        try:
-            for tracker in self.trackers:
-                tracker.finish()
-        finally:
-            self.engine.close()
+def find_tracker(trackers: list[Tracker], name: str, unwrap: bool) -> Any:
+    """``Accelerator.get_tracker``: the started tracker called ``name`` (its backend with ``unwrap``)."""
+    for tracker in trackers:
+        if tracker.name == name:
+            return tracker.tracker if unwrap else tracker
+    started = ", ".join(repr(tracker.name) for tracker in trackers) or "none"
+    raise ValueError(
+        f"get_tracker({name!r}): no such tracker was started (started: {started}). Name it in "
+        "Accelerator(log_with=[...]) and call accelerator.init_trackers(project_name) first."
+    )
 
 
 def _tracker(entry: str | Logger, run: Path, project: str, engine: Engine) -> Tracker:

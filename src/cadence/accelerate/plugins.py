@@ -1,15 +1,33 @@
-"""The configuration objects ``Accelerator(...)`` takes: ``DataLoaderConfiguration``, ``GradientAccumulationPlugin``
-and the kwargs handlers. Each is a plain dataclass with Accelerate's fields and defaults; ``Accelerator`` checks
-every field and refuses, naming the cadence alternative, a value it cannot honour."""
+"""The configuration objects ``Accelerator(...)`` takes: ``ProjectConfiguration``, ``DataLoaderConfiguration``,
+``GradientAccumulationPlugin`` and the kwargs handlers. Each is a plain dataclass with Accelerate's fields and
+defaults; ``Accelerator`` checks every field and refuses, naming the cadence alternative, a value it cannot
+honour."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 from datetime import timedelta
-from typing import Any, NoReturn
+from typing import Any
 
-from cadence.strategies.distributed import DEFAULT_TIMEOUT
-from cadence.validators import is_integer
+from cadence.accelerate.checks import check_bool, check_int, refuse
+from cadence.accelerate.internals import DEFAULT_TIMEOUT
+
+
+@dataclass
+class ProjectConfiguration:
+    """Where checkpoints go: ``project_dir/checkpoints/checkpoint_{n}`` with ``automatic_checkpoint_naming``.
+
+    ``logging_dir`` (default: ``project_dir``) is what ``accelerator.logging_dir`` returns: the trackers of
+    ``log_with`` write in ``logging_dir / project_name`` once ``init_trackers(project_name)`` starts them.
+    """
+
+    project_dir: str | os.PathLike[str] | None = None
+    logging_dir: str | os.PathLike[str] | None = None
+    automatic_checkpoint_naming: bool = False
+    total_limit: int | None = None
+    iteration: int = 0
+    save_on_each_node: bool = False
 
 
 @dataclass
@@ -104,28 +122,6 @@ class AutocastKwargs:
     cache_enabled: bool | None = None
 
 
-def _refuse(argument: str, fix: str) -> NoReturn:
-    raise NotImplementedError(f"cadence.accelerate.Accelerator does not support {argument}: {fix}.")
-
-
-# --- argument checks: each names the argument, the value given and what to pass instead ---------------------
-def _check_bool(owner: str, name: str, value: object, *, optional: bool = False) -> None:
-    if (optional and value is None) or isinstance(value, bool):
-        return
-    need = "True, False or None" if optional else "True or False"
-    raise TypeError(f"{owner}({name}={value!r}): {name} must be {need}, not a {type(value).__name__}.")
-
-
-def _check_int(owner: str, name: str, value: object, minimum: int | None, none_means: str | None = None) -> None:
-    if value is None and none_means is not None:
-        return
-    or_none = f", or None {none_means}" if none_means is not None else ""
-    if not is_integer(value):
-        raise TypeError(f"{owner}({name}={value!r}): {name} must be an integer{or_none}, not a {type(value).__name__}.")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{owner}({name}={value!r}): {name} must be at least {minimum}{or_none}.")
-
-
 KwargsHandler = DistributedDataParallelKwargs | InitProcessGroupKwargs | GradScalerKwargs | AutocastKwargs
 KWARGS_HANDLERS = (DistributedDataParallelKwargs, InitProcessGroupKwargs, GradScalerKwargs, AutocastKwargs)
 
@@ -158,16 +154,16 @@ def accumulation_steps(steps: object, plugin: object) -> int:
             "of steps once, as GradientAccumulationPlugin(num_steps=...)."
         )
     owner = "GradientAccumulationPlugin"
-    _check_int(owner, "num_steps", plugin.num_steps, minimum=1)
+    check_int(owner, "num_steps", plugin.num_steps, minimum=1)
     for name in ("adjust_scheduler", "sync_with_dataloader", "sync_each_batch"):
-        _check_bool(owner, name, getattr(plugin, name))
+        check_bool(owner, name, getattr(plugin, name))
     if not plugin.sync_with_dataloader:
-        _refuse(
+        refuse(
             "GradientAccumulationPlugin(sync_with_dataloader=False)",
             "the last batch of an epoch always ends its accumulation window and steps; leave it True",
         )
     if plugin.sync_each_batch:
-        _refuse(
+        refuse(
             "GradientAccumulationPlugin(sync_each_batch=True)",
             "gradients are synchronised once per window; to save memory use Engine(strategy='fsdp')",
         )
@@ -214,7 +210,7 @@ def handler_settings(handlers: object) -> HandlerSettings:
         seen.add(kind)
         changed = changed_fields(handler, _HONOURED.get(kind, ()))
         if changed:
-            _refuse(f"{kind.__name__}({', '.join(changed)})", _HANDLER_FIX[kind])
+            refuse(f"{kind.__name__}({', '.join(changed)})", _HANDLER_FIX[kind])
         _apply_handler(handler, settings)
     return settings
 
@@ -224,7 +220,7 @@ def _apply_handler(handler: Any, settings: HandlerSettings) -> None:
         settings.scaler = {"init_scale": handler.init_scale, "growth_interval": handler.growth_interval}
     elif isinstance(handler, InitProcessGroupKwargs):
         if handler.backend not in (None, "nccl", "gloo"):
-            _refuse(f"InitProcessGroupKwargs(backend={handler.backend!r})", _HANDLER_FIX[InitProcessGroupKwargs])
+            refuse(f"InitProcessGroupKwargs(backend={handler.backend!r})", _HANDLER_FIX[InitProcessGroupKwargs])
         if handler.timeout is not None:
             if not isinstance(handler.timeout, timedelta):
                 raise TypeError(
