@@ -42,6 +42,8 @@ from cadence.wrappers import PreparedDataLoader, PreparedOptimizer
 if TYPE_CHECKING:
     from cadence.engine import Engine
 
+__all__ = ["BatchSizeResult", "LRFindResult", "batch_size_find", "lr_find", "search_batch_size", "suggest"]
+
 DIVERGENCE = 4.0
 """``lr_find`` stops once the smoothed loss exceeds this many times the lowest seen (Lightning's rule)."""
 
