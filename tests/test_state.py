@@ -30,7 +30,7 @@ def test_help_shows_every_public_field_with_its_type_and_documentation() -> None
     public = [field for field in dataclasses.fields(State) if not field.name.startswith("_")]
     assert len(public) > 10
     for field in public:
-        assert _words(f"{field.name}: {field.type} {field.metadata['doc']}") in shown
+        assert _words(f"{field.name} ({field.type}): {field.metadata['doc']}") in shown
     assert "Optimizer updates really applied (skipped steps never count)." in shown
 
 
