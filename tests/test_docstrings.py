@@ -4,7 +4,8 @@ The reference (docs/reference/*.md, built by mkdocstrings) shows each package's 
 methods and properties, a function with its signature. A name without a docstring renders as a bare signature and a
 parameter missing from ``Args:`` renders as nothing at all, so both fail here. Docstrings are Google style
 (``Args:``, ``Returns:``, ``Raises:``). A method that overrides a documented method of a cadence base class (a
-callback's ``on_batch_end``) inherits its docstring, as ``inspect.getdoc`` and the reference do.
+callback's ``on_batch_end``, a strategy's ``rank`` property) inherits its docstring and its parameters'
+descriptions, as ``inspect.getdoc`` does.
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ import itertools
 import re
 import textwrap
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 # The packages docs/reference/ has one page each for (mkdocs.yml's "API reference").
-PACKAGES = ["cadence"]
+PACKAGES = ["cadence", "cadence.strategies", "cadence.tune", "cadence.testing"]
 _SECTION = re.compile(r"^(\s*)(Args|Arguments|Parameters|Attributes):\s*$")
 _ENTRY = re.compile(r"^\s*\**(\w+)\s*(\([^)]*\))?\s*:")
 
@@ -136,7 +138,7 @@ def _problems_of_class(where: str, cls: type) -> Iterator[str]:
                 yield f"{where}: constructor parameter {name!r} is not described in its docstring's Args: section"
     for name, member in _own_members(cls):
         if isinstance(member, property):
-            if not member.__doc__:
+            if not _inherited_docs(cls, name):
                 yield f"{where}.{name} (a property) has no docstring"
             continue
         yield from _problems_of_function(f"{where}.{name}", member, _inherited_docs(cls, name))
@@ -144,6 +146,20 @@ def _problems_of_class(where: str, cls: type) -> Iterator[str]:
 
 def _no_doc() -> None:
     pass
+
+
+def _alias_documented(package: Any, name: str) -> bool:
+    """Whether a module of ``package``'s folder assigns ``name`` at its top level with a docstring right below (a
+    type alias such as ``ReduceOp``, which carries no ``__doc__`` of its own)."""
+    folder = Path(package.__file__).parent
+    for path in folder.glob("*.py"):
+        body = ast.parse(path.read_text()).body
+        for before, after in itertools.pairwise(body):
+            targets = before.targets if isinstance(before, ast.Assign) else [getattr(before, "target", None)]
+            named = any(isinstance(target, ast.Name) and target.id == name for target in targets)
+            if named and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+                return True
+    return False
 
 
 def problems(package: str) -> list[str]:
@@ -157,9 +173,11 @@ def problems(package: str) -> list[str]:
         where = f"{package}.{name}"
         if inspect.isclass(value):
             found.extend(_problems_of_class(where, value))
-        elif callable(value):
+        elif inspect.isroutine(value):
             docs = [inspect.cleandoc(value.__doc__)] if value.__doc__ else []
             found.extend(_problems_of_function(where, value, docs))
+        elif not _alias_documented(module, name):
+            found.append(f"{where} has no docstring (a string right below its assignment)")
     return found
 
 
