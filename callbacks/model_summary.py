@@ -103,7 +103,11 @@ class ModelSummary(Callback):
         self.show(engine)
 
     def show(self, engine: Engine) -> None:
-        """Print the summary of every model ``engine`` prepared (nothing on other ranks)."""
+        """Print the summary of every model ``engine`` prepared (nothing on other ranks).
+
+        Args:
+            engine: the engine whose prepared models are summarised.
+        """
         if not engine.is_main_process:
             return
         console = self.console or _stdout_console()
