@@ -25,7 +25,14 @@ from typing import Any
 import pytest
 
 # The packages docs/reference/ has one page each for (mkdocs.yml's "API reference").
-PACKAGES = ["cadence", "cadence.callbacks", "cadence.strategies", "cadence.tune", "cadence.testing"]
+PACKAGES = [
+    "cadence",
+    "cadence.callbacks",
+    "cadence.strategies",
+    "cadence.tune",
+    "cadence.testing",
+    "cadence.accelerate",
+]
 _SECTION = re.compile(r"^(\s*)(Args|Arguments|Parameters|Attributes):\s*$")
 _ENTRY = re.compile(r"^\s*\**(\w+)\s*(\([^)]*\))?\s*:")
 

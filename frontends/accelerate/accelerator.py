@@ -70,6 +70,15 @@ class ProjectConfiguration:
 
     ``logging_dir`` (default: ``project_dir``) is what ``accelerator.logging_dir`` returns: the trackers of
     ``log_with`` write in ``logging_dir / project_name`` once ``init_trackers(project_name)`` starts them.
+
+    Args:
+        project_dir: where checkpoints go (or ``Accelerator(project_dir=...)``; giving two that differ is refused);
+            None for the current directory.
+        logging_dir: where the trackers write; None for ``project_dir``.
+        automatic_checkpoint_naming: ``save_state()`` without a directory saves to the next ``checkpoint_{n}``.
+        total_limit: keep at most this many automatically named checkpoints.
+        iteration: the number of the next automatically named checkpoint.
+        save_on_each_node: only False: put ``project_dir`` on a filesystem every node shares.
     """
 
     project_dir: str | os.PathLike[str] | None = None
@@ -253,7 +262,37 @@ class Accelerator(ProcessMembers, TrainingMembers, TrackingMembers):
     """The Accelerate tutorial's ``Accelerator``, running on a ``cadence.Engine`` (``accelerator.engine``).
 
     ``dynamo_backend`` (``"inductor"``, ``"aot_eager"``, ... or ``"no"``) becomes ``Engine(compile={"backend": ...})``:
-    each prepared model is compiled after the strategy wraps it, and saved weights keep the model's own keys."""
+    each prepared model is compiled after the strategy wraps it, and saved weights keep the model's own keys.
+
+    Args:
+        device_placement: must be True: prepared models and batches always go to ``accelerator.device``.
+        split_batches: each process takes a slice of every batch (True) or batches of its own (False).
+        mixed_precision: ``"no"``, ``"fp16"`` or ``"bf16"`` (a ``MixedPrecision`` callback); None for ``"no"``.
+        gradient_accumulation_steps: micro-batches per optimizer step (a ``GradientAccumulation`` callback).
+        cpu: run on the CPU even where an accelerator is present.
+        dataloader_config: how prepared dataloaders shard and seed; None for the defaults.
+        project_dir: where checkpoints and trackers write; None for the current directory.
+        project_config: checkpoint naming, retention and logging directory.
+        step_scheduler_with_optimizer: must be True: a prepared scheduler steps when its optimizer really stepped.
+        callbacks: cadence callbacks for the engine, beside those the arguments above make.
+        dynamo_backend: the ``torch.compile`` backend, or ``"no"``/None for none.
+        log_with: trackers (``"tensorboard"``, ``"wandb"``, ``"mlflow"``, ``"all"``) for ``init_trackers``.
+        gradient_accumulation_plugin: the accumulation settings as a plugin (instead of
+            ``gradient_accumulation_steps``).
+        kwargs_handlers: Accelerate's kwargs handlers cadence supports (``GradScalerKwargs``).
+        **unsupported: Accelerate arguments cadence does not support: refused, naming the cadence alternative.
+
+    Example:
+        ```python
+        accelerator = Accelerator(mixed_precision="bf16", gradient_accumulation_steps=2)
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        for inputs, targets in loader:
+            with accelerator.accumulate(model):
+                accelerator.backward(loss_fn(model(inputs), targets))
+                optimizer.step()
+                optimizer.zero_grad()
+        ```
+    """
 
     def __init__(
         self,
@@ -324,6 +363,7 @@ class Accelerator(ProcessMembers, TrainingMembers, TrackingMembers):
 
     @property
     def sync_gradients(self) -> bool:
+        """Whether this batch ends an accumulation window (``engine.state.sync_gradients``)."""
         return self.engine.state.sync_gradients
 
     @property
@@ -334,6 +374,7 @@ class Accelerator(ProcessMembers, TrainingMembers, TrackingMembers):
 
     @property
     def mixed_precision(self) -> str:
+        """``"no"``, ``"fp16"`` or ``"bf16"``: the engine's precision."""
         name = self.engine.precision.name
         return "no" if name == "fp32" else name
 
@@ -349,7 +390,15 @@ class Accelerator(ProcessMembers, TrainingMembers, TrackingMembers):
     # --- the step ------------------------------------------------------------------------------------------
     def prepare(self, *objects: Any, device_placement: Sequence[bool | None] | None = None) -> Any:
         """``engine.prepare``: every object is placed on ``accelerator.device``, so ``device_placement`` may
-        only say True (or None) for each object."""
+        only say True (or None) for each object.
+
+        Args:
+            *objects: models, optimizers, dataloaders and schedulers.
+            device_placement: one True or None per object; False is refused.
+
+        Returns:
+            The prepared objects in the order given (one object alone as itself).
+        """
         if AcceleratorState.resets != self._resets_seen:
             raise AttributeError(
                 "`AcceleratorState` object has no attribute to prepare with any more: this Accelerator was built "
@@ -362,31 +411,66 @@ class Accelerator(ProcessMembers, TrainingMembers, TrackingMembers):
         return self._prepare_in_accelerate_order(objects)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``engine.backward(loss)``: the loss divided for accumulation and scaled for fp16.
+
+        Args:
+            loss: the batch's loss.
+            **kwargs: Accelerate passes these to ``loss.backward``; refused (cadence takes none).
+        """
         if kwargs:
             _refuse(f"backward(**{kwargs})", "engine.backward(loss, num_items=...) takes only an item count")
         self.engine.backward(loss)
 
     @contextmanager
     def accumulate(self, *models: nn.Module) -> Iterator[None]:
-        """Skip gradient sync on accumulation micro-steps for each model given (all prepared ones if none)."""
+        """Skip gradient sync on accumulation micro-steps for each model given (all prepared ones if none).
+
+        Args:
+            *models: prepared models; none for every prepared one.
+        """
         with ExitStack() as stack:
             for model in models or self.engine.models:
                 stack.enter_context(self.engine.accumulate(model))
             yield
 
     def autocast(self) -> AbstractContextManager[Any]:
+        """``engine.autocast()``: the precision's autocast, for computations outside the prepared model."""
         return self.engine.autocast()
 
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2) -> Any:
+        """``engine.clip_grad_norm_``: unscaled first, nothing on accumulation micro-steps.
+
+        Args:
+            parameters: the parameters whose gradients are clipped.
+            max_norm: the largest total norm allowed.
+            norm_type: the p of the p-norm.
+
+        Returns:
+            The total norm before clipping (NaN on a micro-step).
+        """
         return self.engine.clip_grad_norm_(parameters, max_norm, norm_type)
 
     def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
+        """``engine.clip_grad_value_``: unscaled first, nothing on accumulation micro-steps.
+
+        Args:
+            parameters: the parameters whose gradients are clamped.
+            clip_value: the largest absolute value allowed.
+        """
         self.engine.clip_grad_value_(parameters, clip_value)
 
     def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool | None = None) -> nn.Module:
         """Your own module, running its own forward: cadence runs mixed precision in the wrapper ``prepare``
         returned and never patches your module's forward. That is Accelerate's ``keep_fp32_wrapper=False``;
-        its True (an autocast forward on the unwrapped module) is refused under mixed precision."""
+        its True (an autocast forward on the unwrapped module) is refused under mixed precision.
+
+        Args:
+            model: a prepared model.
+            keep_fp32_wrapper: False or None; True is refused under mixed precision.
+
+        Returns:
+            The user's module.
+        """
         _check_bool("unwrap_model", "keep_fp32_wrapper", keep_fp32_wrapper, optional=True)
         if keep_fp32_wrapper and self.engine.precision.wraps_forward:
             _refuse(
@@ -399,6 +483,11 @@ class Accelerator(ProcessMembers, TrainingMembers, TrackingMembers):
 
     # --- saving --------------------------------------------------------------------------------------------
     def register_for_checkpointing(self, *objects: Any) -> None:
+        """``engine.register_for_checkpointing``: saved and restored with ``save_state`` / ``load_state``.
+
+        Args:
+            *objects: objects with ``state_dict()`` and ``load_state_dict()``.
+        """
         self.engine.register_for_checkpointing(*objects)
 
     def save_model(
@@ -408,6 +497,14 @@ class Accelerator(ProcessMembers, TrainingMembers, TrackingMembers):
         max_shard_size: int | str = "10GB",
         safe_serialization: bool = True,
     ) -> None:
+        """``engine.save_model``: the unwrapped model's weights as safetensors (sharded above ``max_shard_size``).
+
+        Args:
+            model: a prepared model.
+            save_directory: the folder to write.
+            max_shard_size: the largest shard, in bytes or as ``"10GB"``.
+            safe_serialization: False writes ``pytorch_model.bin`` instead.
+        """
         self.engine.save_model(model, Path(save_directory), max_shard_size, safe_serialization)
 
     def _checkpoint_path(self, directory: str | os.PathLike[str] | None, verb: str) -> Path | None:
@@ -421,6 +518,18 @@ class Accelerator(ProcessMembers, TrainingMembers, TrackingMembers):
         )
 
     def save_state(self, output_dir: str | os.PathLike[str] | None = None, safe_serialization: bool = True) -> str:
+        """``engine.save_state``: everything needed to continue the run exactly.
+
+        Args:
+            output_dir: the checkpoint directory; None with ``ProjectConfiguration(automatic_checkpoint_naming=True)``.
+            safe_serialization: must be True (cadence checkpoints are always safetensors and JSON).
+
+        Returns:
+            The checkpoint directory.
+
+        Raises:
+            ValueError: no directory and no automatic naming.
+        """
         if not safe_serialization:
             _refuse("save_state(safe_serialization=False)", "cadence checkpoints are always safetensors + JSON")
         saved = self.engine.save_state(self._checkpoint_path(output_dir, "save_state"))
@@ -428,6 +537,14 @@ class Accelerator(ProcessMembers, TrainingMembers, TrackingMembers):
         return str(saved)
 
     def load_state(self, input_dir: str | os.PathLike[str] | None = None) -> None:
+        """``engine.load_state``: restore a checkpoint ``save_state`` wrote.
+
+        Args:
+            input_dir: the checkpoint directory; None for the newest with automatic naming.
+
+        Raises:
+            ValueError: no directory and no automatic naming.
+        """
         directory = self._checkpoint_path(input_dir, "load_state")
         self._before_load_state(directory)
         self.engine.load_state(directory)
