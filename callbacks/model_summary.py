@@ -91,6 +91,12 @@ class ModelSummary(Callback):
 
     Args:
         console: the ``rich.console.Console`` to print on; by default one on ``sys.stdout`` as it is at each print.
+
+    Example:
+        ```python
+        model, optimizer = engine.prepare(model, optimizer)
+        ModelSummary().show(engine)  # a hand-written loop's summary
+        ```
     """
 
     summarizes_model = True
