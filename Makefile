@@ -8,9 +8,9 @@ VENV := .venv
 PYTHON := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 SYSTEM_PYTHON ?= python3
-# Every folder of code (and the docs site's hooks, not its markdown), for every lint and format check (make lint and
-# make test-fast check the same ones).
-CODE := src callbacks frontends tests examples benchmarks docs/hooks.py
+# Every folder of code, and the docs site's two Python files (not its markdown, whose code blocks ruff would
+# reformat), for every lint and format check (make lint and make test-fast check the same ones).
+CODE := src callbacks frontends tests examples benchmarks docs/hooks.py docs/griffe_field_docs.py
 # The package's folders. The editable install is strict (docs/architecture.md, Packaging): a tree of links to each
 # file, so adding, removing or renaming a file, which changes its folder's time, installs again.
 PACKAGE_FOLDERS := $(shell find src/cadence callbacks frontends -name __pycache__ -prune -o -type d -print)
