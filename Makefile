@@ -2,17 +2,20 @@
 #   make demo   install into .venv and run the quickstart example
 #   make test   install into .venv and run lint, type checks and the whole test suite
 # While working: make test-fast (lint, then the tests not marked slow: under a minute, no subprocesses).
+# make docs builds the documentation site into site/ (--strict: a broken link or reference fails); make docs-serve
+# serves it at http://127.0.0.1:8000 while you edit.
 VENV := .venv
 PYTHON := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 SYSTEM_PYTHON ?= python3
-# Every folder of code, for every lint and format check (make lint and make test-fast check the same ones).
-CODE := src callbacks tests examples benchmarks
+# Every folder of code, and the docs site's two Python files (not its markdown, whose code blocks ruff would
+# reformat), for every lint and format check (make lint and make test-fast check the same ones).
+CODE := src callbacks tests examples benchmarks docs/hooks.py docs/griffe_field_docs.py
 # The package's folders. The editable install is strict (docs/architecture.md, Packaging): a tree of links to each
 # file, so adding, removing or renaming a file, which changes its folder's time, installs again.
 PACKAGE_FOLDERS := $(shell find src/cadence callbacks -name __pycache__ -prune -o -type d -print)
 
-.PHONY: demo test test-fast lint check-code bench clean
+.PHONY: demo test test-fast lint check-code docs docs-serve bench clean
 
 $(INSTALLED): pyproject.toml constraints.txt $(PACKAGE_FOLDERS)
 	$(SYSTEM_PYTHON) -m venv $(VENV)
@@ -29,11 +32,18 @@ check-code: $(INSTALLED)
 lint: check-code
 	$(VENV)/bin/mypy
 
+# NO_MKDOCS_2_WARNING: mkdocs-material prints a banner about MkDocs 2.0 on every build; the build does not use it.
+docs: $(INSTALLED)
+	NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict --quiet
+
+docs-serve: $(INSTALLED)
+	NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs serve --strict
+
 # Worker processes for make test: most of the suite waits on the processes it starts (ranks, scripts), so more
 # workers than cores pay off; tests/conftest.py keeps each module that shares a module-scoped fixture on one worker.
 TEST_WORKERS ?= 4
 
-test: lint
+test: lint docs
 	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15
 
 test-fast: check-code
@@ -46,4 +56,4 @@ bench: $(INSTALLED)
 	$(PYTHON) benchmarks/checkpoint.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) build site *.egg-info src/*.egg-info

@@ -37,6 +37,14 @@ class GradientAccumulation(Callback):
       that ``engine.prepare()`` did not return is stepping (and zeroing the gradients) at every batch, so nothing
       is accumulated. It compares the trainable parameters' version counters (bumped by every in-place update) at
       the first two ``BATCH_START`` events of a window: no device sync, a few nanoseconds a parameter once per window.
+
+    Args:
+        steps: micro-batches per optimizer step (1: no accumulation).
+
+    Example:
+        ```python
+        engine = cadence.Engine(callbacks=[GradientAccumulation(4)])  # one update every 4 batches
+        ```
     """
 
     def __init__(self, steps: int) -> None:

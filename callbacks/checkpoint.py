@@ -79,6 +79,24 @@ class Checkpoint(Callback):
 
     Only this run's checkpoints are ever deleted (a resumed run continues the run it loaded): when fit() starts,
     the main process warns if ``project_dir/checkpoints`` holds checkpoints of another run, which stay.
+
+    Args:
+        every_n_steps: save after every n-th real optimizer step; None for never.
+        every_n_epochs: save at the end of every n-th epoch; None for never.
+        on_exception: save when ``fit()`` raises.
+        save_last: save when ``fit()`` ends normally.
+        async_save: make the periodic saves background saves.
+        monitor: a logged metric (``"val/loss"``) that ranks the checkpoints; None for no ranking.
+        mode: ``"min"`` (lower is better) or ``"max"``.
+        save_top_k: how many of the best to keep (default 1 with a ``monitor``; -1 keeps all, 0 none).
+
+    Example:
+        ```python
+        best = Checkpoint(every_n_steps=500, monitor="val/loss", save_top_k=2)
+        engine = cadence.Engine(callbacks=[best])
+        engine.fit(step, train, val_dataloader=val, max_epochs=10, resume="latest")
+        print(best.best_path, best.best_score)
+        ```
     """
 
     saves_checkpoints = True  # runs after the other callbacks at each event: its saves hold their work

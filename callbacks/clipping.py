@@ -21,7 +21,18 @@ def clip_gradients(
     norm_type: float,
 ) -> torch.Tensor | None:
     """Clamp each gradient element to ``max_value``, then the total norm to ``max_norm``, through the engine's
-    clip methods (so a sharded strategy computes the global norm). Returns the norm before norm clipping."""
+    clip methods (so a sharded strategy computes the global norm). Returns the norm before norm clipping.
+
+    Args:
+        engine: the engine whose clip methods run (they know the strategy and precision).
+        parameters: the parameters whose gradients are clipped.
+        max_norm: the largest total norm; None for no norm clipping.
+        max_value: the largest absolute element; None for no clamping.
+        norm_type: the p of the p-norm.
+
+    Returns:
+        The total norm before norm clipping, or None without ``max_norm``.
+    """
     if max_value is not None:
         engine.clip_grad_value_(parameters, max_value)
     if max_norm is not None:
@@ -32,7 +43,18 @@ def clip_gradients(
 class GradientClipping(Callback):
     """Clips at ``BEFORE_OPTIMIZER_STEP``, where the engine guarantees gradients are complete (sync step), synced
     and unscaled, so it composes with accumulation and fp16 without ordering rules. The pre-clip total norm is
-    logged as ``grad_norm`` (a tensor: reading it costs no device sync until a logger writes it)."""
+    logged as ``grad_norm`` (a tensor: reading it costs no device sync until a logger writes it).
+
+    Args:
+        max_norm: clip the gradients' total norm to this; None for no norm clipping.
+        max_value: first clamp each gradient element into ``[-max_value, max_value]``; None for no clamping.
+        norm_type: the p of the p-norm.
+
+    Example:
+        ```python
+        engine = cadence.Engine(callbacks=[GradientClipping(max_norm=1.0)])
+        ```
+    """
 
     def __init__(self, max_norm: float | None = None, max_value: float | None = None, norm_type: float = 2.0) -> None:
         if max_norm is None and max_value is None:

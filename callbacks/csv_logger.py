@@ -47,6 +47,16 @@ class CSVLogger(Logger):
     run that logs some keeps an earlier run's file as ``hparams.N.json``; a resumed run adds its hyperparameters to
     the file's, a later value replacing an earlier. A file without the mark (your own) is never moved or replaced:
     it is refused when hyperparameters would be written (at ``FIT_START`` for those logged before ``fit()``).
+
+    Args:
+        filename: the file's name, under ``project_dir``.
+        flush_every_n_rows: write the buffered rows after this many.
+        hparams_filename: the hyperparameters' file's name, beside ``filename``.
+
+    Example:
+        ```python
+        engine = cadence.Engine(project_dir="runs/exp1", callbacks=[CSVLogger()])  # runs/exp1/metrics.csv
+        ```
     """
 
     def __init__(

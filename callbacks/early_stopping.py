@@ -53,6 +53,24 @@ class EarlyStopping(Callback):
     uninterrupted one would. A run resumed from the checkpoint of the step where this callback stopped it (rerunning
     a finished script with ``resume="latest"``) stops again at ``FIT_START``, before training or saving anything;
     resume from an earlier checkpoint to train on.
+
+    Args:
+        monitor: the metric checked (``"val/loss"``).
+        mode: ``"min"`` (lower is better) or ``"max"``.
+        patience: how many checks in a row without improvement stop the run.
+        min_delta: the least change that counts as an improvement.
+        check_finite: stop at once when the metric is NaN or infinite.
+        check_on: ``"validation"``, ``"epoch"`` or ``"step"``; None for the default of the metric's kind.
+        strict: raise when the metric is missing at a check; False warns and skips the check.
+        stopping_threshold: stop once the metric is better than this.
+        divergence_threshold: stop once the metric is worse than this.
+
+    Example:
+        ```python
+        engine = cadence.Engine(callbacks=[EarlyStopping(monitor="val/loss", patience=4, min_delta=1e-3)])
+        state = engine.fit(step, train, val_dataloader=val, max_epochs=100)
+        print(state.stop_reason)
+        ```
     """
 
     def __init__(
@@ -180,7 +198,11 @@ class EarlyStopping(Callback):
             self.check(engine)
 
     def check(self, engine: Engine) -> None:
-        """Compare the monitored metric with the best so far, and stop the run when a stopping rule holds."""
+        """Compare the monitored metric with the best so far, and stop the run when a stopping rule holds.
+
+        Args:
+            engine: the engine whose ``state.metrics`` holds the monitored metric; every rank calls it.
+        """
         current = self._read(engine)
         if current is None:
             return

@@ -36,6 +36,20 @@ class EMA(Callback):
     Checkpoints hold the full average (gathered from every rank's shards on save, cut again on load, so a run may
     resume on another world size or strategy), and always the trained weights as the model's: a save made while
     the average is swapped in puts the trained weights back first.
+
+    Args:
+        decay: the weight of the average at each update, in (0, 1): 0.999 averages over about 1000 updates.
+        every_n_steps: update the average after every n-th real optimizer update.
+        start_step: the ``state.step`` whose weights start the average.
+
+    Example:
+        ```python
+        ema = EMA(decay=0.999)
+        engine = cadence.Engine(callbacks=[ema])
+        engine.fit(step, train, val_dataloader=val, max_epochs=3)  # validation runs on the average
+        with ema.average_weights():
+            engine.save_model(step.model, "ema_model")
+        ```
     """
 
     def __init__(self, decay: float, every_n_steps: int = 1, start_step: int = 0) -> None:

@@ -56,6 +56,16 @@ class FiniteCheck(Callback):
     is still vetoed (``"non_finite"``, counted): the scaler updates after a veto too, from what it found while
     unscaling, so its scale still backs off when the gradients overflowed (and a NaN loss cannot shrink it to 0
     unnoticed).
+
+    Args:
+        max_consecutive_skips: raise ``RuntimeError`` after this many of its vetoes in a row.
+        spike_factor: also veto a step whose loss exceeds this many times the recent median; None for no spike check.
+        window: how many recent step losses the median is taken over.
+
+    Example:
+        ```python
+        engine = cadence.Engine(callbacks=[FiniteCheck(spike_factor=10.0)])
+        ```
     """
 
     def __init__(self, max_consecutive_skips: int = 3, spike_factor: float | None = None, window: int = 20) -> None:

@@ -62,7 +62,16 @@ def measure_flops(model: nn.Module, example_input: Any, loss_fn: Callable[[Any],
     them: pass the result as ``ThroughputMonitor(flops_per_batch=...)`` with an input of one rank's batch size.
 
     ``.grad`` is left untouched. The model runs for real (a meta-device copy costs nothing and draws no random
-    numbers: build it under ``with torch.device("meta"):``)."""
+    numbers: build it under ``with torch.device("meta"):``).
+
+    Args:
+        model: the model, on a real or the meta device.
+        example_input: one rank's batch as the model takes it (a tuple is unpacked into arguments).
+        loss_fn: turns the model's output into a loss; None to count the forward only.
+
+    Returns:
+        The FLOPs counted.
+    """
     arguments = example_input if isinstance(example_input, tuple) else (example_input,)
     trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
     with FlopCounterMode(display=False) as counter:

@@ -68,6 +68,9 @@ class Logger(Callback):
     ``persist()``, ``resume(step, kept)``, ``check(engine)`` and ``close()``; ``self.project_dir`` is the engine's.
     In a hand-written loop (no ``fit()``), call ``flush()`` and ``close()`` at the end, as ``fit()`` does; with
     several processes, ``flush(every_rank=True)`` on every rank.
+
+    Args:
+        flush_every_n_rows: hand the buffered rows to the backend after this many.
     """
 
     def __init__(self, flush_every_n_rows: int = 50) -> None:
@@ -100,12 +103,21 @@ class Logger(Callback):
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         """Store one row: ``metrics`` maps names (``epoch``, ``loss``, ``lr``, ``val/<name>`` ...) to Python
         numbers, or lists for tensors of more than one element; values a user logged as other objects pass as they
-        are. Rows come in the order they were made; a step can have two rows (training, then validation)."""
+        are. Rows come in the order they were made; a step can have two rows (training, then validation).
+
+        Args:
+            step: the row's ``state.step``.
+            metrics: the row's names and values.
+        """
         raise NotImplementedError(f"{type(self).__name__} must implement write(step, metrics) to be a Logger.")
 
     def write_hyperparams(self, params: dict[str, str | int | float | bool]) -> None:
         """Store the run's hyperparameters: every one logged so far (``state.hyperparams``, flattened), each time
-        some are logged. A backend that keeps none ignores them."""
+        some are logged. A backend that keeps none ignores them.
+
+        Args:
+            params: every hyperparameter logged so far, flattened.
+        """
 
     def persist(self) -> None:
         """Push the rows ``write`` received so far to storage; called after each batch of writes."""
@@ -114,11 +126,20 @@ class Logger(Callback):
         """The run restarts from the checkpoint's position: forget (or set aside) the rows stored for later steps
         and, of ``step``'s rows, all but the first ``len(kept)``: the resumed run writes them again. ``kept`` holds
         the numbers of those first rows (their other values left out); ``None`` when the checkpoint does not say
-        (one written by cadence 0.x before positions were saved): keep every row of ``step``."""
+        (one written by cadence 0.x before positions were saved): keep every row of ``step``.
+
+        Args:
+            step: the checkpoint's step.
+            kept: the numbers of the rows of ``step`` the checkpoint holds, or None.
+        """
 
     def check(self, engine: Engine) -> None:
         """At ``FIT_START`` on the main process, before anything is trained: refuse (raise, one line saying what
-        to fix) a store this backend can already tell it cannot write to."""
+        to fix) a store this backend can already tell it cannot write to.
+
+        Args:
+            engine: the engine about to train.
+        """
 
     def close(self) -> None:
         """Release what the backend holds open; a later ``write`` may open it again (another ``fit()``)."""
@@ -331,6 +352,9 @@ class Logger(Callback):
         the main rank alone. It writes the rows averaged so far and warns about the rest, which wait for the next
         such point. ``every_rank=True`` averages them first, with one all-reduce: call it on every rank at the same
         point (the end of a hand-written loop that stopped mid-epoch).
+
+        Args:
+            every_rank: every rank calls it at this point, so the losses can be averaged over the ranks.
         """
         engine = self._engine
         if engine is not None and (every_rank or engine.world_size == 1):

@@ -47,6 +47,16 @@ class LearningRateMonitor(Callback):
     Loggers (``CSVLogger``, ``TensorBoardLogger``) leave out their own ``lr``, ``lr_1`` ... columns while this
     callback logs every step (``logs_learning_rates``): one learning rate, one column. With ``"epoch"`` they keep
     them, since a schedule stepped per batch moves within the epoch and only their columns hold each step's value.
+
+    Args:
+        logging_interval: ``"step"`` (at every optimizer step) or ``"epoch"`` (at every epoch's start).
+        log_momentum: also log each group's momentum (or Adam's first beta).
+        log_weight_decay: also log each group's weight decay.
+
+    Example:
+        ```python
+        engine = cadence.Engine(callbacks=[LearningRateMonitor(), CSVLogger()])  # lr-AdamW in metrics.csv
+        ```
     """
 
     def __init__(
@@ -93,7 +103,18 @@ class LearningRateMonitor(Callback):
 
     def values(self, optimizer_name: str, param_groups: Sequence[dict[str, Any]]) -> dict[str, Any]:
         """The metrics of one optimizer named ``optimizer_name`` (see ``optimizer_names``). Raises ``ValueError`` when
-        two of its groups would log under one name."""
+        two of its groups would log under one name.
+
+        Args:
+            optimizer_name: the optimizer's name in the metrics.
+            param_groups: its param groups.
+
+        Returns:
+            Metric names to values.
+
+        Raises:
+            ValueError: two groups would log under one name.
+        """
         metrics: dict[str, Any] = {}
         owners: dict[str, int] = {}
         for index, group in enumerate(param_groups):

@@ -38,6 +38,16 @@ class MixedPrecision(Callback):
     every one: autocast changes only the forward's arithmetic, so nothing saved is lost). That is an exact resume
     no longer, so it warns, naming both: from fp16 the checkpoint's loss scale is dropped; into fp16 the grad
     scaler starts fresh at ``init_scale`` (its first steps may be skipped as ``"overflow"`` while it settles).
+
+    Args:
+        precision: ``"bf16"``, ``"fp16"`` or ``"fp32"``.
+        init_scale: fp16's first loss scale.
+        growth_interval: fp16: double the scale after this many steps without overflow.
+
+    Example:
+        ```python
+        engine = cadence.Engine(callbacks=[MixedPrecision("bf16")])
+        ```
     """
 
     def __init__(self, precision: PrecisionName, *, init_scale: float = 2.0**16, growth_interval: int = 2000) -> None:

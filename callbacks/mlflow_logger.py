@@ -67,6 +67,18 @@ class MLflowLogger(Logger):
     Numbers only: a metric that is a list (a tensor of several elements) or not a number, or whose name MLflow
     refuses, is left out with one warning; so is a hyperparameter whose name MLflow refuses (``loss_weights[aux]``),
     rather than failing ``fit()``. Needs the ``mlflow`` package: ``pip install "cadence[mlflow]"``.
+
+    Args:
+        experiment_name: the MLflow experiment, created if missing.
+        run_name: the run's name; None lets MLflow choose.
+        tracking_uri: the tracking store; None for an SQLite store in ``project_dir/mlflow``.
+        tags: tags set on the run.
+        flush_every_n_rows: hand the buffered rows to MLflow after this many.
+
+    Example:
+        ```python
+        engine = cadence.Engine(callbacks=[MLflowLogger(experiment_name="exp1")])
+        ```
     """
 
     def __init__(

@@ -91,6 +91,12 @@ class ModelSummary(Callback):
 
     Args:
         console: the ``rich.console.Console`` to print on; by default one on ``sys.stdout`` as it is at each print.
+
+    Example:
+        ```python
+        model, optimizer = engine.prepare(model, optimizer)
+        ModelSummary().show(engine)  # a hand-written loop's summary
+        ```
     """
 
     summarizes_model = True
@@ -103,7 +109,11 @@ class ModelSummary(Callback):
         self.show(engine)
 
     def show(self, engine: Engine) -> None:
-        """Print the summary of every model ``engine`` prepared (nothing on other ranks)."""
+        """Print the summary of every model ``engine`` prepared (nothing on other ranks).
+
+        Args:
+            engine: the engine whose prepared models are summarised.
+        """
         if not engine.is_main_process:
             return
         console = self.console or _stdout_console()

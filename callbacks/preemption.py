@@ -80,6 +80,19 @@ class Preemption(Callback):
     ``scontrol requeue $SLURM_JOB_ID``, so the job goes back in the queue and its next start resumes. ``fit()``
     refuses to start without ``SLURM_JOB_ID`` or ``scontrol``; a requeue that fails is a warning (the checkpoint
     is safe: resubmit the job by hand).
+
+    Args:
+        signals: the signals handled while ``fit()`` trains (default SIGTERM and SIGUSR1).
+        exit_code: the status ``fit()`` exits with after saving (default 75).
+        exit_on_preemption: False to have ``fit()`` return instead of exiting.
+        check_every_n_steps: check for a signal at every n-th optimizer step.
+        requeue: SLURM: requeue the job with ``scontrol requeue`` after saving.
+
+    Example:
+        ```python
+        engine = cadence.Engine(callbacks=[Checkpoint(every_n_steps=500), Preemption(requeue=True)])
+        engine.fit(step, train, max_epochs=10, resume="latest")
+        ```
     """
 
     saves_checkpoints = True  # runs after the other callbacks at each event: its saves hold their work

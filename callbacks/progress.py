@@ -58,6 +58,11 @@ class RichProgressBar(Callback):
         console: the ``rich.console.Console`` to draw on; by default one on ``sys.stdout``, made when a fit starts.
 
     The loss is read (a device sync on accelerators) only when drawing, never on every batch.
+
+    Example:
+        ```python
+        engine = cadence.Engine(callbacks=[RichProgressBar(refresh_every_n_batches=10)])  # replaces fit()'s default
+        ```
     """
 
     shows_progress = True

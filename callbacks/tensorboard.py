@@ -38,6 +38,15 @@ class TensorBoardLogger(Logger):
     (the HPARAMS tab), all logged so far each time some are logged.
 
     Needs the ``tensorboard`` package: ``pip install "cadence[tensorboard]"``.
+
+    Args:
+        log_dir: the event files' directory, relative to ``project_dir``.
+        flush_every_n_rows: hand the buffered rows to the writer after this many.
+
+    Example:
+        ```python
+        engine = cadence.Engine(callbacks=[TensorBoardLogger()])  # tensorboard --logdir project_dir/tensorboard
+        ```
     """
 
     def __init__(self, log_dir: str | Path = "tensorboard", flush_every_n_rows: int = 50) -> None:

@@ -71,6 +71,20 @@ class ThroughputMonitor(Callback):
     Cost: a clock read and a batch-size look-up per batch; per log, one host sync and, with several ranks, one
     ``engine.reduce(op="sum")`` (every rank logs at the same steps). Nothing is checkpointed: time measured before
     a restart says nothing about the speed after it.
+
+    Args:
+        window_size: how many recent training batches the rates are averaged over.
+        log_every_n_steps: log after every n-th optimizer step.
+        batch_size_fn: samples in a batch; None for the first tensor's length.
+        flops_per_batch: FLOPs of one rank's batch, forward and backward (``measure_flops``); None for no FLOP/s.
+        peak_flops: one device's peak FLOP/s in the run's precision, for the MFU; None for a known GPU's.
+        time_fn: the clock, in seconds.
+
+    Example:
+        ```python
+        flops = measure_flops(model, torch.randn(32, 16), loss_fn=lambda out: out.sum())
+        engine = cadence.Engine(callbacks=[ThroughputMonitor(flops_per_batch=flops), CSVLogger()])
+        ```
     """
 
     def __init__(

@@ -113,6 +113,17 @@ class Timer(Callback):
     already used up stops before its first batch, with nothing new to save.
 
     ``clock``: seconds from any fixed origin (default ``time.monotonic``); tests pass a fake one.
+
+    Args:
+        max_duration: the training time allowed: seconds, a ``timedelta``, ``{"hours": 12}`` or ``"DD:HH:MM:SS"``.
+        check_every_n_steps: check the time at every n-th optimizer step.
+        clock: seconds from any fixed origin.
+
+    Example:
+        ```python
+        engine = cadence.Engine(callbacks=[Timer("00:11:30:00")])  # stop, saved, after 11.5 hours
+        engine.fit(step, train, max_epochs=100, resume="latest")
+        ```
     """
 
     saves_checkpoints = True  # runs after the other callbacks at each event: its saves hold their work

@@ -65,6 +65,20 @@ class WandbLogger(Logger):
     ``fit()`` ends go to ``project_dir/wandb-undelivered-<run id>.json``, named in a warning.
 
     Needs the ``wandb`` package: ``pip install "cadence[wandb]"``.
+
+    Args:
+        project: the W&B project.
+        name: the run's display name; None lets W&B choose.
+        entity: the W&B user or team; None for the default.
+        group: the run group.
+        tags: the run's tags.
+        mode: ``"online"``, ``"offline"``, ``"disabled"``, or None to leave it to W&B.
+        flush_every_n_rows: hand the buffered rows to W&B after this many.
+
+    Example:
+        ```python
+        engine = cadence.Engine(callbacks=[WandbLogger(project="exp", mode="offline")])
+        ```
     """
 
     def __init__(

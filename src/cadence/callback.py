@@ -38,7 +38,11 @@ class Callback:
     def setup(self, engine: Engine) -> None:
         """Called once when the callback is attached: when the engine is built, for ``Engine(callbacks=...)``
         (nothing is prepared yet: install a precision here), or at ``engine.add_callback``, whenever that is
-        (``fit()`` adds its default progress bar and model summary after preparing the step)."""
+        (``fit()`` adds its default progress bar and model summary after preparing the step).
+
+        Args:
+            engine: the engine the callback is attached to.
+        """
 
     @property
     def state_key(self) -> str:
@@ -54,87 +58,197 @@ class Callback:
     def check_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Raise if ``state_dict`` cannot be loaded into this callback (say why and what to do). ``load_state`` calls it
         for every callback with saved state before it changes anything (weights, optimizers, other callbacks), so
-        a refusal leaves the whole run as it was; ``load_state_dict`` then runs only once every check passed."""
+        a refusal leaves the whole run as it was; ``load_state_dict`` then runs only once every check passed.
+
+        Args:
+            state_dict: what ``state_dict()`` returned when the checkpoint was saved, as read back.
+
+        Raises:
+            cadence.CheckpointError: or any exception that says why the state cannot be loaded and what to do.
+        """
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what ``state_dict()`` returned (after ``check_state_dict`` accepted it). ``load_state`` calls it
         before it restores the weights, optimizers and ``State`` counters (so a load that fails here leaves those
-        as they were): act on the restored run at ``Event.LOAD_STATE``."""
+        as they were): act on the restored run at ``Event.LOAD_STATE``.
+
+        Args:
+            state_dict: what ``state_dict()`` returned when the checkpoint was saved, as read back.
+        """
 
     def steps_per_epoch(self, batches: int) -> int:
         """How many optimizer steps an epoch of ``batches`` training batches takes with this callback attached, given
         ``batches`` as the callbacks before it left it (``engine.estimated_steps`` asks each in turn). Override it in
-        a callback that changes the count, as gradient accumulation does."""
+        a callback that changes the count, as gradient accumulation does.
+
+        Args:
+            batches: the count so far: training batches per epoch, as the callbacks before this one left it.
+
+        Returns:
+            The count after this callback: optimizer steps per epoch, if it is the last to change it.
+        """
         return batches
 
     def on_fit_prepared(self, engine: Engine) -> None:
-        """See ``Event.FIT_PREPARED``."""
+        """Runs at ``Event.FIT_PREPARED`` (its docstring says when, and what holds then).
+
+        Args:
+            engine: the engine that fires the event: its public methods and ``engine.state``.
+        """
 
     def on_fit_start(self, engine: Engine) -> None:
-        """See ``Event.FIT_START``."""
+        """Runs at ``Event.FIT_START`` (its docstring says when, and what holds then).
+
+        Args:
+            engine: the engine that fires the event: its public methods and ``engine.state``.
+        """
 
     def on_epoch_start(self, engine: Engine) -> None:
-        """See ``Event.EPOCH_START``."""
+        """Runs at ``Event.EPOCH_START`` (its docstring says when, and what holds then).
+
+        Args:
+            engine: the engine that fires the event: its public methods and ``engine.state``.
+        """
 
     def on_batch_start(self, engine: Engine) -> None:
-        """See ``Event.BATCH_START``."""
+        """Runs at ``Event.BATCH_START`` (its docstring says when, and what holds then).
+
+        Args:
+            engine: the engine that fires the event: its public methods and ``engine.state``.
+        """
 
     def on_before_backward(self, engine: Engine) -> None:
-        """See ``Event.BEFORE_BACKWARD``."""
+        """Runs at ``Event.BEFORE_BACKWARD`` (its docstring says when, and what holds then).
+
+        Args:
+            engine: the engine that fires the event: its public methods and ``engine.state``.
+        """
 
     def on_after_backward(self, engine: Engine) -> None:
-        """See ``Event.AFTER_BACKWARD``."""
+        """Runs at ``Event.AFTER_BACKWARD`` (its docstring says when, and what holds then).
+
+        Args:
+            engine: the engine that fires the event: its public methods and ``engine.state``.
+        """
 
     def on_before_optimizer_step(self, engine: Engine) -> None:
-        """See ``Event.BEFORE_OPTIMIZER_STEP``."""
+        """Runs at ``Event.BEFORE_OPTIMIZER_STEP`` (its docstring says when, and what holds then).
+
+        Args:
+            engine: the engine that fires the event: its public methods and ``engine.state``.
+        """
 
     def on_after_optimizer_step(self, engine: Engine) -> None:
-        """See ``Event.AFTER_OPTIMIZER_STEP``."""
+        """Runs at ``Event.AFTER_OPTIMIZER_STEP`` (its docstring says when, and what holds then).
+
+        Args:
+            engine: the engine that fires the event: its public methods and ``engine.state``.
+        """
 
     def on_batch_end(self, engine: Engine) -> None:
-        """See ``Event.BATCH_END``."""
+        """Runs at ``Event.BATCH_END`` (its docstring says when, and what holds then).
+
+        Args:
+            engine: the engine that fires the event: its public methods and ``engine.state``.
+        """
 
     def on_epoch_end(self, engine: Engine) -> None:
-        """See ``Event.EPOCH_END``."""
+        """Runs at ``Event.EPOCH_END`` (its docstring says when, and what holds then).
+
+        Args:
+            engine: the engine that fires the event: its public methods and ``engine.state``.
+        """
 
     def on_validation_start(self, engine: Engine) -> None:
-        """See ``Event.VALIDATION_START``."""
+        """Runs at ``Event.VALIDATION_START`` (its docstring says when, and what holds then).
+
+        Args:
+            engine: the engine that fires the event: its public methods and ``engine.state``.
+        """
 
     def on_validation_end(self, engine: Engine) -> None:
-        """See ``Event.VALIDATION_END``."""
+        """Runs at ``Event.VALIDATION_END`` (its docstring says when, and what holds then).
+
+        Args:
+            engine: the engine that fires the event: its public methods and ``engine.state``.
+        """
 
     def on_fit_end(self, engine: Engine) -> None:
-        """See ``Event.FIT_END``."""
+        """Runs at ``Event.FIT_END`` (its docstring says when, and what holds then).
+
+        Args:
+            engine: the engine that fires the event: its public methods and ``engine.state``.
+        """
 
     def on_exception(self, engine: Engine) -> None:
-        """See ``Event.EXCEPTION``."""
+        """Runs at ``Event.EXCEPTION`` (its docstring says when, and what holds then).
+
+        Args:
+            engine: the engine that fires the event: its public methods and ``engine.state``.
+        """
 
     def on_test_start(self, engine: Engine) -> None:
-        """See ``Event.TEST_START``."""
+        """Runs at ``Event.TEST_START`` (its docstring says when, and what holds then).
+
+        Args:
+            engine: the engine that fires the event: its public methods and ``engine.state``.
+        """
 
     def on_test_batch_end(self, engine: Engine) -> None:
-        """See ``Event.TEST_BATCH_END``."""
+        """Runs at ``Event.TEST_BATCH_END`` (its docstring says when, and what holds then).
+
+        Args:
+            engine: the engine that fires the event: its public methods and ``engine.state``.
+        """
 
     def on_test_end(self, engine: Engine) -> None:
-        """See ``Event.TEST_END``."""
+        """Runs at ``Event.TEST_END`` (its docstring says when, and what holds then).
+
+        Args:
+            engine: the engine that fires the event: its public methods and ``engine.state``.
+        """
 
     def on_predict_start(self, engine: Engine) -> None:
-        """See ``Event.PREDICT_START``."""
+        """Runs at ``Event.PREDICT_START`` (its docstring says when, and what holds then).
+
+        Args:
+            engine: the engine that fires the event: its public methods and ``engine.state``.
+        """
 
     def on_predict_batch_end(self, engine: Engine) -> None:
-        """See ``Event.PREDICT_BATCH_END``."""
+        """Runs at ``Event.PREDICT_BATCH_END`` (its docstring says when, and what holds then).
+
+        Args:
+            engine: the engine that fires the event: its public methods and ``engine.state``.
+        """
 
     def on_predict_end(self, engine: Engine) -> None:
-        """See ``Event.PREDICT_END``."""
+        """Runs at ``Event.PREDICT_END`` (its docstring says when, and what holds then).
+
+        Args:
+            engine: the engine that fires the event: its public methods and ``engine.state``.
+        """
 
     def on_log_hyperparams(self, engine: Engine) -> None:
-        """See ``Event.LOG_HYPERPARAMS``."""
+        """Runs at ``Event.LOG_HYPERPARAMS`` (its docstring says when, and what holds then).
+
+        Args:
+            engine: the engine that fires the event: its public methods and ``engine.state``.
+        """
 
     def on_save_state(self, engine: Engine) -> None:
-        """See ``Event.SAVE_STATE``."""
+        """Runs at ``Event.SAVE_STATE`` (its docstring says when, and what holds then).
+
+        Args:
+            engine: the engine that fires the event: its public methods and ``engine.state``.
+        """
 
     def on_load_state(self, engine: Engine) -> None:
-        """See ``Event.LOAD_STATE``."""
+        """Runs at ``Event.LOAD_STATE`` (its docstring says when, and what holds then).
+
+        Args:
+            engine: the engine that fires the event: its public methods and ``engine.state``.
+        """
 
 
 def _warn_misspelled_hooks(callback: Callback) -> None:

@@ -88,6 +88,12 @@ class Engine:
             pandas and Lightning take them; also used by ``save_state(url)`` / ``load_state(url)``.
         local_dir: with a URL ``project_dir``, the local working copy (logs, checkpoints before their upload);
             by default a directory named after the URL under the system's temporary directory.
+
+    Example:
+        ```python
+        engine = cadence.Engine(seed=0, callbacks=[GradientClipping(max_norm=1.0), CSVLogger()])
+        state = engine.fit(step, train_loader, max_epochs=3, val_dataloader=val_loader)
+        ```
     """
 
     def __init__(
@@ -228,13 +234,24 @@ class Engine:
         return self._precision
 
     def set_precision(self, precision: Precision) -> None:
-        """Install a precision plugin (the ``MixedPrecision`` callback does, in its ``setup``)."""
+        """Install a precision plugin (the ``MixedPrecision`` callback does, in its ``setup``).
+
+        Args:
+            precision: the plugin: autocast context, loss scaling, unscaling (``cadence.precision``).
+
+        Raises:
+            ValueError: a second precision, or one installed after a model was prepared.
+        """
         check_one_precision(self._precision if self._precision_set else None, precision, bool(self._models))
         self._precision, self._precision_set = precision, True
         self.strategy.configure_precision(precision)
 
     def add_callback(self, callback: Callback) -> None:
-        """Attach a callback after the engine was built; it runs after the existing ones."""
+        """Attach a callback after the engine was built; it runs after the existing ones.
+
+        Args:
+            callback: a ``cadence.Callback``; its ``setup(engine)`` runs now, and a refusal there leaves it detached.
+        """
         self._dispatcher.attach(callback)
         try:
             callback.setup(self)
@@ -243,13 +260,21 @@ class Engine:
             raise
 
     def remove_callback(self, callback: Callback) -> None:
-        """Detach a callback; its hooks are not called again."""
+        """Detach a callback; its hooks are not called again.
+
+        Args:
+            callback: an attached callback.
+        """
         self._dispatcher.detach(callback)
 
     def fire(self, event: Event) -> None:
         """Call every attached callback's hook for ``event``, in order. The engine, its prepared objects and
         ``fit()`` fire every event at its documented point (``cadence.event``); a hand-written loop never needs
-        to, and a callback must not (firing from inside a hook re-enters the dispatch)."""
+        to, and a callback must not (firing from inside a hook re-enters the dispatch).
+
+        Args:
+            event: the event whose ``on_<event>`` hooks run.
+        """
         if event is Event.EPOCH_END:
             # The epoch's aggregates first, so every callback's EPOCH_END (loggers, checkpoints) sees them.
             self.epoch_metrics.end_training_epoch(self)
@@ -259,7 +284,11 @@ class Engine:
         """Open a named range around every event's dispatch, and around each callback's hook inside it, from now
         on: ``tracer(name)`` returns the context manager (``torch.profiler.record_function`` makes the ranges
         show in a profiler trace; the ``Profiler`` callback sets it for its window). ``None`` stops tracing; while
-        no tracer is set, events cost exactly what they cost without one."""
+        no tracer is set, events cost exactly what they cost without one.
+
+        Args:
+            tracer: ``tracer(name)`` returns a context manager around each range; ``None`` stops tracing.
+        """
         self._dispatcher.trace(tracer)
 
     def is_training(self) -> bool:
@@ -280,6 +309,28 @@ class Engine:
         To decide yourself, set ``loader.drives_training = True`` or ``False`` (``fit()`` does so for its loaders).
 
         A model or optimizer that another Engine prepared warns while that engine is open: ``close()`` it first.
+
+        Args:
+            *objects: ``nn.Module``, ``torch.optim.Optimizer``, ``DataLoader`` and LR scheduler objects, in any order
+                (schedulers are prepared after their optimizer wherever they stand).
+
+        Returns:
+            The prepared objects in the order given, or the object itself when one was given.
+
+        Raises:
+            TypeError: an object that is none of those.
+
+        Example:
+            ```python
+            engine = cadence.Engine()
+            model, optimizer, train, scheduler = engine.prepare(model, optimizer, train, scheduler)
+            for inputs, labels in train:  # batches arrive on engine.device
+                with engine.accumulate(model):
+                    engine.backward(loss_function(model(inputs), labels))
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad()
+            ```
         """
         if self.world_size > 1:
             self.epoch_metrics.attach(self)  # on every rank, in one order: its checkpoint state is a collective
@@ -332,7 +383,15 @@ class Engine:
     def release_dataloader(self, loader: PreparedDataLoader) -> None:
         """Stop saving and restoring ``loader`` (what ``prepare`` returned) with this engine's checkpoints, and stop
         the worker processes it keeps (``persistent_workers``) now rather than when the garbage collector finds it;
-        everything else prepared stays. Refused for a loader the running ``fit()`` trains or validates with."""
+        everything else prepared stays. Refused for a loader the running ``fit()`` trains or validates with.
+
+        Args:
+            loader: a dataloader this engine's ``prepare`` returned.
+
+        Raises:
+            ValueError: a loader this engine did not prepare, or released already.
+            RuntimeError: the loader the running ``fit()`` uses.
+        """
         if not any(prepared is loader for prepared in self._dataloaders):
             raise ValueError(
                 f"engine.release_dataloader() takes a dataloader this engine's prepare() returned; got "
@@ -398,7 +457,14 @@ class Engine:
         )
 
     def unwrap_model(self, model: nn.Module) -> nn.Module:
-        """The user's own module inside whatever ``prepare`` (or ``torch.compile``) wrapped it in."""
+        """The user's own module inside whatever ``prepare`` (or ``torch.compile``) wrapped it in.
+
+        Args:
+            model: a prepared model, or the user's module itself.
+
+        Returns:
+            The ``nn.Module`` the user built.
+        """
         return self.strategy.unwrap_module(self._strategy_module(model))
 
     def _strategy_module(self, model: nn.Module) -> nn.Module:
@@ -411,7 +477,13 @@ class Engine:
     def backward(self, loss: torch.Tensor, *, num_items: Any = None) -> None:
         """``loss.backward()`` with the callbacks' loss division and the precision's loss scaling.
 
-        ``num_items``: how many items a summed ``loss`` covers (token-level losses), for item-count averaging.
+        Args:
+            loss: the batch's scalar loss, computed from the prepared model's outputs.
+            num_items: how many items a summed ``loss`` covers (tokens), for item-count averaging across the
+                accumulation window and the ranks; None for the mean over the window's batches.
+
+        Raises:
+            RuntimeError: no model is prepared yet.
         """
         if not self._models:
             raise RuntimeError(
@@ -436,7 +508,14 @@ class Engine:
         return self._precision.forward_context()
 
     def accumulate(self, model: nn.Module) -> AbstractContextManager[Any]:
-        """Run one batch's forward and backward inside it: gradient sync is skipped on accumulation micro-steps."""
+        """Run one batch's forward and backward inside it: gradient sync is skipped on accumulation micro-steps.
+
+        Args:
+            model: the prepared model whose gradient sync is skipped on micro-steps.
+
+        Returns:
+            A context manager.
+        """
         if self.state.sync_gradients:
             return nullcontext()
         return self.strategy.no_backward_sync(self._strategy_module(model))
@@ -455,13 +534,26 @@ class Engine:
 
         Gradients are unscaled (fp16) and normalised first, once per step. On an accumulation micro-step the
         gradients are incomplete: nothing is clipped and the returned norm is NaN.
+
+        Args:
+            parameters: the parameters whose gradients are clipped (``model.parameters()``).
+            max_norm: the largest total norm allowed.
+            norm_type: the p of the p-norm (``inf`` for the largest absolute value).
+
+        Returns:
+            The total norm before clipping, NaN on a micro-step.
         """
         if not self._ready_gradients():
             return torch.tensor(math.nan, device=self.device)
         return self.strategy.clip_grad_norm_(parameters, max_norm, norm_type)
 
     def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
-        """Clamp every gradient element into ``[-clip_value, clip_value]`` (after unscaling; not on micro-steps)."""
+        """Clamp every gradient element into ``[-clip_value, clip_value]`` (after unscaling; not on micro-steps).
+
+        Args:
+            parameters: the parameters whose gradients are clamped.
+            clip_value: the largest absolute value allowed.
+        """
         if self._ready_gradients():
             self.strategy.clip_grad_value_(parameters, clip_value)
 
@@ -471,22 +563,49 @@ class Engine:
         self.strategy.barrier()
 
     def print(self, *args: Any, **kwargs: Any) -> None:
-        """``print`` on the main process only."""
+        """``print`` on the main process only.
+
+        Args:
+            *args: what ``print`` takes.
+            **kwargs: what ``print`` takes (``sep``, ``end``, ``file``, ``flush``).
+        """
         if self.is_main_process:
             print(*args, **kwargs)
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` from every rank, concatenated along the first dimension (scalars are stacked)."""
+        """``tensor`` from every rank, concatenated along the first dimension (scalars are stacked).
+
+        Args:
+            tensor: this rank's tensor; the same shape on every rank.
+
+        Returns:
+            Every rank's tensor, in rank order.
+        """
         gathered = self.strategy.all_gather(tensor)
         return gathered if tensor.dim() == 0 else gathered.flatten(0, 1)
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        """``obj`` as rank ``src`` has it, on every rank (any picklable object; sent between processes only)."""
+        """``obj`` as rank ``src`` has it, on every rank (any picklable object; sent between processes only).
+
+        Args:
+            obj: the object to send (only rank ``src``'s is used).
+            src: the rank whose object every rank receives.
+
+        Returns:
+            Rank ``src``'s object.
+        """
         return self.strategy.broadcast_object(obj, src)
 
     def gather_for_metrics(self, data: Any) -> Any:
         """Gather ``data`` (a tensor, or a collection of tensors with one row per sample) from every rank, in the
-        dataset's order, dropping the samples repeated to even out the last batch across ranks."""
+        dataset's order, dropping the samples repeated to even out the last batch across ranks.
+
+        Args:
+            data: a tensor, or a tuple, list or dict of tensors, one row per sample of the current batch.
+
+        Returns:
+            The same structure with every rank's rows.
+        """
         trimmed = self._trimmed_shares()
         if trimmed is not None:
             return apply_to_collection(data, torch.Tensor, lambda tensor: gather_trimmed(self, tensor, *trimmed))
@@ -540,14 +659,32 @@ class Engine:
 
     def reduce(self, tensor: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
         """``tensor`` reduced across ranks with ``op``: ``"mean"``, ``"sum"``, ``"max"`` or ``"min"``. Ranks that share
-        a model replica (``ModelParallelStrategy``'s tensor-parallel ranks, which read the same batch) count once."""
+        a model replica (``ModelParallelStrategy``'s tensor-parallel ranks, which read the same batch) count once.
+
+        Args:
+            tensor: this rank's value.
+            op: ``"mean"``, ``"sum"``, ``"max"`` or ``"min"``.
+
+        Returns:
+            The reduced tensor, on every rank.
+
+        Raises:
+            ValueError: an unknown ``op``.
+        """
         if op not in ("mean", "sum", "max", "min"):
             raise ValueError(f"Unknown reduce op {op!r}; use 'mean', 'sum', 'max' or 'min'.")
         return self.strategy.all_reduce(tensor, op)
 
     # --- checkpoints ---------------------------------------------------------------------------------------
     def register_for_checkpointing(self, *objects: Any) -> None:
-        """Save and restore these objects (anything with ``state_dict`` and ``load_state_dict``) with the engine."""
+        """Save and restore these objects (anything with ``state_dict`` and ``load_state_dict``) with the engine.
+
+        Args:
+            *objects: objects with ``state_dict()`` and ``load_state_dict()``, restored in the order registered.
+
+        Raises:
+            TypeError: an object without those methods.
+        """
         for obj in objects:
             missing = [name for name in ("state_dict", "load_state_dict") if not callable(getattr(obj, name, None))]
             if missing:
@@ -580,6 +717,23 @@ class Engine:
 
         A URL (``s3://bucket/ckpt``) is saved locally under ``project_dir/uploads``, then uploaded and committed
         there (manifest last); it must name an empty prefix. The local copy's path is returned.
+
+        Args:
+            path: the checkpoint directory, or an fsspec URL; None for the next ``checkpoint_{n}``.
+            blocking: False to write and commit in the background after a snapshot.
+
+        Returns:
+            The checkpoint directory, or a ``PendingCheckpoint`` when ``blocking=False``.
+
+        Raises:
+            CheckpointError: ``path`` exists and is neither a cadence checkpoint nor empty.
+
+        Example:
+            ```python
+            directory = engine.save_state()  # project_dir/checkpoints/checkpoint_0
+            pending = engine.save_state(blocking=False)  # training goes on while it is written
+            engine.load_state(pending.result())
+            ```
         """
         refuse_lazy("save_state()", [self.unwrap_model(model) for model in self._models])
         if is_url(path):
@@ -598,7 +752,25 @@ class Engine:
     def load_state(self, path: str | Path | None = None) -> Path:
         """Restore a checkpoint written by ``save_state``; with no path, the newest valid one in
         ``project_dir/checkpoints`` (an incomplete, corrupted or malformed newer one is skipped with a warning).
-        Every file and structure is checked before anything changes. Prints where the run resumes from."""
+        Every file and structure is checked before anything changes. Prints where the run resumes from.
+
+        Args:
+            path: a checkpoint directory or URL; None for the newest valid one in ``project_dir/checkpoints``.
+
+        Returns:
+            The directory loaded.
+
+        Raises:
+            CheckpointError: no checkpoint, or one that cannot be loaded into this run (the message says why, and
+                nothing was changed).
+
+        Example:
+            ```python
+            engine = cadence.Engine(project_dir="runs/exp1")
+            model, optimizer = engine.prepare(model, optimizer)
+            engine.load_state()  # the newest checkpoint under runs/exp1/checkpoints
+            ```
+        """
         self._saves.wait(self)
         self.epoch_metrics.attach(self)  # a checkpoint taken mid-epoch holds what the epoch accumulated so far
         if is_url(path):
@@ -626,7 +798,23 @@ class Engine:
         weights are written once. A ``transformers`` model's ``config.json`` (and ``generation_config.json``) go
         beside them, for ``from_pretrained(save_directory)``. Returns the files written (empty on other ranks).
         A URL is exported locally under ``project_dir/exports``, then uploaded, the index last, into an empty prefix;
-        the local files are returned."""
+        the local files are returned.
+
+        Args:
+            model: a prepared model (or the module itself).
+            save_directory: the folder to write, or an fsspec URL of an empty prefix.
+            max_shard_size: the largest shard, in bytes or as ``"500MB"``; larger models are split.
+            safe_serialization: False writes ``pytorch_model.bin`` (torch's pickle format) instead of safetensors.
+
+        Returns:
+            The files written, empty on other ranks.
+
+        Example:
+            ```python
+            engine.save_model(step.model, "export")  # export/model.safetensors
+            cadence.load_checkpoint_in_model(fresh_model, "export")
+            ```
+        """
         # Every rank takes part (FSDP gathers the full weights from their shards); the main rank writes.
         module = self.unwrap_model(model)
         refuse_lazy("save_model()", [module])
@@ -651,7 +839,14 @@ class Engine:
         in ``state.metrics`` once, at the epoch's end (the pass's), as a float; a mean weighs each value by
         ``weight`` (default: the batch's real samples, repeats left out). A ``torchmetrics`` ``Metric`` or
         ``MetricCollection`` the step updated is computed at the epoch's (pass's) end, over every rank, and reset.
-        Nothing waits for the device or the other ranks before the end."""
+        Nothing waits for the device or the other ranks before the end.
+
+        Args:
+            name: the metric's name (``"train/acc"``).
+            value: a number, a tensor, or a ``torchmetrics`` ``Metric`` / ``MetricCollection``.
+            reduce: None for the latest value; ``"mean"``, ``"sum"``, ``"max"`` or ``"min"`` for an epoch aggregate.
+            weight: the weight of ``value`` in a ``"mean"``; None for the batch's real samples.
+        """
         if is_metric(value):
             self.epoch_metrics.log_metric(self, name, value, reduce, weight)
         elif reduce is None and weight is None:
@@ -661,7 +856,13 @@ class Engine:
 
     def log_dict(self, metrics: Mapping[str, Any], reduce: Reduce | None = None, weight: Any = None) -> None:
         """``engine.log(name, value, reduce, weight)`` for every item of ``metrics``. Tensors are kept as they are (no
-        device sync); loggers read them when they write."""
+        device sync); loggers read them when they write.
+
+        Args:
+            metrics: names and values, as ``log`` takes them.
+            reduce: as in ``log``, for every item.
+            weight: as in ``log``, for every item.
+        """
         for name, value in metrics.items():
             self.log(name, value, reduce, weight)  # each value looked at once: a metric object or a number
 
@@ -670,7 +871,11 @@ class Engine:
         is flattened, its names joined with ``/`` (``{"optim": {"lr": 0.1}}`` is ``optim/lr``); values other than
         ``str``, ``int``, ``float`` and ``bool`` are stored as their ``str()``. Calls merge into
         ``state.hyperparams``, a later value replacing an earlier one. Call it on every process, or on the main one
-        (the loggers write there), before ``fit()`` or during it; a resumed run logs them again."""
+        (the loggers write there), before ``fit()`` or during it; a resumed run logs them again.
+
+        Args:
+            params: names and values, nested mappings allowed.
+        """
         self.state.hyperparams.update(flatten_hyperparams(params))
         self.fire(Event.LOG_HYPERPARAMS)
 
@@ -684,7 +889,16 @@ class Engine:
         step 0, to size a schedule before ``fit()`` (warmup, cosine decay). It counts each rank's batches per epoch
         (world size, ``drop_last``), lets the attached callbacks turn batches into steps (``GradientAccumulation``),
         and caps the total by ``max_steps``. Steps skipped at run time (fp16 overflow, ``FiniteCheck``) cannot be
-        foreseen: each one leaves the schedule one step short of its end."""
+        foreseen: each one leaves the schedule one step short of its end.
+
+        Args:
+            dataloader: the training dataloader, prepared or not.
+            max_epochs: the epochs ``fit()`` will be given.
+            max_steps: the optimizer steps ``fit()`` will be given.
+
+        Returns:
+            The optimizer updates.
+        """
         loader = dataloader.loader if isinstance(dataloader, PreparedDataLoader) else dataloader
         steps = batches_per_epoch(loader, self.data_parallel_size)
         if steps is not None:
@@ -720,6 +934,32 @@ class Engine:
         the steps the uninterrupted run did. Returns the final ``State``, unless a callback stopped the run with an
         exit code (``state.stop(exit_code=...)``, as ``cadence.callbacks.Preemption`` does): then, once everything
         else is done, it raises ``SystemExit`` with that code.
+
+        Args:
+            step: the ``TrainingStep`` holding the model, optimizer, optional scheduler and the step methods.
+            train_dataloader: the training batches, prepared or not.
+            max_epochs: stop after this many epochs.
+            max_steps: stop after this many optimizer updates.
+            val_dataloader: the validation batches; None for no validation.
+            resume: ``"latest"``, a checkpoint directory or URL, or None to start fresh.
+            val_every_n_steps: validate after every N optimizer updates of the run.
+            val_every_n_epochs: validate at the end of every N-th epoch; None for never at epoch ends.
+            val_batches: read at most this many batches per validation.
+            min_steps: train at least this many optimizer updates before a requested stop.
+            min_epochs: train at least this many epochs before a requested stop.
+
+        Returns:
+            The final ``State``.
+
+        Raises:
+            SystemExit: a callback stopped the run with an exit code (``Preemption``).
+
+        Example:
+            ```python
+            engine = cadence.Engine(seed=0, callbacks=[Checkpoint(every_n_steps=500)])
+            state = engine.fit(step, train, max_epochs=10, val_dataloader=val, resume="latest")
+            print(state.step, state.metrics["val/loss"])
+            ```
         """
         if self._fitting:
             raise RuntimeError(
@@ -744,6 +984,13 @@ class Engine:
         attached ``EMA`` swaps its average in. ``step.model`` is prepared if it is not yet, its optimizer not at all.
         The dataloader is prepared for this pass only: nothing a checkpoint saves changes (see ``cadence.evaluation``).
         Fires ``TEST_START``, ``TEST_BATCH_END`` per batch and ``TEST_END`` (``cadence.Event``); call it on every rank.
+
+        Args:
+            step: the ``TrainingStep`` whose ``test_step`` (or ``validation_step``) runs.
+            dataloader: the test batches, prepared or not.
+
+        Returns:
+            ``{"test/<name>": mean}`` for each metric the step returned or logged.
         """
         return run_test(self, step, dataloader)
 
@@ -757,5 +1004,13 @@ class Engine:
         samples a distributed sampler repeated as padding. ``gather=True``: every rank's outputs, on every rank;
         ``gather=False``: this rank's own, each sample on exactly one rank. Runs like ``test()`` (eval mode, no grad,
         EMA weights, nothing saved changes), firing ``PREDICT_START``, ``PREDICT_BATCH_END`` and ``PREDICT_END``.
+
+        Args:
+            step: the ``TrainingStep`` whose ``predict_step`` runs.
+            dataloader: the batches to predict, prepared or not.
+            gather: True for every rank's outputs on every rank, False for this rank's own.
+
+        Returns:
+            The outputs joined along the first dimension, in the dataloader's order.
         """
         return run_predict(self, step, dataloader, gather)

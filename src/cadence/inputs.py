@@ -32,7 +32,11 @@ PREPARABLE = (
 
 
 def seed_everything(seed: int) -> None:
-    """Seed python's, numpy's (when installed) and torch's global generators (every device)."""
+    """Seed python's, numpy's (when installed) and torch's global generators (every device).
+
+    Args:
+        seed: the seed; numpy gets it modulo 2**32.
+    """
     random.seed(seed)
     try:
         import numpy

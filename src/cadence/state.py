@@ -151,6 +151,9 @@ class State:
 
         On the CPU the value is read at once (cheap); on an accelerator the check stays on the device, so training
         never waits for it.
+
+        Args:
+            loss: the batch's detached loss.
         """
         if loss.is_cpu:  # not loss.device.type: building a torch.device costs more than the check itself
             if not math.isfinite(loss.item()):
@@ -173,7 +176,16 @@ class State:
 
         While ``fit()``'s ``min_steps`` / ``min_epochs`` are not reached (``FitProgress.below_minimum``) the
         stop waits for them, as in Lightning, unless ``now=True`` or an ``exit_code`` is given (a wall-clock budget
-        or a scheduler's signal cannot wait). The request is kept in ``engine.fit_progress``."""
+        or a scheduler's signal cannot wait). The request is kept in ``engine.fit_progress``.
+
+        Args:
+            reason: why, in words; None to give none.
+            exit_code: the process's exit status after ``fit()`` ends (0-255); None to return normally.
+            now: stop even below ``min_steps`` / ``min_epochs``.
+
+        Raises:
+            ValueError: an empty reason or an exit code outside 0-255.
+        """
         if reason is not None and not (isinstance(reason, str) and reason):
             raise ValueError(f"stop() takes a non-empty string reason or None; got {reason!r}.")
         if exit_code is not None and (type(exit_code) is not int or not 0 <= exit_code <= 255):
@@ -190,7 +202,14 @@ class State:
 
     def veto_step(self, reason: str) -> None:
         """Skip the optimizer step about to run; ``reason`` lands in ``skip_reason``. Call at
-        ``BEFORE_OPTIMIZER_STEP`` only."""
+        ``BEFORE_OPTIMIZER_STEP`` only.
+
+        Args:
+            reason: why the step is skipped (``"non-finite gradients"``), counted in ``skipped_steps``.
+
+        Raises:
+            ValueError: an empty reason.
+        """
         if not reason:
             raise ValueError("veto_step() needs a non-empty reason: it is recorded in state.skip_reason.")
         self._veto = reason
@@ -201,7 +220,11 @@ class State:
         return reason
 
     def record_skip(self, reason: str) -> None:
-        """Record that ``optimizer.step()`` did not update the weights. Called by the prepared optimizer."""
+        """Record that ``optimizer.step()`` did not update the weights. Called by the prepared optimizer.
+
+        Args:
+            reason: why (``"accumulating"``, ``"overflow"``, a veto's reason).
+        """
         self.skip_reason = reason
         self.skipped_steps[reason] = self.skipped_steps.get(reason, 0) + 1
         if reason != "accumulating":
@@ -212,7 +235,11 @@ class State:
         return {counter.name: counter.to_json(getattr(self, counter.name)) for counter in COUNTERS}
 
     def load_counters(self, counters: dict[str, Any]) -> None:
-        """Restore what ``counters()`` returned (checked against ``COUNTERS`` by the load first)."""
+        """Restore what ``counters()`` returned (checked against ``COUNTERS`` by the load first).
+
+        Args:
+            counters: a checkpoint's counters, as ``counters()`` returned them.
+        """
         for counter in COUNTERS:
             setattr(self, counter.attribute or counter.name, counter.to_json(counters[counter.name]))
         self._window_non_finite = False

@@ -31,6 +31,18 @@ class TrainingStep:
     ``engine.predict(step, dataloader)`` runs ``predict_step(batch)``, which returns the batch's outputs: a tensor
     with one row per sample (its first dimension is the batch's samples), or a tuple, list or dict of them; a list
     of plain values (strings, numbers) is one value per sample. Neither needs an optimizer.
+
+    Example:
+        ```python
+        class Regression(cadence.TrainingStep):
+            def __init__(self):
+                self.model = nn.Linear(16, 4)
+                self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=3e-3)
+
+            def training_step(self, batch):
+                inputs, targets = batch
+                return nn.functional.mse_loss(self.model(inputs), targets)
+        ```
     """
 
     model: nn.Module
@@ -38,17 +50,51 @@ class TrainingStep:
     scheduler: Any = None
 
     def training_step(self, batch: Any) -> torch.Tensor | Mapping[str, Any]:
+        """One training batch's loss. Runs inside ``engine.accumulate`` and the precision's autocast; ``fit()`` calls
+        ``engine.backward`` on what it returns.
+
+        Args:
+            batch: the batch, on the engine's device.
+
+        Returns:
+            The scalar loss, or a dict with ``"loss"``, optionally ``"num_items"`` and other values to log.
+        """
         raise NotImplementedError(
             f"{type(self).__name__} must define `training_step(self, batch)` returning the loss tensor."
         )
 
     def validation_step(self, batch: Any) -> torch.Tensor | Mapping[str, Any]:
+        """One validation batch's metrics (models in eval mode, gradients off).
+
+        Args:
+            batch: the batch, on the engine's device.
+
+        Returns:
+            A dict of metrics (numbers, one-element tensors or ``torchmetrics`` objects), or one tensor logged as
+            ``val/loss``.
+        """
         raise missing_validation_step(self)
 
     def test_step(self, batch: Any) -> torch.Tensor | Mapping[str, Any]:
+        """One test batch's metrics for ``engine.test``; without it ``validation_step`` runs.
+
+        Args:
+            batch: the batch, on the engine's device.
+
+        Returns:
+            What ``validation_step`` returns, logged as ``test/<name>``.
+        """
         raise NotImplementedError(missing_step(self, "test_step"))
 
     def predict_step(self, batch: Any) -> Any:
+        """One batch's outputs for ``engine.predict``.
+
+        Args:
+            batch: the batch, on the engine's device.
+
+        Returns:
+            A tensor with one row per sample, or a tuple, list or dict of them.
+        """
         raise NotImplementedError(missing_step(self, "predict_step"))
 
 

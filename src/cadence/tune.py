@@ -42,6 +42,8 @@ from cadence.wrappers import PreparedDataLoader, PreparedOptimizer
 if TYPE_CHECKING:
     from cadence.engine import Engine
 
+__all__ = ["BatchSizeResult", "LRFindResult", "batch_size_find", "lr_find", "search_batch_size", "suggest"]
+
 DIVERGENCE = 4.0
 """``lr_find`` stops once the smoothed loss exceeds this many times the lowest seen (Lightning's rule)."""
 
@@ -61,7 +63,9 @@ class LRFindResult:
     """What ``lr_find`` measured: ``losses[i]`` is the smoothed loss after the step at ``lrs[i]``."""
 
     lrs: list[float]
+    """The learning rate of each step of the sweep, rising."""
     losses: list[float]
+    """The smoothed loss after each step."""
     suggestion: float | None
     """The learning rate where the smoothed loss falls fastest; ``None`` when too few steps ran to tell."""
     plot: Path | None
@@ -75,6 +79,7 @@ class BatchSizeResult:
     """What ``batch_size_find`` tried: ``size`` is the largest batch size that ran."""
 
     size: int
+    """The largest batch size that ran."""
     trials: list[tuple[int, bool]]
     """Each batch size tried, in order, and whether it ran (``False``: out of memory)."""
 
@@ -272,6 +277,30 @@ def lr_find(
     and RNGs (see ``cadence.tune``), so ``fit()`` then runs as if ``lr_find`` never had. To use the
     suggestion, set it on the optimizer's groups before ``fit()``, and build a scheduler after that (a scheduler keeps
     the rates its optimizer had when it was built as its ``base_lrs``).
+
+    Args:
+        engine: an engine of one process; its device, autocast and ``project_dir`` are used.
+        step: the ``TrainingStep`` whose model and optimizer are swept.
+        dataloader: the training batches.
+        min_lr: the first learning rate.
+        max_lr: the last learning rate.
+        num_steps: the updates of the sweep.
+        plot: draw the curve into ``project_dir`` (main process, with matplotlib).
+
+    Returns:
+        The learning rates, the smoothed losses, the suggestion, the plot's path and why the sweep stopped.
+
+    Raises:
+        RuntimeError: an engine of several processes.
+        TypeError: a dataloader ``engine.prepare`` returned, or a step without a model or optimizer.
+        ValueError: a range or step count that is not positive, or a model with lazy modules.
+
+    Example:
+        ```python
+        result = lr_find(engine, step, train, min_lr=1e-5, max_lr=10.0)
+        for group in step.optimizer.param_groups:
+            group["lr"] = result.suggestion
+        ```
     """
     _check_inputs("lr_find", engine, step, dataloader)
     num_steps = _check_lr_arguments(min_lr, max_lr, num_steps)
@@ -345,7 +374,15 @@ def _sweep(
 def suggest(lrs: list[float], losses: list[float]) -> float | None:
     """The learning rate where ``losses`` falls fastest (``lr_find``'s rule), or ``None`` when fewer than 5 points
     remain once the first tenth and the last point are left out. The slope at each point is taken across a twentieth
-    of the sweep on either side, so one noisy batch does not make a steepest fall of its own."""
+    of the sweep on either side, so one noisy batch does not make a steepest fall of its own.
+
+    Args:
+        lrs: the learning rates of the sweep, rising.
+        losses: the smoothed loss at each of them.
+
+    Returns:
+        The learning rate of the steepest fall, or None.
+    """
     skip = len(losses) // 10
     window = losses[skip:-1]
     if len(window) < 5:
@@ -469,6 +506,15 @@ def search_batch_size(
     Accelerate's ``find_executable_batch_size`` only halves from a starting size, so it finds a power-of-two
     fraction of it (64 -> 32 when 37 fits); this search also grows and then bisects, so it finds 37 itself, in
     about 2 log2(size) trials, each paying one out-of-memory failure at most.
+
+    Args:
+        trial: runs one trial at a batch size; raises an out-of-memory error when it does not fit.
+        start: the first size tried.
+        max_size: the largest size tried.
+        is_oom: says whether an exception means out of memory.
+
+    Returns:
+        The largest size that ran, and every trial.
     """
     start = integer("search_batch_size", "start", start)
     max_size = integer("search_batch_size", "max_size", max_size, least=start)
@@ -536,6 +582,19 @@ def batch_size_find(
     The model, optimizer and RNGs are put back afterwards, as ``lr_find`` leaves them (the scheduler is not
     stepped); the size to pass to your DataLoader is ``result.size`` (leave headroom: activations vary with the
     data, and DDP adds buckets).
+
+    Args:
+        engine: an engine of one process.
+        step: the ``TrainingStep`` whose model and optimizer train in each trial.
+        dataset: a map-style dataset (with a length) the trial batches are drawn from.
+        start: the first batch size tried.
+        max_size: the largest batch size tried; None for the dataset's length.
+        steps_per_trial: the updates each trial trains.
+        is_oom: says whether an exception means out of memory.
+        collate_fn: the ``DataLoader``'s ``collate_fn``; None for torch's default.
+
+    Returns:
+        The largest batch size that ran, and every trial.
     """
     _check_inputs("batch_size_find", engine, step, dataset)
     steps_per_trial = integer("batch_size_find", "steps_per_trial", steps_per_trial)

@@ -237,7 +237,19 @@ def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
 
     cadence's ``load_state`` already puts a prepared loader back where the checkpoint stopped, in the same epoch
     and order, so the call that follows it in an Accelerate script (skipping the batches the checkpoint had done)
-    returns the loader as it is. Anything else is refused rather than guessed."""
+    returns the loader as it is. Anything else is refused rather than guessed.
+
+    Args:
+        dataloader: a dataloader ``prepare`` returned.
+        num_batches: the batches the checkpoint had done in its epoch.
+
+    Returns:
+        ``dataloader`` itself.
+
+    Raises:
+        ValueError: a count that is not an integer >= 0, or one that is not the loader's position.
+        TypeError: a loader ``prepare`` did not return.
+    """
     if not is_integer(num_batches) or num_batches < 0:
         raise ValueError(f"skip_first_batches(num_batches={num_batches!r}): num_batches must be an integer >= 0.")
     if num_batches == 0:

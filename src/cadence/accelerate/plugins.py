@@ -34,19 +34,21 @@ class ProjectConfiguration:
 class DataLoaderConfiguration:
     """How ``prepare`` treats dataloaders.
 
-    - ``use_seedable_sampler``: False (Accelerate's default) shuffles as Accelerate's ``RandomSampler`` does, from
-      torch's global generator (so ``set_seed(s)`` fixes it); True shuffles epoch ``e`` with the seed
-      ``data_seed + e`` (``data_seed`` defaults to ``torch.initial_seed()``), as Accelerate's
-      ``SeedableRandomSampler``. Either way the order is Accelerate's on any number of processes and it is
-      checkpointed, so a resumed run continues the same epoch.
-    - ``split_batches``: True makes a loader's ``batch_size`` the global batch, split over the processes (it must
-      be a multiple of their number); the scheduler then steps once per optimizer step.
-    - ``even_batches``: only True (the last batch is completed from the epoch's first samples, as Accelerate does).
-    - ``non_blocking``: None lets cadence choose: batches are copied to CUDA with ``non_blocking=True`` (pin the
-      DataLoader's memory to overlap the copy), with a plain copy to other devices, and not at all on the CPU.
-      A value that contradicts that choice is refused.
-    - ``use_stateful_dataloader``: prepared dataloaders are always resumable ``StatefulDataLoader``s, so True or
-      False. ``dispatch_batches`` is not supported.
+    Args:
+        split_batches: True makes a loader's ``batch_size`` the global batch, split over the processes (it must be
+            a multiple of their number); the scheduler then steps once per optimizer step.
+        dispatch_batches: not supported: only None.
+        even_batches: only True (the last batch is completed from the epoch's first samples, as Accelerate does).
+        use_seedable_sampler: False (Accelerate's default) shuffles as Accelerate's ``RandomSampler`` does, from
+            torch's global generator (so ``set_seed(s)`` fixes it); True shuffles epoch ``e`` with the seed
+            ``data_seed + e``, as Accelerate's ``SeedableRandomSampler``. Either way the order is Accelerate's on
+            any number of processes and it is checkpointed, so a resumed run continues the same epoch.
+        data_seed: the seedable sampler's seed; None for ``torch.initial_seed()``.
+        non_blocking: None lets cadence choose: batches are copied to CUDA with ``non_blocking=True`` (pin the
+            DataLoader's memory to overlap the copy), with a plain copy to other devices, and not at all on the
+            CPU. A value that contradicts that choice is refused.
+        use_stateful_dataloader: True or False alike: prepared dataloaders are always resumable
+            ``StatefulDataLoader``s.
     """
 
     split_batches: bool = False
@@ -62,11 +64,12 @@ class DataLoaderConfiguration:
 class GradientAccumulationPlugin:
     """Accelerate's accumulation settings: ``Accelerator(gradient_accumulation_plugin=...)``.
 
-    - ``num_steps``: micro-batches per optimizer step (``gradient_accumulation_steps``).
-    - ``adjust_scheduler``: accepted either way: a prepared scheduler never advances on a micro-step (Accelerate's
-      True only bumps the scheduler's internal call counter, which decides no learning rate).
-    - ``sync_with_dataloader``: only True: the last batch of an epoch always ends its window and steps.
-    - ``sync_each_batch``: only False: gradients are synchronised once per window.
+    Args:
+        num_steps: micro-batches per optimizer step (``gradient_accumulation_steps``).
+        adjust_scheduler: accepted either way: a prepared scheduler never advances on a micro-step (Accelerate's
+            True only bumps the scheduler's internal call counter, which decides no learning rate).
+        sync_with_dataloader: only True: the last batch of an epoch always ends its window and steps.
+        sync_each_batch: only False: gradients are synchronised once per window.
     """
 
     num_steps: int | None = None

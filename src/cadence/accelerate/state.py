@@ -63,7 +63,13 @@ class PartialState:
     """Who and where this process is, and helpers to split work between processes; usable before (or without)
     an ``Accelerator``. Under torchrun it joins the default process group if nobody has yet.
 
-    ``cpu=True`` keeps everything on the CPU; ``backend`` and ``timeout`` go to ``init_process_group``.
+    Args:
+        cpu: keep everything on the CPU.
+        backend: the process group's backend (``"nccl"``, ``"gloo"``); None for torch's choice for the device.
+        timeout: how long a collective waits for the other processes; None for torch's default.
+
+    Raises:
+        TypeError: ``cpu`` that is not a bool.
     """
 
     def __init__(self, cpu: bool = False, backend: str | None = None, timeout: timedelta | None = None) -> None:
@@ -79,48 +85,59 @@ class PartialState:
 
     @property
     def device(self) -> torch.device:
+        """The device this process trains on."""
         return self._device
 
     @property
     def num_processes(self) -> int:
+        """How many processes run (1 without a process group)."""
         return dist.get_world_size() if dist.is_initialized() else 1
 
     @property
     def process_index(self) -> int:
+        """This process's rank among all processes."""
         return dist.get_rank() if dist.is_initialized() else 0
 
     @property
     def local_process_index(self) -> int:
+        """This process's rank on its machine."""
         return self._local_process_index if dist.is_initialized() else 0
 
     @property
     def distributed_type(self) -> DistributedType:
+        """``DistributedType.NO``, ``MULTI_CPU``, ``MULTI_GPU`` (or the engine's strategy's kind)."""
         if self.num_processes == 1:
             return DistributedType.NO
         return DistributedType.MULTI_GPU if self.device.type == "cuda" else DistributedType.MULTI_CPU
 
     @property
     def backend(self) -> str | None:
+        """The process group's backend, or None without one."""
         return dist.get_backend() if dist.is_initialized() else None
 
     @property
     def initialized(self) -> bool:
+        """Always True: the state is ready once built."""
         return True
 
     @property
     def use_distributed(self) -> bool:
+        """True with more than one process."""
         return self.num_processes > 1
 
     @property
     def is_main_process(self) -> bool:
+        """True on process 0."""
         return self.process_index == 0
 
     @property
     def is_local_main_process(self) -> bool:
+        """True on each machine's process 0."""
         return self.local_process_index == 0
 
     @property
     def is_last_process(self) -> bool:
+        """True on the last process."""
         return self.process_index == self.num_processes - 1
 
     def __repr__(self) -> str:
@@ -136,12 +153,21 @@ class PartialState:
             dist.barrier()
 
     def print(self, *args: Any, **kwargs: Any) -> None:
-        """``print`` on the local main process only."""
+        """``print`` on the local main process only.
+
+        Args:
+            *args: what ``print`` takes.
+            **kwargs: what ``print`` takes (``sep``, ``end``, ``file``, ``flush``).
+        """
         if self.is_local_main_process:
             print(*args, **kwargs)
 
     def destroy_process_group(self, group: Any = None) -> None:
-        """Leave the default process group (or ``group``), if one is joined."""
+        """Leave the default process group (or ``group``), if one is joined.
+
+        Args:
+            group: a process group; None for the default one.
+        """
         if dist.is_initialized():
             dist.destroy_process_group(group)
 
@@ -149,7 +175,15 @@ class PartialState:
     def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
         """This process's contiguous share of ``inputs`` (a list, tuple, tensor, ``datasets.Dataset``, or a dict of
         those, all the same length); the first ``len % num_processes`` processes get one more. ``apply_padding``
-        repeats the last element so every process gets as many (then ``gather`` works on the results)."""
+        repeats the last element so every process gets as many (then ``gather`` works on the results).
+
+        Args:
+            inputs: what to split.
+            apply_padding: repeat the last element so every process gets as many.
+
+        Returns:
+            A context manager giving this process's share.
+        """
         if self.num_processes == 1:
             yield inputs
             return
@@ -177,19 +211,51 @@ class PartialState:
 
     def on_main_process(self, function: Callable[..., _Result]) -> Callable[..., _Result | None]:
         """``function`` run on the main process only (elsewhere the call does nothing and returns None). Never
-        decorate a function that makes a collective: the other processes would wait for it forever."""
+        decorate a function that makes a collective: the other processes would wait for it forever.
+
+        Args:
+            function: the function to wrap.
+
+        Returns:
+            The wrapped function.
+        """
         return _only_if(function, lambda: self.is_main_process)
 
     def on_local_main_process(self, function: Callable[..., _Result]) -> Callable[..., _Result | None]:
-        """``function`` run on each node's main process only."""
+        """``function`` run on each node's main process only.
+
+        Args:
+            function: the function to wrap.
+
+        Returns:
+            The wrapped function.
+        """
         return _only_if(function, lambda: self.is_local_main_process)
 
     def on_last_process(self, function: Callable[..., _Result]) -> Callable[..., _Result | None]:
-        """``function`` run on the last process only."""
+        """``function`` run on the last process only.
+
+        Args:
+            function: the function to wrap.
+
+        Returns:
+            The wrapped function.
+        """
         return _only_if(function, lambda: self.is_last_process)
 
     def on_process(self, function: Callable[..., Any] | None = None, process_index: int | None = None) -> Any:
-        """``function`` run on process ``process_index`` only; without ``function``, a decorator."""
+        """``function`` run on process ``process_index`` only; without ``function``, a decorator.
+
+        Args:
+            function: the function to wrap; None for a decorator.
+            process_index: the process that runs it.
+
+        Returns:
+            The wrapped function, or a decorator.
+
+        Raises:
+            ValueError: no ``process_index``.
+        """
         if process_index is None:
             raise ValueError("on_process(...) needs process_index=: the process that runs the function.")
         if function is None:
@@ -199,7 +265,18 @@ class PartialState:
     def on_local_process(
         self, function: Callable[..., Any] | None = None, local_process_index: int | None = None
     ) -> Any:
-        """``function`` run on the process with ``local_process_index`` on each node only."""
+        """``function`` run on the process with ``local_process_index`` on each node only.
+
+        Args:
+            function: the function to wrap; None for a decorator.
+            local_process_index: the node-local process that runs it.
+
+        Returns:
+            The wrapped function, or a decorator.
+
+        Raises:
+            ValueError: no ``local_process_index``.
+        """
         if local_process_index is None:
             raise ValueError("on_local_process(...) needs local_process_index=: the node-local process that runs it.")
         if function is None:
@@ -256,7 +333,17 @@ _NAMES = {"ddp": None, "fsdp": DistributedType.FSDP, "single": DistributedType.N
 
 class AcceleratorState(PartialState):
     """``PartialState`` plus the run's precision. ``accelerator.state`` is a view of that Accelerator's engine;
-    ``AcceleratorState()`` built alone has the process facts and ``mixed_precision`` as given (default ``"no"``)."""
+    ``AcceleratorState()`` built alone has the process facts and ``mixed_precision`` as given (default ``"no"``).
+
+    Args:
+        mixed_precision: ``"no"``, ``"fp16"`` or ``"bf16"``; None for ``"no"``.
+        cpu: keep everything on the CPU.
+        backend: the process group's backend; None for torch's choice.
+        timeout: how long a collective waits for the other processes; None for torch's default.
+
+    Raises:
+        ValueError: another ``mixed_precision``.
+    """
 
     resets: ClassVar[int] = 0
     """How many times ``_reset_state()`` was called in this process. The one process-wide fact cadence keeps, for
@@ -285,7 +372,14 @@ class AcceleratorState(PartialState):
 
     @classmethod
     def of_engine(cls, engine: Engine) -> AcceleratorState:
-        """The state of a running ``cadence.Engine``: its device and precision, live."""
+        """The state of a running ``cadence.Engine``: its device and precision, live.
+
+        Args:
+            engine: the running engine.
+
+        Returns:
+            A state that reads the engine's device and precision.
+        """
         state = cls(cpu=engine.device.type == "cpu")
         state._device = engine.device
         state._engine = engine
@@ -293,6 +387,7 @@ class AcceleratorState(PartialState):
 
     @property
     def mixed_precision(self) -> str:
+        """``"no"``, ``"fp16"`` or ``"bf16"``: the engine's precision, or the one given."""
         if self._engine is None:
             return self._mixed_precision
         name = self._engine.precision.name
@@ -300,6 +395,7 @@ class AcceleratorState(PartialState):
 
     @property
     def distributed_type(self) -> DistributedType:
+        """``DistributedType.NO``, ``MULTI_CPU``, ``MULTI_GPU`` (or the engine's strategy's kind)."""
         named = _NAMES.get(self._engine.strategy.name) if self._engine is not None else None
         return named if named is not None else super().distributed_type
 
@@ -309,7 +405,15 @@ class AcceleratorState(PartialState):
 
 class GradientState:
     """The gradient-accumulation facts of a running ``cadence.Engine`` (``accelerator.gradient_state``):
-    ``sync_gradients``, ``end_of_dataloader``, ``remainder``, ``num_steps``."""
+    ``sync_gradients``, ``end_of_dataloader``, ``remainder``, ``num_steps``.
+
+    Args:
+        engine: the running engine whose state it reads (required: cadence has no process-wide state).
+        num_steps: the accumulation steps it reports.
+
+    Raises:
+        TypeError: no engine.
+    """
 
     def __init__(self, engine: Engine | None = None, num_steps: int = 1) -> None:
         if engine is None:

@@ -530,6 +530,18 @@ def load_checkpoint_in_model(
     weights are stored once). ``device_map`` (``{"": device}`` or module prefixes to devices) places weights;
     every device in it is checked to exist here first. ``model`` may be what ``engine.prepare`` returned (or a
     ``torch.compile`` module): the weights go into the module inside, and ``model`` is returned.
+
+    Args:
+        model: the model to fill, prepared or not.
+        checkpoint: a ``.safetensors`` or ``.bin`` file, a directory ``save_model`` wrote, or its index file.
+        device_map: where weights go: ``{"": "cuda:0"}``, or module prefixes to devices; None keeps each weight's
+            device.
+
+    Returns:
+        ``model``.
+
+    Raises:
+        CheckpointError: a missing or unexpected key, a shape that differs, or a damaged index or shard.
     """
     devices_by_prefix = _usable_device_map(device_map or {})
     source = _resolve(Path(checkpoint))

@@ -30,7 +30,18 @@ __all__ = [
 
 
 def resolve_device(accelerator: str | torch.device) -> torch.device:
-    """``"auto"`` picks CUDA, then MPS, then the CPU; anything else must name a device torch knows."""
+    """``"auto"`` picks CUDA, then MPS, then the CPU; anything else must name a device torch knows.
+
+    Args:
+        accelerator: ``"auto"``, ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"mps"`` or a ``torch.device``.
+
+    Returns:
+        The device.
+
+    Raises:
+        ValueError: a name torch does not know.
+        RuntimeError: CUDA or MPS asked for where it is not available.
+    """
     if isinstance(accelerator, torch.device):
         return accelerator
     if accelerator == "auto":
@@ -60,7 +71,19 @@ def resolve_strategy(
 ) -> Strategy:
     """The strategy object for ``Engine(strategy=..., accelerator=...)``: ``"auto"`` is DDP when torchrun's
     environment says ``WORLD_SIZE > 1``, else one device. Tasks started by ``srun`` without torchrun get
-    torchrun's variables from SLURM's first (``cadence.strategies.environment``)."""
+    torchrun's variables from SLURM's first (``cadence.strategies.environment``).
+
+    Args:
+        strategy: ``"auto"``, ``"single"``, ``"ddp"``, ``"fsdp"`` or a ``Strategy`` instance (returned as is).
+        accelerator: as ``resolve_device`` takes it.
+        timeout: how long a collective waits for the other ranks before failing.
+
+    Returns:
+        The strategy.
+
+    Raises:
+        ValueError: an unknown strategy name.
+    """
     if isinstance(strategy, Strategy):
         return strategy
     adopt_slurm_environment(os.environ)

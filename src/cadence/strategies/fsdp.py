@@ -58,6 +58,24 @@ class FSDPStrategy(DistributedStrategy):
 
     The tensor helpers (``local_tensor``, ``full_tensor``, ``shard_like``, ``reshard``) serve any DTensor, on a
     mesh of any number of dimensions.
+
+    Args:
+        device_type: ``"cuda"``, ``"cpu"`` ...; None for the engine's accelerator.
+        timeout: how long a collective waits for the other ranks before failing.
+        shard: module classes (``GPT2Block``, a tuple of them) or a predicate on a module, choosing what is sharded
+            on its own; None for the blocks of the largest ``nn.ModuleList``, else each child with parameters.
+        reshard_after_forward: free each module's gathered weights after its forward (gathered again in
+            backward); False keeps them until backward, trading memory for one all-gather less.
+        cpu_offload: keep the shards, their gradients and the optimizer state on the CPU between uses.
+        activation_checkpointing: recompute each chosen module's activations in backward.
+        mixed_precision: FSDP2's ``MixedPrecisionPolicy``; None to follow the engine's precision.
+
+    Example:
+        ```python
+        from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+        engine = cadence.Engine(strategy=FSDPStrategy(shard=GPT2Block, activation_checkpointing=True))
+        ```
     """
 
     name = "fsdp"

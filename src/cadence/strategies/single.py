@@ -12,6 +12,12 @@ from cadence.strategies.base import ReduceOp, Strategy
 
 
 class SingleDevice(Strategy):
+    """One process on one device: no wrapping, no process group; every collective returns this rank's value.
+
+    Args:
+        device: the device models and batches go to.
+    """
+
     name = "single"
 
     def __init__(self, device: torch.device) -> None:

@@ -28,7 +28,16 @@ from cadence.strategies.base import ReduceOp, Strategy
 
 class FakeStrategy(Strategy):
     """CPU, no process group; pretends to be ``rank`` of ``world_size`` where every rank holds the same data, the
-    ranks sharing model replicas in groups of ``tensor_parallel_size`` (adjacent ranks, as on a 2-D mesh)."""
+    ranks sharing model replicas in groups of ``tensor_parallel_size`` (adjacent ranks, as on a 2-D mesh).
+
+    Args:
+        rank: the rank it pretends to be.
+        world_size: how many ranks it pretends there are.
+        tensor_parallel_size: how many adjacent ranks share a model replica; must divide ``world_size``.
+
+    Raises:
+        ValueError: a rank outside ``[0, world_size)`` or a ``tensor_parallel_size`` that does not divide it.
+    """
 
     name = "fake"
 
@@ -95,7 +104,13 @@ class FakeStrategy(Strategy):
 
 
 class TinyStep(TrainingStep):
-    """A linear regression step: ``mse(model(x), y)`` with SGD."""
+    """A linear regression step: ``mse(model(x), y)`` with SGD.
+
+    Args:
+        in_features: the model's input width.
+        out_features: the model's output width.
+        lr: SGD's learning rate.
+    """
 
     def __init__(self, in_features: int = 4, out_features: int = 2, lr: float = 0.1) -> None:
         self.model = nn.Linear(in_features, out_features)
@@ -113,7 +128,18 @@ class TinyStep(TrainingStep):
 def tiny_dataloader(
     batches: int = 8, batch_size: int = 4, in_features: int = 4, out_features: int = 2, seed: int = 0
 ) -> DataLoader[Any]:
-    """A dataloader of ``batches`` batches of random regression data, made from ``seed`` alone."""
+    """A dataloader of ``batches`` batches of random regression data, made from ``seed`` alone.
+
+    Args:
+        batches: how many batches.
+        batch_size: samples per batch.
+        in_features: the inputs' width.
+        out_features: the targets' width.
+        seed: the seed of the data's own generator (no process-wide RNG is touched).
+
+    Returns:
+        A ``DataLoader`` of ``(inputs, targets)`` batches, not shuffled.
+    """
     generator = torch.Generator().manual_seed(seed)
     inputs = torch.randn(batches * batch_size, in_features, generator=generator)
     targets = torch.randn(batches * batch_size, out_features, generator=generator)
@@ -135,6 +161,21 @@ class FakeEngine(Engine):
       while you read its files, or pass a directory of your own (``project_dir=tmp_path``), which is never removed.
     - ``seed``: None (the default) seeds nothing; an int seeds python, numpy and torch and the prepared
       dataloaders' shuffling, exactly as ``Engine(seed=...)`` does.
+
+    Args:
+        callbacks: the callbacks under test, run in the order given.
+        rank: the rank this engine pretends to be.
+        world_size: how many ranks it pretends there are.
+        tensor_parallel_size: how many adjacent ranks pretend to share a model replica.
+        seed: None seeds nothing; an int seeds as ``Engine(seed=...)`` does.
+        project_dir: where checkpoints and logs go; None for a temporary directory this FakeEngine removes.
+
+    Example:
+        ```python
+        fake = FakeEngine(callbacks=[MyCallback()], rank=1, world_size=4)  # pretend to be rank 1 of 4
+        fake.fire(Event.BATCH_START)  # one event through the real dispatcher
+        state = fake.run(steps=5)  # five real CPU steps of a tiny model through the real fit()
+        ```
     """
 
     def __init__(
@@ -175,7 +216,19 @@ class FakeEngine(Engine):
         step: TrainingStep | None = None,
         dataloader: DataLoader[Any] | None = None,
     ) -> State:
-        """Train ``steps`` batches with ``fit()`` (epochs repeat as needed); returns the State."""
+        """Train ``steps`` batches with ``fit()`` (epochs repeat as needed).
+
+        Args:
+            steps: how many batches to train.
+            step: the ``TrainingStep``; None for a ``TinyStep``.
+            dataloader: the training batches; None for ``tiny_dataloader()``.
+
+        Returns:
+            The engine's ``State`` after the run.
+
+        Raises:
+            ValueError: ``steps`` below 1.
+        """
         if steps < 1:
             raise ValueError(f"run(steps=...) needs at least one step; got {steps}.")
         step = step if step is not None else TinyStep()

@@ -14,6 +14,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Record:
+    """One event as ``RecordingCallback`` saw it, with the ``State`` fields that matter at that moment."""
+
     event: Event
     step: int
     epoch: int
@@ -30,9 +32,16 @@ class RecordingCallback(Callback):
 
     @property
     def events(self) -> list[Event]:
+        """The events seen so far, in firing order."""
         return [record.event for record in self.records]
 
     def record(self, event: Event, engine: Engine) -> None:
+        """Append a ``Record`` of ``event`` and the engine's state now (every ``on_<event>`` hook calls it).
+
+        Args:
+            event: the event being fired.
+            engine: the engine firing it.
+        """
         state = engine.state
         self.records.append(
             Record(event, state.step, state.epoch, state.batch_idx, state.sync_gradients, state.skip_reason)
