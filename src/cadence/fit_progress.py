@@ -83,7 +83,11 @@ class FitProgress:
         return section
 
     def load_saved_state(self, section: dict[str, Any]) -> None:
-        """Restore what ``saved_state()`` returned (checked by ``check_saved_state`` first)."""
+        """Restore what ``saved_state()`` returned (checked by ``check_saved_state`` first).
+
+        Args:
+            section: a checkpoint's ``"fit"`` section, as ``saved_state()`` returned it.
+        """
         for name in SAVED_TYPES:
             setattr(self, name, section[name])
 
