@@ -22,7 +22,16 @@ $(INSTALLED): pyproject.toml constraints.txt $(PACKAGE_FOLDERS)
 	$(PYTHON) -m pip install --quiet --constraint constraints.txt --editable ".[dev]" --config-settings editable_mode=strict
 	touch $(INSTALLED)
 
-demo: $(INSTALLED)
+# make demo installs the runtime dependencies alone (no Lightning, MLflow, W&B or transformers: those are the dev
+# extras make test installs); where make test has installed already, it reuses that environment.
+RUNTIME := $(VENV)/.runtime
+
+$(RUNTIME): pyproject.toml constraints.txt $(PACKAGE_FOLDERS)
+	$(SYSTEM_PYTHON) -m venv $(VENV)
+	$(PYTHON) -m pip install --quiet --constraint constraints.txt --editable . --config-settings editable_mode=strict
+	touch $(RUNTIME)
+
+demo: $(if $(wildcard $(INSTALLED)),$(INSTALLED),$(RUNTIME))
 	$(PYTHON) examples/quickstart.py
 
 check-code: $(INSTALLED)
