@@ -20,6 +20,15 @@ class ProjectConfiguration:
 
     ``logging_dir`` (default: ``project_dir``) is what ``accelerator.logging_dir`` returns: the trackers of
     ``log_with`` write in ``logging_dir / project_name`` once ``init_trackers(project_name)`` starts them.
+
+    Args:
+        project_dir: where checkpoints go (or ``Accelerator(project_dir=...)``; giving two that differ is refused);
+            None for the current directory.
+        logging_dir: where the trackers write; None for ``project_dir``.
+        automatic_checkpoint_naming: ``save_state()`` without a directory saves to the next ``checkpoint_{n}``.
+        total_limit: keep at most this many automatically named checkpoints.
+        iteration: the number of the next automatically named checkpoint.
+        save_on_each_node: only False: put ``project_dir`` on a filesystem every node shares.
     """
 
     project_dir: str | os.PathLike[str] | None = None
