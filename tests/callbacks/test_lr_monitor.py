@@ -29,7 +29,9 @@ class SchedulerTrace(cadence.Callback):
 
     def on_after_optimizer_step(self, engine: cadence.Engine) -> None:
         state = engine.state
-        self.rows.append((state.step, state.epoch, state.metrics.get(self.name), self.scheduler.get_last_lr()[0]))
+        # float(): from torch 2.9 get_last_lr() may return the optimizer's own tensor lr, updated in place later.
+        last_lr = float(self.scheduler.get_last_lr()[0])
+        self.rows.append((state.step, state.epoch, state.metrics.get(self.name), last_lr))
 
 
 def train_once(fake: FakeEngine, model: nn.Module, *optimizers: Any) -> None:
