@@ -15,7 +15,7 @@ CODE := src callbacks tests examples benchmarks docs/hooks.py docs/griffe_field_
 # file, so adding, removing or renaming a file, which changes its folder's time, installs again.
 PACKAGE_FOLDERS := $(shell find src/cadence callbacks -name __pycache__ -prune -o -type d -print)
 
-.PHONY: demo test test-fast lint check-code docs docs-serve bench clean
+.PHONY: demo test test-floor test-fast lint check-code docs docs-serve bench clean
 
 $(INSTALLED): pyproject.toml constraints.txt $(PACKAGE_FOLDERS)
 	$(SYSTEM_PYTHON) -m venv $(VENV)
@@ -55,6 +55,19 @@ TEST_WORKERS ?= 4
 test: lint docs
 	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15
 
+# The lowest torch pyproject.toml promises, tested: a venv of its own with the dev extras and torch pinned to
+# TORCH_FLOOR (older torch wheels on the registry are the CUDA builds: about 3 GB, ~15 minutes to install here),
+# then the fast lane. docs/versioning.md says what was measured.
+TORCH_FLOOR ?= 2.9.1
+FLOOR_VENV := .venv-floor
+
+test-floor:
+	$(SYSTEM_PYTHON) -m venv $(FLOOR_VENV)
+	sed 's/^torch==.*/torch==$(TORCH_FLOOR)/' constraints.txt > $(FLOOR_VENV)/constraints.txt
+	$(FLOOR_VENV)/bin/python -m pip install --quiet --constraint $(FLOOR_VENV)/constraints.txt --editable ".[dev]" --config-settings editable_mode=strict
+	$(FLOOR_VENV)/bin/python -c "import torch; print('torch', torch.__version__)"
+	$(FLOOR_VENV)/bin/python -m pytest -q -m "not slow" -n 2
+
 test-fast: check-code
 	$(PYTHON) -m pytest -q -m "not slow"
 
@@ -65,4 +78,4 @@ bench: $(INSTALLED)
 	$(PYTHON) benchmarks/checkpoint.py
 
 clean:
-	rm -rf $(VENV) build site *.egg-info src/*.egg-info
+	rm -rf $(VENV) $(FLOOR_VENV) build site *.egg-info src/*.egg-info
