@@ -14,6 +14,7 @@ import ast
 import dataclasses
 import enum
 import importlib
+import importlib.util
 import inspect
 import itertools
 import re
@@ -31,6 +32,7 @@ PACKAGES = [
     "cadence.strategies",
     "cadence.tune",
     "cadence.testing",
+    "cadence.extend",
     "cadence.accelerate",
 ]
 _SECTION = re.compile(r"^(\s*)(Args|Arguments|Parameters|Attributes):\s*$")
@@ -156,10 +158,17 @@ def _no_doc() -> None:
 
 
 def _alias_documented(package: Any, name: str) -> bool:
-    """Whether a module of ``package``'s folder assigns ``name`` at its top level with a docstring right below (a
-    type alias such as ``ReduceOp``, which carries no ``__doc__`` of its own)."""
-    folder = Path(package.__file__).parent
-    for path in folder.glob("*.py"):
+    """Whether a module of ``package``'s folder, or the module ``package`` imports ``name`` from, assigns ``name``
+    at its top level with a docstring right below (a type alias such as ``ReduceOp`` or a constant such as
+    ``cadence.extend.SCORE_KEY``, which carry no ``__doc__`` of their own)."""
+    source = Path(package.__file__)
+    paths = list(source.parent.glob("*.py"))
+    for node in ast.parse(source.read_text()).body:
+        if isinstance(node, ast.ImportFrom) and node.module and any(alias.name == name for alias in node.names):
+            spec = importlib.util.find_spec(node.module)
+            if spec is not None and spec.origin is not None:
+                paths.append(Path(spec.origin))
+    for path in paths:
         body = ast.parse(path.read_text()).body
         for before, after in itertools.pairwise(body):
             targets = before.targets if isinstance(before, ast.Assign) else [getattr(before, "target", None)]

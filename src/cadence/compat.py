@@ -131,22 +131,47 @@ def foreach_div_(tensors: Sequence[torch.Tensor], divisor: float | torch.Tensor)
 
 
 def foreach_max_abs(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Each tensor's largest absolute value (its infinity norm), fused: NaN when it holds a NaN."""
+    """Each tensor's largest absolute value (its infinity norm), fused: NaN when it holds a NaN.
+
+    Args:
+        tensors: the tensors to measure.
+
+    Returns:
+        One 0-dimensional tensor per input, on its device.
+    """
     return list(torch._foreach_norm(list(tensors), float("inf")))
 
 
 def foreach_lerp_(targets: Sequence[torch.Tensor], ends: Sequence[torch.Tensor], weight: float) -> None:
-    """``target += weight * (end - target)`` for every pair, in place, fused."""
+    """``target += weight * (end - target)`` for every pair, in place, fused.
+
+    Args:
+        targets: the tensors changed in place.
+        ends: one tensor per target, of its shape, to move it towards.
+        weight: how far to move, from 0 (stay) to 1 (become ``end``).
+    """
     torch._foreach_lerp_(list(targets), list(ends), weight)
 
 
 def foreach_copy_(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
-    """Copy every source into its target in place, fused."""
+    """Copy every source into its target in place, fused.
+
+    Args:
+        targets: the tensors written in place.
+        sources: one tensor per target, of its shape, to copy from.
+    """
     torch._foreach_copy_(list(targets), list(sources))
 
 
 def version_counter(tensor: torch.Tensor) -> int:
-    """A count torch raises at every in-place change of ``tensor`` (``Tensor._version``, what autograd checks)."""
+    """A count torch raises at every in-place change of ``tensor`` (``Tensor._version``, what autograd checks).
+
+    Args:
+        tensor: the tensor to read.
+
+    Returns:
+        The count: equal at two reads means no in-place change between them.
+    """
     return int(tensor._version)
 
 

@@ -42,17 +42,41 @@ class Precision:
     """True when the loss is scaled and gradients unscaled (fp16): gradients must stay in the parameters' dtype."""
 
     def forward_context(self) -> AbstractContextManager[Any]:
+        """The context the prepared model's forward runs in (when ``wraps_forward``), and ``engine.autocast()``.
+
+        Returns:
+            A context manager: autocast, or one that does nothing.
+        """
         return nullcontext()
 
     def convert_output(self, output: Any) -> Any:
-        """What the prepared model returns, from what its forward computed."""
+        """What the prepared model returns, from what its forward computed.
+
+        Args:
+            output: what the model's forward returned (a tensor, or a collection of them).
+
+        Returns:
+            ``output``, its floating tensors cast back to float32 under autocast.
+        """
         return output
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to call ``backward`` on (``engine.backward`` calls it).
+
+        Args:
+            loss: the loss the step computed.
+
+        Returns:
+            ``loss``, multiplied by the current loss scale under fp16 loss scaling.
+        """
         return loss
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Bring this optimizer's gradients back to their true scale (called once per real step)."""
+        """Bring this optimizer's gradients back to their true scale (called once per real step).
+
+        Args:
+            optimizer: the optimizer whose parameters' gradients are unscaled in place.
+        """
 
     def step(
         self,
@@ -61,17 +85,39 @@ class Precision:
         skip_reason: str | None = None,
     ) -> str | None:
         """Run ``optimizer.step`` unless ``skip_reason`` (a callback's veto) is given; return ``None`` when the
-        weights were updated, else the reason they were not."""
+        weights were updated, else the reason they were not.
+
+        Args:
+            optimizer: the optimizer to step.
+            closure: the closure ``optimizer.step`` takes (LBFGS), or None.
+            skip_reason: why a callback vetoed this step, or None to step.
+
+        Returns:
+            None when the weights were updated; else ``skip_reason``, or ``"overflow"`` when fp16 loss scaling
+            found an inf or NaN gradient.
+
+        Raises:
+            ValueError: a ``closure`` under fp16 loss scaling, which cannot run one.
+        """
         if skip_reason is not None:
             return skip_reason
         optimizer.step(closure)
         return None
 
     def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint saves of this plugin.
+
+        Returns:
+            The loss scaler's state under fp16 loss scaling, else an empty dict.
+        """
         return {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what ``state_dict()`` returned."""
+        """Restore what ``state_dict()`` returned.
+
+        Args:
+            state_dict: what ``state_dict()`` returned, read from a checkpoint.
+        """
 
 
 def _to_float32(tensor: torch.Tensor) -> torch.Tensor:
@@ -83,6 +129,13 @@ class AutocastPrecision(Precision):
 
     The model's floating outputs come back in float32, so a loss computed outside the model runs in full
     precision (the convention of Accelerate and Fabric); use ``engine.autocast()`` to run more under autocast.
+
+    Args:
+        device_type: the device type to autocast on (``"cuda"``, ``"cpu"``).
+        dtype: the dtype to autocast to (``torch.bfloat16`` or ``torch.float16``).
+
+    Raises:
+        RuntimeError: ``device_type`` cannot autocast to ``dtype`` with this torch and hardware.
     """
 
     wraps_forward = True
@@ -102,7 +155,16 @@ class AutocastPrecision(Precision):
 
 
 class GradScalerPrecision(AutocastPrecision):
-    """fp16 autocast with dynamic loss scaling (``torch.amp.GradScaler``): an overflow skips the step."""
+    """fp16 autocast with dynamic loss scaling (``torch.amp.GradScaler``): an overflow skips the step.
+
+    Args:
+        device_type: the device type to autocast on (``"cuda"``, ``"cpu"``).
+        init_scale: the loss scale to start from.
+        growth_interval: the steps without an overflow after which the scale doubles.
+
+    Raises:
+        RuntimeError: this torch cannot autocast to fp16 or build a gradient scaler for ``device_type``.
+    """
 
     uses_scaler = True
 
@@ -165,7 +227,15 @@ def check_one_precision(installed: Precision | None, new: Precision, models_prep
 
 
 def check_scaler_state(state_dict: Any, owner: str) -> None:
-    """Raise ``CheckpointCorrupted`` unless ``GradScalerPrecision.load_state_dict`` can take ``state_dict``."""
+    """Raise ``CheckpointCorrupted`` unless ``GradScalerPrecision.load_state_dict`` can take ``state_dict``.
+
+    Args:
+        state_dict: the scaler state read from a checkpoint.
+        owner: whose state it is, for the message (``"callback 'MixedPrecision'"``).
+
+    Raises:
+        CheckpointCorrupted: ``state_dict`` lacks a field the scaler reads, or holds one of another kind.
+    """
     check_state_fields(owner, state_dict, SCALER_FIELDS)
 
 

@@ -101,7 +101,20 @@ def monitored_value(monitor: str, state: State) -> float:
 
 
 def steps_in_run(steps_per_epoch: int | None, max_epochs: int | None, max_steps: int | None) -> int:
-    """Optimizer updates a run takes: ``steps_per_epoch * max_epochs``, capped by ``max_steps``."""
+    """Optimizer updates a run takes: ``steps_per_epoch * max_epochs``, capped by ``max_steps``.
+
+    Args:
+        steps_per_epoch: optimizer updates in one epoch, or None when the dataloader has no length.
+        max_epochs: the run's epoch limit, or None.
+        max_steps: the run's optimizer-step limit, or None.
+
+    Returns:
+        The number of optimizer updates the run takes.
+
+    Raises:
+        ValueError: neither limit is set, a limit is not an integer >= 1, or only ``max_epochs`` is set and
+            ``steps_per_epoch`` is None (the epochs cannot be counted).
+    """
     if max_epochs is None and max_steps is None:
         raise ValueError("estimated_steps() needs a limit, as fit() does: pass max_epochs=..., max_steps=..., or both.")
     for name, value in (("max_epochs", max_epochs), ("max_steps", max_steps)):

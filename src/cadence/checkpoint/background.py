@@ -75,6 +75,13 @@ class PendingCheckpoint:
     Its path is known only at the commit (an automatic name takes the first free number then, as a synchronous
     save does), so it is ``result()``'s, not a field. Call ``result()`` from the training thread: it is the
     engine's ``wait_for_checkpoint()`` for this save.
+
+    Args:
+        saves: the engine's saves, which complete this one on the training thread.
+        engine: the engine that saves it.
+        completion: the background thread writing it.
+
+    The engine builds it; a callback receives one, it never constructs one.
     """
 
     def __init__(self, saves: CheckpointSaves, engine: Engine, completion: _Completion) -> None:

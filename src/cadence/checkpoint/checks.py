@@ -92,7 +92,16 @@ Kind = type | tuple[type, ...]
 def check_state_fields(owner: str, state: Any, fields: Mapping[str, Kind]) -> None:
     """Raise ``CheckpointCorrupted`` unless ``state`` is a table holding each of ``fields`` as a value of its kind
     (``bool`` is no number; ``type(None)`` allows None). A callback's ``check_state_dict`` calls it, so that its
-    ``load_state_dict`` cannot fail once a load has begun to apply the checkpoint."""
+    ``load_state_dict`` cannot fail once a load has begun to apply the checkpoint.
+
+    Args:
+        owner: whose state it is, for the message (a callback's: ``"callback 'Timer'"``).
+        state: the state read from the checkpoint.
+        fields: each field's name and its kind: a type or a tuple of types.
+
+    Raises:
+        CheckpointCorrupted: ``state`` is not a dict, lacks a field, or holds one of another kind.
+    """
     if not isinstance(state, dict):
         refuse_state(owner, f"it is {_describe(state)}, not a table")
     for key, kind in fields.items():
@@ -103,7 +112,18 @@ def check_state_fields(owner: str, state: Any, fields: Mapping[str, Kind]) -> No
 
 def check_state_items(owner: str, name: str, items: Sequence[Any], kind: Kind, single: bool = False) -> None:
     """Raise ``CheckpointCorrupted`` unless every item of the state's list ``name`` is of ``kind`` (``single``:
-    ``items`` is the one value of the field ``name``)."""
+    ``items`` is the one value of the field ``name``).
+
+    Args:
+        owner: whose state it is, for the message (a callback's: ``"callback 'Timer'"``).
+        name: the field's name, for the message.
+        items: the field's items.
+        kind: the kind each item must be: a type or a tuple of types (``type(None)`` allows None).
+        single: ``items`` is ``[value]`` of a field that is no list, so the message names no index.
+
+    Raises:
+        CheckpointCorrupted: an item is of another kind.
+    """
     for index, item in enumerate(items):
         if not _is(item, kind):
             kinds = kind if isinstance(kind, tuple) else (kind,)
@@ -113,7 +133,15 @@ def check_state_items(owner: str, name: str, items: Sequence[Any], kind: Kind, s
 
 
 def refuse_state(owner: str, problem: str) -> NoReturn:
-    """Raise ``CheckpointCorrupted`` for ``owner``'s state (a callback's: ``"callback 'Timer'"``) and its problem."""
+    """Raise ``CheckpointCorrupted`` for ``owner``'s state (a callback's: ``"callback 'Timer'"``) and its problem.
+
+    Args:
+        owner: whose state it is, for the message (a callback's: ``"callback 'Timer'"``).
+        problem: what is wrong, completing "the state is malformed: ..." (``"it has no 'step'"``).
+
+    Raises:
+        CheckpointCorrupted: always; the load stops before it changes anything.
+    """
     raise CheckpointCorrupted(
         f"The checkpoint's state for {owner} is malformed: {problem}. The checkpoint will not be loaded; load "
         "another one (load_state() with no path falls back to the next older checkpoint)."

@@ -36,7 +36,11 @@ _AT_FDCWD = -100
 
 
 def fsync_path(path: Path) -> None:
-    """Make ``path`` (a file, or a directory's entries) durable."""
+    """Make ``path`` (a file, or a directory's entries) durable.
+
+    Args:
+        path: a file, or a directory (whose entries, such as a rename into it, become durable).
+    """
     if os.name == "nt" and path.is_dir():
         return  # Windows cannot open a directory, and makes renames durable without it
     fd = os.open(path, os.O_RDONLY)

@@ -50,7 +50,14 @@ class CheckpointDirectory:
     holds. Remote retention (``prune``, ``delete``) is asked for on the training thread and run on the upload
     thread once the newest upload is committed in the store (``uploads.py``), so a checkpoint is never deleted
     before its replacement is committed there, and a save sends the store no request from the training thread once
-    the run has listed the store (its first save or load)."""
+    the run has listed the store (its first save or load).
+
+    Args:
+        root: the local directory the checkpoints are numbered in (with ``remote``, the working copy).
+        remote: the store checkpoints are published to and read from, or None for a local directory alone.
+
+    The engine builds one (``engine.checkpoints``); a callback uses it, it does not construct one.
+    """
 
     def __init__(self, root: Path, remote: PublishedCheckpoints | None = None) -> None:
         self.root = root
@@ -73,17 +80,39 @@ class CheckpointDirectory:
         self._set_aside: list[Path] = []  # local files published once, with the next upload (``publish_once``)
 
     def path(self, number: int) -> Path:
+        """The path of checkpoint ``number``, whether or not it exists.
+
+        Args:
+            number: the checkpoint's number.
+
+        Returns:
+            ``root / f"checkpoint_{number}"``.
+        """
         return self.root / f"checkpoint_{number}"
 
     def names(self, path: Path) -> bool:
         """True when ``path`` is one of this directory's ``checkpoint_{n}`` names, the ones ``load_state()`` and
-        ``resume="latest"`` search. Decided from the path alone, so every rank gives the same answer."""
+        ``resume="latest"`` search. Decided from the path alone, so every rank gives the same answer.
+
+        Args:
+            path: any path.
+
+        Returns:
+            Whether ``path`` is ``root / "checkpoint_{n}"`` for some n.
+        """
         return path.absolute().parent == self.root.absolute() and _NAME.match(path.name) is not None
 
     def numbered(self, fresh: bool = False) -> list[tuple[int, Path]]:
         """Existing ``checkpoint_{n}`` directories, newest first (with a remote store, its prefixes too, named by
         the local path they would have: as the store was last listed and this run's uploads changed it since, or,
-        with ``fresh``, as it is now)."""
+        with ``fresh``, as it is now).
+
+        Args:
+            fresh: list the store again instead of using its last listing (no effect without a store).
+
+        Returns:
+            ``(number, path)`` pairs, the highest number first.
+        """
         found = set(self._local_numbered())
         if self.remote is not None:
             found |= {(number, self.root / name) for number, name in self._remote_numbered(fresh)}
@@ -122,13 +151,21 @@ class CheckpointDirectory:
         return max(self._next, existing[0][0] + 1 if existing else 0)
 
     def advance(self, number: int) -> None:
-        """Record that checkpoint ``number`` was saved or loaded: the next save gets ``number + 1``."""
+        """Record that checkpoint ``number`` was saved or loaded: the next save gets ``number + 1``.
+
+        Args:
+            number: the number of the checkpoint saved or loaded.
+        """
         self._next = number + 1
 
     def resumed(self, manifest: dict[str, Any]) -> None:
         """Record that the checkpoint with ``manifest`` was loaded: number after it, and continue the run that
         wrote it (its retention may delete that run's checkpoints). One saved before runs were recorded keeps
-        this run's own identity, so no checkpoint of that age is ever deleted."""
+        this run's own identity, so no checkpoint of that age is ever deleted.
+
+        Args:
+            manifest: the loaded checkpoint's manifest (its ``checkpoint_number`` and run).
+        """
         self.advance(int(manifest["checkpoint_number"]))
         run = manifest.get(RUN_KEY)
         if isinstance(run, str) and run:
@@ -136,13 +173,28 @@ class CheckpointDirectory:
         self._resumed = True
 
     def wrote(self, path: Path) -> bool:
-        """True when ``path`` is a committed checkpoint whose manifest names this run."""
+        """True when ``path`` is a committed checkpoint whose manifest names this run.
+
+        Args:
+            path: a checkpoint's path.
+
+        Returns:
+            Whether its manifest records this run's ``run_id``.
+        """
         return _recorded_run(path) == self.run_id
 
     def claim(self, target: Path | None, final: Path) -> tuple[Path | None, str | None]:
         """On the main rank, before a save to ``final`` (``target``, or one of this directory's names): refuse a
         target cadence may not replace, clear what killed saves left beside it, and create the temporary
-        directory. Returns it, or the refusal every rank raises."""
+        directory. Returns it, or the refusal every rank raises.
+
+        Args:
+            target: the path the user asked to save to, or None for an automatic name.
+            final: the path the checkpoint is to be committed at.
+
+        Returns:
+            ``(temporary directory, None)``, or ``(None, refusal)``.
+        """
         if target is None:
             self.warn_about_other_runs()  # retention acts after automatic saves: say first what it spares
         try:
@@ -176,7 +228,11 @@ class CheckpointDirectory:
         not exist yet, the store's copy is downloaded now: a resumed run continues it. The store's copy is the
         truth, as for checkpoints: a local file that differs from it (another machine ran on since this one wrote
         it) is kept beside it as ``name.local.N.suffix`` and the store's copy taken. Main rank only; nothing
-        without a store."""
+        without a store.
+
+        Args:
+            path: a local file under the project's local directory.
+        """
         if self.remote is None or path in self._mirrors:
             return
         key = self._mirror_key(path)
@@ -230,7 +286,18 @@ class CheckpointDirectory:
     ) -> tuple[Path | None, int, str | None]:
         """On the main rank: commit ``writer``'s directory at ``target``, or at the first free name of this
         directory. Returns the path and number, or the refusal every rank raises. ``mirrored``: copies of files to
-        publish before the checkpoint's commit record (``snapshot_mirrors``)."""
+        publish before the checkpoint's commit record (``snapshot_mirrors``).
+
+        Args:
+            writer: the writer holding the checkpoint's temporary directory and files.
+            files: the files other ranks wrote into the directory, each with its manifest record, by name.
+            target: the path the user asked to save to, or None for the next numbered name.
+            mirrored: copies of files to publish before the commit record, with their keys (``snapshot_mirrors``).
+            manifest: further manifest entries (the step, the epoch ...).
+
+        Returns:
+            ``(path, number, None)`` once committed, or ``(None, -1, refusal)``.
+        """
         try:
             if target is None:
                 first = self.next_number()
@@ -255,7 +322,13 @@ class CheckpointDirectory:
             upload.join()
 
     def published(self, source: Path, name: str, number: int) -> None:
-        """From an upload: ``source`` is committed in the store as ``name``."""
+        """From an upload: ``source`` is committed in the store as ``name``.
+
+        Args:
+            source: the local checkpoint that was uploaded.
+            name: its name in the store.
+            number: its number.
+        """
         if name != source.name:
             self._remote_names[source.absolute()] = name
         if (number, name) not in self._remote_seen:
@@ -283,7 +356,11 @@ class CheckpointDirectory:
     def publish_once(self, path: Path) -> None:
         """Publish the local file ``path`` (under the project's local directory: a logger's file set aside, which
         does not change again) to the same place under the store's URL with the next upload (and where ``fit()``
-        ends), so it is not lost with this machine. Main rank only; nothing without a store."""
+        ends), so it is not lost with this machine. Main rank only; nothing without a store.
+
+        Args:
+            path: a local file under the project's local directory.
+        """
         if self.remote is not None and path not in self._set_aside:
             self._mirror_key(path)  # refuses a path outside the project's directory now, where it is asked
             self._set_aside.append(path)
@@ -345,7 +422,18 @@ class CheckpointDirectory:
         structure before it applies anything, so a damaged or malformed checkpoint (``CheckpointCorrupted``)
         leaves the run untouched and is skipped with a warning for the next older one; any other refusal (a
         checkpoint that does not fit this run) stops the search. With a remote store, its committed checkpoints
-        are the candidates (an uncommitted prefix is skipped with a warning)."""
+        are the candidates (an uncommitted prefix is skipped with a warning).
+
+        Args:
+            load: loads a checkpoint directory and returns its manifest; raises ``CheckpointCorrupted`` for one
+                to skip.
+
+        Returns:
+            The loaded checkpoint's directory and its manifest.
+
+        Raises:
+            CheckpointError: no checkpoint could be loaded, or ``load`` refused one for a reason other than damage.
+        """
         if self.remote is not None:
             return self._load_latest_remote(load)
         problems = []
@@ -401,23 +489,48 @@ class CheckpointDirectory:
 
     def protect(self, path: Path, holder: str) -> None:
         """Keep ``path`` from ``prune`` until ``holder`` (a name, e.g. a callback's ``state_key``) releases it.
-        In memory only: a holder protects its paths again after a restart (from its checkpointed state)."""
+        In memory only: a holder protects its paths again after a restart (from its checkpointed state).
+
+        Args:
+            path: the checkpoint to keep.
+            holder: who keeps it, so that ``release`` undoes only its own hold.
+        """
         self._protected.setdefault(path.absolute(), set()).add(holder)
 
     def release(self, path: Path, holder: str) -> None:
-        """Undo ``protect(path, holder)``; the path stays protected while another holder keeps it."""
+        """Undo ``protect(path, holder)``; the path stays protected while another holder keeps it.
+
+        Args:
+            path: the checkpoint to release.
+            holder: the name ``protect`` was given.
+        """
         holders = self._protected.get(path.absolute(), set())
         holders.discard(holder)
         if not holders:
             self._protected.pop(path.absolute(), None)
 
     def is_protected(self, path: Path) -> bool:
+        """Whether a holder keeps ``path`` from ``prune`` and ``delete`` (``protect``).
+
+        Args:
+            path: a checkpoint's path.
+
+        Returns:
+            True while at least one holder protects it.
+        """
         return path.absolute() in self._protected
 
     def is_checkpoint(self, path: Path) -> bool:
         """True when ``path`` is a committed cadence checkpoint (it has a manifest), here or anywhere else; with a
         store, one of this directory's names whose checkpoint is committed only there counts too (a resume on a
-        fresh machine: what a ranking restores must stay protected)."""
+        fresh machine: what a ranking restores must stay protected).
+
+        Args:
+            path: any path.
+
+        Returns:
+            Whether ``path`` holds a committed checkpoint.
+        """
         if is_checkpoint(path):
             return True
         if self.remote is None or not self.names(path):
@@ -428,7 +541,14 @@ class CheckpointDirectory:
         """Delete ``path`` if it is one of this directory's ``checkpoint_{n}``, committed (with a manifest: anything
         else under such a name is not cadence's to delete), written by this run, not a link, and not protected.
         True if it was; with a store, True when it is to be deleted once the newest upload is committed there (on
-        the upload's thread, ``retain``), and kept if it never is."""
+        the upload's thread, ``retain``), and kept if it never is.
+
+        Args:
+            path: the checkpoint to delete.
+
+        Returns:
+            Whether it was deleted (or, with a store, is to be).
+        """
         if not self.names(path) or path.is_symlink():
             return False
         if self.is_protected(path) or path in self.unpublished:
@@ -462,7 +582,11 @@ class CheckpointDirectory:
         """Delete this run's checkpoints older than its newest ``keep``, except protected ones: ``keep`` counts
         this run's checkpoints, protected ones too, and a protected one older than the newest ``keep`` stays
         beyond it. Other runs' checkpoints are neither counted nor deleted (see ``delete``). With a store, the
-        prune runs once the newest upload is committed there (on the upload's thread, ``retain``)."""
+        prune runs once the newest upload is committed there (on the upload's thread, ``retain``).
+
+        Args:
+            keep: how many of this run's newest checkpoints to keep.
+        """
         if self.remote is not None:
             with self._retention:
                 self._deferred_keep = keep
@@ -561,7 +685,19 @@ class CheckpointDirectory:
         older one on a tie), as recorded when it was saved (``Checkpoint(monitor=...)`` records it). Reads only
         the files on disk, so a fresh process finds it too: ``engine.load_state(engine.checkpoints.best(...))``.
         With a store, its committed checkpoints are candidates too, and a winner held only there is downloaded:
-        the path returned is always a local checkpoint."""
+        the path returned is always a local checkpoint.
+
+        Args:
+            monitor: the metric's name, as the checkpoints recorded it (``"val/loss"``).
+            mode: ``"min"`` when lower is better, ``"max"`` when higher is.
+
+        Returns:
+            The best checkpoint's local path.
+
+        Raises:
+            ValueError: ``mode`` is neither ``"min"`` nor ``"max"``.
+            CheckpointError: no checkpoint here records a score on ``monitor``.
+        """
         if mode not in ("min", "max"):
             raise ValueError(f"best(mode=...) must be 'min' or 'max'; got {mode!r}.")
         scored = [
