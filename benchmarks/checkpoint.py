@@ -986,6 +986,20 @@ class StackSampler:
         self._thread.join()
 
 
+class NothingElseToSend:
+    """The outbox of a checkpoint directory with no earlier upload pending and no retention to run: the upload
+    alone is timed."""
+
+    def __init__(self) -> None:
+        self.unpublished: list[Path] = []
+
+    def published(self, source: Path, name: str, number: int) -> None:
+        pass
+
+    def retain(self) -> None:
+        pass
+
+
 def cadence_upload(saved: Path, url: str) -> None:
     """cadence's background upload of the committed local checkpoint ``saved`` (the thread a save to a URL
     ``project_dir`` starts), to ``url``'s ``checkpoints/checkpoint_0``, waited for."""
@@ -993,7 +1007,7 @@ def cadence_upload(saved: Path, url: str) -> None:
     from cadence.checkpoint.storage import FsspecStorage
     from cadence.checkpoint.uploads import Upload
 
-    upload = Upload(PublishedCheckpoints(FsspecStorage(url)), saved, "bench", 0, None, [])
+    upload = Upload(PublishedCheckpoints(FsspecStorage(url)), NothingElseToSend(), saved, "bench", 0, None, [], [])
     upload.join()
     if upload.error is not None:
         raise upload.error
