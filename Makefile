@@ -10,7 +10,7 @@ INSTALLED := $(VENV)/.installed
 SYSTEM_PYTHON ?= python3
 # Every folder of code, and the docs site's two Python files (not its markdown, whose code blocks ruff would
 # reformat), for every lint and format check (make lint and make test-fast check the same ones).
-CODE := src callbacks tests examples benchmarks docs/hooks.py docs/griffe_field_docs.py
+CODE := src callbacks tests examples benchmarks tools docs/hooks.py docs/griffe_field_docs.py
 # The package's folders. The editable install is strict (docs/architecture.md, Packaging): a tree of links to each
 # file, so adding, removing or renaming a file, which changes its folder's time, installs again.
 PACKAGE_FOLDERS := $(shell find src/cadence callbacks -name __pycache__ -prune -o -type d -print)
@@ -38,8 +38,10 @@ check-code: $(INSTALLED)
 	$(VENV)/bin/ruff check $(CODE)
 	$(VENV)/bin/ruff format --check $(CODE)
 
+# tools/api_breaks.py: the public API compared with the last release's (docs/versioning.md).
 lint: check-code
 	$(VENV)/bin/mypy
+	$(PYTHON) tools/api_breaks.py
 
 # NO_MKDOCS_2_WARNING: mkdocs-material prints a banner about MkDocs 2.0 on every build; the build does not use it.
 docs: $(INSTALLED)
