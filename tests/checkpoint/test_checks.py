@@ -52,7 +52,7 @@ def test_learning_rate_note_compares_each_group_and_reads_tensor_learning_rates(
     assert learning_rate_note([optimizer], [saved]) == (
         "The checkpoint's learning rate 0.125 (optimizer 0, group 1) replaces this run's 0.25 (PyTorch's rule: "
         "loading an optimizer restores its hyperparameters; a scheduler continues from the saved ones). To change "
-        "it on resume, set it at Event.LOAD_STATE (README: Changing settings on resume)."
+        "it on resume, set it at Event.LOAD_STATE (docs/howto/checkpoints.md, Changing settings on resume)."
     )
     saved["state"]["param_groups"][0]["lr"] = 1.0
     assert str(learning_rate_note([optimizer], [saved])).startswith(

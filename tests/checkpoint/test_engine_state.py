@@ -668,7 +668,7 @@ def test_an_unchanged_learning_rate_is_not_mentioned_even_with_a_scheduler(
 
 
 class ResumeLearningRate(cadence.Callback):
-    """The README's recipe: a new learning rate on resume, set once the checkpoint is loaded."""
+    """docs/howto/checkpoints.md's recipe: a new learning rate on resume, set once the checkpoint is loaded."""
 
     def __init__(self, lr: float) -> None:
         self.lr = lr

@@ -169,8 +169,8 @@ def learning_rate_note(optimizers: Sequence[torch.optim.Optimizer], entries: Seq
     return (
         f"The checkpoint's learning rate{'s' if plural else ''} {restored_text} replace{'' if plural else 's'} "
         f"this run's {current_text} (PyTorch's rule: loading an optimizer restores its hyperparameters; a "
-        "scheduler continues from the saved ones). To change it on resume, set it at Event.LOAD_STATE (README: "
-        "Changing settings on resume)."
+        "scheduler continues from the saved ones). To change it on resume, set it at Event.LOAD_STATE "
+        "(docs/howto/checkpoints.md, Changing settings on resume)."
     )
 
 
