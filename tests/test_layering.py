@@ -118,20 +118,25 @@ def test_the_core_imports_no_callback_and_no_front_end() -> None:
     assert edges == ALLOWED_UPWARD
 
 
-def _refused_callback_imports(path: Path, root: Path = CALLBACKS) -> list[str]:
-    """Each cadence import in ``path`` (a module of ``cadence.callbacks``) outside the callbacks' rule: a public name
-    of ``cadence`` or of ``cadence.extend`` (the declared API for feature authors), or a sibling callback module.
-    The lists of names are the two modules' ``__all__``, so no exception is kept here by hand."""
+def _refused_imports(path: Path, module: str, own: tuple[str, ...]) -> list[str]:
+    """Each cadence import in ``path`` (the module ``module``) outside the rule callbacks and front ends follow: a
+    public name of ``cadence`` or of ``cadence.extend`` (the declared API for feature authors), or a module of the
+    packages ``own``. The lists of names are the two modules' ``__all__``, so no exception is kept here by hand."""
     allowed = {"cadence": set(cadence.__all__), "cadence.extend": set(cadence.extend.__all__)}
     refused = []
-    for module, name in _imports(path, _module_name(path, root, "cadence.callbacks")):
-        if not _is_within(module, "cadence") or _is_within(module, "cadence.callbacks"):
-            continue  # third-party or the standard library, or a sibling callback module
-        target = module if name is None else f"{module}.{name}"  # import cadence.x, from cadence import extend
-        if target in allowed or name in allowed.get(module, set()):
+    for imported, name in _imports(path, module):
+        if not _is_within(imported, "cadence") or any(_is_within(imported, package) for package in own):
+            continue  # third-party or the standard library, or a module of the importer's own layer
+        target = imported if name is None else f"{imported}.{name}"  # import cadence.x, from cadence import extend
+        if target in allowed or name in allowed.get(imported, set()):
             continue
         refused.append(target)
     return refused
+
+
+def _refused_callback_imports(path: Path, root: Path = CALLBACKS) -> list[str]:
+    """What a module of ``cadence.callbacks`` imports beyond ``cadence``, ``cadence.extend`` and its siblings."""
+    return _refused_imports(path, _module_name(path, root, "cadence.callbacks"), ("cadence.callbacks",))
 
 
 def test_callbacks_import_only_cadence_its_extension_api_and_each_other() -> None:
@@ -178,20 +183,9 @@ def test_the_callback_rule_refuses_every_other_core_import(tmp_path: Path) -> No
 
 
 def _refused_front_end_imports(path: Path, module: str) -> list[str]:
-    """Each cadence import in ``path`` (the front-end module ``module``) outside the front ends' rule: a public name
-    of ``cadence`` or of ``cadence.extend``, the callbacks, or a front end's own modules."""
-    allowed = {"cadence": set(cadence.__all__), "cadence.extend": set(cadence.extend.__all__)}
-    refused = []
-    for imported, name in _imports(path, module):
-        if not _is_within(imported, "cadence") or any(
-            _is_within(imported, top) for top in ("cadence.callbacks", *FRONT_ENDS)
-        ):
-            continue  # another package, the callbacks, or a front end's own module
-        target = imported if name is None else f"{imported}.{name}"  # import cadence.x, from cadence import extend
-        if target in allowed or name in allowed.get(imported, set()):
-            continue
-        refused.append(target)
-    return refused
+    """What the front-end module ``module`` imports beyond ``cadence``, ``cadence.extend``, the callbacks and the
+    front ends' own modules."""
+    return _refused_imports(path, module, ("cadence.callbacks", *FRONT_ENDS))
 
 
 def test_the_front_ends_use_the_public_core_and_the_callbacks_only() -> None:
