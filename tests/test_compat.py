@@ -50,18 +50,6 @@ def test_requested_num_samples_is_none_unless_the_user_gave_one(sampler_type: ty
     assert compat.requested_num_samples(sampler_type(data, replacement=True, num_samples=6)) == 6
 
 
-def test_scheduler_step_count_counts_the_constructor_step_and_each_step() -> None:
-    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1.0, total_steps=2)
-    assert compat.scheduler_step_count(scheduler) == 1
-    for _ in range(2):
-        optimizer.step()
-        scheduler.step()
-    assert compat.scheduler_step_count(scheduler) == 3  # past total_steps: OneCycleLR refuses the next step
-    with pytest.raises(ValueError, match="total steps"):
-        scheduler.step()
-
-
 def test_metric_progress_is_the_update_count_and_the_cached_result() -> None:
     torchmetrics = pytest.importorskip("torchmetrics")
     metric = torchmetrics.MeanMetric()

@@ -15,17 +15,20 @@ import cadence
 import cadence.extend
 from cadence.extend import CheckpointCorrupted
 from cadence.testing import FakeEngine
-from tests.test_layering import CALLBACKS, ROOT, _imports, _module_name
+from tests.test_layering import CALLBACKS, CORE, ROOT, _front_end_files, _imports, _module_name
 
 NAMES = cadence.extend.__all__
 
 
-def _imported_by_callbacks() -> set[str]:
-    """The names the built-in callbacks import from ``cadence.extend``."""
+def _imported_by_built_ins() -> set[str]:
+    """The names the built-in callbacks and front ends (``cadence.accelerate``, ``cadence.defaults``) import from
+    ``cadence.extend``."""
+    modules = [(path, _module_name(path, CALLBACKS, "cadence.callbacks")) for path in sorted(CALLBACKS.rglob("*.py"))]
+    modules += [(path, _module_name(path, CORE, "cadence")) for path in _front_end_files()]
     return {
         name
-        for path in sorted(CALLBACKS.rglob("*.py"))
-        for module, name in _imports(path, _module_name(path, CALLBACKS, "cadence.callbacks"))
+        for path, module_name in modules
+        for module, name in _imports(path, module_name)
         if module == "cadence.extend" and name is not None
     }
 
@@ -50,14 +53,14 @@ def test_every_name_is_documented(name: str) -> None:
 
 
 def test_every_name_is_used_by_a_built_in_feature_or_named_by_one_that_is() -> None:
-    """A name a built-in callback imports is what a feature needs; the rest must be part of how those are used (an
-    error one of them raises, named in its docstring), so nothing is declared on speculation."""
-    used = _imported_by_callbacks()
+    """A name a built-in callback or front end imports is what a feature needs; the rest must be part of how those
+    are used (an error one of them raises, named in its docstring), so nothing is declared on speculation."""
+    used = _imported_by_built_ins()
     assert used <= set(NAMES)
     values = [getattr(cadence.extend, name) for name in used]
     named = " ".join(inspect.getdoc(value) or "" for value in values if callable(value))
     unused = [name for name in NAMES if name not in used and f"``{name}``" not in named]
-    assert unused == [], f"no built-in callback uses {unused}: drop them from cadence.extend or use them"
+    assert unused == [], f"no built-in callback or front end uses {unused}: drop them from cadence.extend or use them"
     assert "CheckpointCorrupted" in set(NAMES) - used  # what check_state_fields and refuse_state raise
 
 

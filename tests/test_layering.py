@@ -118,20 +118,25 @@ def test_the_core_imports_no_callback_and_no_front_end() -> None:
     assert edges == ALLOWED_UPWARD
 
 
-def _refused_callback_imports(path: Path, root: Path = CALLBACKS) -> list[str]:
-    """Each cadence import in ``path`` (a module of ``cadence.callbacks``) outside the callbacks' rule: a public name
-    of ``cadence`` or of ``cadence.extend`` (the declared API for feature authors), or a sibling callback module.
-    The lists of names are the two modules' ``__all__``, so no exception is kept here by hand."""
+def _refused_imports(path: Path, module: str, own: tuple[str, ...]) -> list[str]:
+    """Each cadence import in ``path`` (the module ``module``) outside the rule callbacks and front ends follow: a
+    public name of ``cadence`` or of ``cadence.extend`` (the declared API for feature authors), or a module of the
+    packages ``own``. The lists of names are the two modules' ``__all__``, so no exception is kept here by hand."""
     allowed = {"cadence": set(cadence.__all__), "cadence.extend": set(cadence.extend.__all__)}
     refused = []
-    for module, name in _imports(path, _module_name(path, root, "cadence.callbacks")):
-        if not _is_within(module, "cadence") or _is_within(module, "cadence.callbacks"):
-            continue  # third-party or the standard library, or a sibling callback module
-        target = module if name is None else f"{module}.{name}"  # import cadence.x, from cadence import extend
-        if target in allowed or name in allowed.get(module, set()):
+    for imported, name in _imports(path, module):
+        if not _is_within(imported, "cadence") or any(_is_within(imported, package) for package in own):
+            continue  # third-party or the standard library, or a module of the importer's own layer
+        target = imported if name is None else f"{imported}.{name}"  # import cadence.x, from cadence import extend
+        if target in allowed or name in allowed.get(imported, set()):
             continue
         refused.append(target)
     return refused
+
+
+def _refused_callback_imports(path: Path, root: Path = CALLBACKS) -> list[str]:
+    """What a module of ``cadence.callbacks`` imports beyond ``cadence``, ``cadence.extend`` and its siblings."""
+    return _refused_imports(path, _module_name(path, root, "cadence.callbacks"), ("cadence.callbacks",))
 
 
 def test_callbacks_import_only_cadence_its_extension_api_and_each_other() -> None:
@@ -177,25 +182,51 @@ def test_the_callback_rule_refuses_every_other_core_import(tmp_path: Path) -> No
     ]
 
 
-# The one front-end module that may import core modules beyond ``cadence``'s public names: it gathers what the facade
-# needs until cadence.extend declares it (each import there names its proposed public form).
-FRONT_END_BRIDGE = CORE / "accelerate" / "internals.py"
+def _refused_front_end_imports(path: Path, module: str) -> list[str]:
+    """What the front-end module ``module`` imports beyond ``cadence``, ``cadence.extend``, the callbacks and the
+    front ends' own modules."""
+    return _refused_imports(path, module, ("cadence.callbacks", *FRONT_ENDS))
 
 
 def test_the_front_ends_use_the_public_core_and_the_callbacks_only() -> None:
-    """A front end composes the engine as a user would: ``cadence``'s public names, ``cadence.extend``, the callbacks
-    and its own modules; whatever else it needs from the core comes through ``FRONT_END_BRIDGE`` alone."""
-    allowed = ("cadence.extend", "cadence.callbacks", *FRONT_ENDS)
-    found = []
-    for path in _front_end_files():
-        if path == FRONT_END_BRIDGE:
-            continue
-        for module, name in _imports(path, _module_name(path, CORE, "cadence")):
-            if module == "cadence" or not _is_within(module, "cadence"):
-                continue  # the public API, or another package
-            if not any(_is_within(module, top) for top in allowed):
-                found.append(f"{path.relative_to(ROOT)}: {module}.{name}")
-    assert found == [], f"import these from cadence, or through {FRONT_END_BRIDGE.relative_to(ROOT)}: {found}"
+    """A front end composes the engine as a user would: ``cadence``'s public names, ``cadence.extend`` (the declared
+    API for feature authors), the callbacks and its own modules, with no exception: a core helper it needs is declared
+    in ``cadence.extend``, as for a callback."""
+    files = _front_end_files()
+    assert CORE / "accelerate" / "training.py" in files and CORE / "defaults.py" in files
+    refused = {
+        str(path.relative_to(ROOT)): found
+        for path in files
+        if (found := _refused_front_end_imports(path, _module_name(path, CORE, "cadence")))
+    }
+    assert refused == {}, (
+        "a front end may import cadence, cadence.extend, cadence.callbacks and its own modules only: import a public "
+        "name from cadence, or declare the helper in src/cadence/extend.py (its docstring and __all__)"
+    )
+
+
+def test_the_front_end_rule_refuses_every_other_core_import(tmp_path: Path) -> None:
+    source = tmp_path / "mine.py"
+    source.write_text(
+        "import torch\n"
+        "from cadence import Engine, extend\n"
+        "from cadence.extend import is_integer, strategy_module\n"
+        "from cadence.callbacks import Logger\n"
+        "from cadence.accelerate.checks import refuse\n"
+        "from .plugins import HandlerSettings\n"
+        "import cadence.engine\n"
+        "from cadence.wrappers import PreparedModule\n"
+        "from cadence import loop\n"
+        "from cadence.extend import DEFAULT_TIMEOUT\n"
+        "def lazy():\n    from cadence.compat import scheduler_step_count\n"
+    )
+    assert _refused_front_end_imports(source, "cadence.accelerate.mine") == [
+        "cadence.engine",
+        "cadence.wrappers.PreparedModule",
+        "cadence.loop",
+        "cadence.extend.DEFAULT_TIMEOUT",
+        "cadence.compat.scheduler_step_count",
+    ]
 
 
 def test_the_import_parser_sees_what_the_rules_forbid(tmp_path: Path) -> None:

@@ -24,7 +24,6 @@ from torch.utils.data import DataLoader, RandomSampler
 from torch.utils.data.dataloader import _DatasetKind
 
 if TYPE_CHECKING:
-    from torch.optim.lr_scheduler import LRScheduler
     from torchdata.stateful_dataloader import StatefulDataLoader
 
 
@@ -36,14 +35,15 @@ def is_iterable_dataset(loader: DataLoader[Any]) -> bool:
 
 def requested_num_samples(sampler: RandomSampler) -> int | None:
     """The ``num_samples=`` a ``RandomSampler`` was built with, ``None`` when left to the dataset's length (the
-    public ``num_samples`` property fills that default in, so it cannot tell the two apart)."""
+    public ``num_samples`` property fills that default in, so it cannot tell the two apart).
+
+    Args:
+        sampler: a ``torch.utils.data.RandomSampler``.
+
+    Returns:
+        Its ``num_samples`` argument, or None.
+    """
     return sampler._num_samples
-
-
-def scheduler_step_count(scheduler: LRScheduler) -> int:
-    """How many times ``scheduler.step()`` has run, the one its constructor makes included
-    (``LRScheduler._step_count``): ``OneCycleLR`` raises once it passes ``total_steps``, which only this tells."""
-    return int(scheduler._step_count)
 
 
 def metric_progress(metric: Any) -> tuple[int, Any]:

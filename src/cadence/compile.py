@@ -41,7 +41,20 @@ _FROM_USER = (
 
 def compile_options(setting: object) -> dict[str, Any] | None:
     """``torch.compile``'s keyword arguments for ``Engine(compile=setting)``, checked by torch itself now (so a bad
-    backend or mode fails when the Engine is built, not at the first forward); None when compiling is off."""
+    backend or mode fails when the Engine is built, not at the first forward).
+
+    Args:
+        setting: what ``Engine(compile=...)`` takes: True (torch's defaults), False, or a dict of ``torch.compile``
+            arguments (``{"backend": "inductor", "mode": "max-autotune"}``).
+
+    Returns:
+        The keyword arguments, or None when compiling is off.
+
+    Raises:
+        TypeError: a setting that is neither a bool nor a mapping.
+        ValueError: arguments ``torch.compile`` refuses.
+        RuntimeError: a Python or torch build ``torch.compile`` does not support.
+    """
     if setting is False:
         return None
     if setting is True:

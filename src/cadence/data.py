@@ -117,6 +117,22 @@ class ResumableBatchSampler(Sampler[list[int]]):
 
     One epoch may keep another seed's order (``keep_order``): a run resumed mid-epoch with a new seed finishes the
     epoch it resumes in the order that epoch started with, or its rest would repeat some samples and skip others.
+
+    A subclass may order the samples its own way (``indices``) and split the last global batch its own way
+    (``last_batch``, with ``padding`` and ``real_in_last_batch`` to match); ``to_stateful(sampler_type=...)`` builds a
+    loader on it.
+
+    Args:
+        num_samples: the dataset's length.
+        batch_size: the samples of each rank's batch.
+        shuffle: shuffle every epoch (True) or keep the dataset's order.
+        drop_last: drop the epoch's short last global batch rather than pad it.
+        seed: the seed that shuffles every epoch (with the epoch's number).
+        rank: this rank, whose share of each global batch it yields.
+        world_size: the number of ranks.
+
+    Raises:
+        ValueError: a ``batch_size`` below 1, or a ``rank`` outside ``range(world_size)``.
     """
 
     def __init__(
@@ -154,22 +170,47 @@ class ResumableBatchSampler(Sampler[list[int]]):
 
     @property
     def global_batch_size(self) -> int:
+        """The samples one step takes across all ranks: ``batch_size * world_size``."""
         return self.batch_size * self.world_size
 
     def set_epoch(self, epoch: int) -> None:
+        """Make the next pass epoch ``epoch`` (the prepared dataloader calls it before each pass).
+
+        Args:
+            epoch: the epoch's number, from 0.
+        """
         self.epoch = epoch
 
     def keep_order(self, epoch: int, seed: int | None) -> None:
-        """Shuffle ``epoch`` with ``seed`` instead of ``self.seed`` (``None``: every epoch with ``self.seed``)."""
+        """Shuffle ``epoch`` with ``seed`` instead of ``self.seed`` (``None``: every epoch with ``self.seed``).
+
+        Args:
+            epoch: the epoch whose order is kept.
+            seed: the seed that epoch started with, or None to keep none.
+        """
         self._kept_order = None if seed is None else (epoch, seed)
 
     def seed_of(self, epoch: int) -> int:
-        """The seed that shuffles ``epoch``."""
+        """The seed that shuffles ``epoch``.
+
+        Args:
+            epoch: the epoch's number.
+
+        Returns:
+            ``self.seed``, or the seed ``keep_order`` kept for that epoch.
+        """
         kept = self._kept_order
         return kept[1] if kept is not None and kept[0] == epoch else self.seed
 
     def count_batches(self, remaining: int) -> int:
-        """Batches each rank gets from ``remaining`` global samples."""
+        """Batches each rank gets from ``remaining`` global samples.
+
+        Args:
+            remaining: global samples left in the epoch.
+
+        Returns:
+            The number of batches, a short (padded) last one included unless ``drop_last``.
+        """
         full, tail = divmod(remaining, self.global_batch_size)
         return full + (1 if tail and not self.drop_last else 0)
 
@@ -205,7 +246,15 @@ class ResumableBatchSampler(Sampler[list[int]]):
 
     def last_batch(self, order: list[int], tail: list[int]) -> list[int]:
         """This rank's share of the epoch's short last global batch ``tail``: an even split, completed by
-        repeating the epoch's first samples (only its real samples with ``trim_last_batch``, when it has any)."""
+        repeating the epoch's first samples (only its real samples with ``trim_last_batch``, when it has any).
+
+        Args:
+            order: the epoch's whole global order (``indices()``), whose first samples complete the batch.
+            tail: the samples of the short last global batch.
+
+        Returns:
+            This rank's batch of sample indices.
+        """
         share = -(-len(tail) // self.world_size)
         padded = tail + (order * share)[: share * self.world_size - len(tail)]
         mine = padded[self.rank * share : (self.rank + 1) * share]
@@ -221,7 +270,14 @@ class ResumableBatchSampler(Sampler[list[int]]):
         return share, [_real_share(tail, share, rank) for rank in range(self.world_size)]
 
     def real_in_last_batch(self, samples: int) -> int:
-        """How many of the ``samples`` this rank got in the epoch's last batch are real, not repeats."""
+        """How many of the ``samples`` this rank got in the epoch's last batch are real, not repeats.
+
+        Args:
+            samples: the size of the last batch this rank got.
+
+        Returns:
+            Its real samples, at most ``samples``.
+        """
         if self.trim_last_batch and not self.drop_last:
             tail = (self.num_samples - self.start_sample) % self.global_batch_size
             real = _real_share(tail, -(-tail // self.world_size), self.rank) if tail else samples
@@ -379,6 +435,22 @@ def to_stateful(
     ``worker_init_fn`` wrapped. Either way its workers ignore ``SCHEDULER_SIGNALS`` (see ``ShieldedWorkerInit``).
     ``sampler_type`` builds the batch sampler (a ``ResumableBatchSampler`` subclass may order the samples its own
     way, as ``cadence.accelerate`` does to follow Accelerate's order), with ``ResumableBatchSampler``'s arguments.
+    ``engine.prepare`` keeps a loader rebuilt here as it is (its batch sampler is already cadence's).
+
+    Args:
+        loader: the ``DataLoader`` (or ``StatefulDataLoader``) to rebuild.
+        seed: the shuffling seed; None to draw one.
+        rank: this rank, whose share of each global batch the sampler yields.
+        world_size: the number of ranks the samples are split across.
+        sampler_type: what builds the batch sampler: ``ResumableBatchSampler``, a subclass, or a function taking
+            its arguments.
+
+    Returns:
+        The rebuilt loader (``loader`` itself for a ``StatefulDataLoader`` with a sampler of the user's own).
+
+    Raises:
+        ValueError: a ``StatefulDataLoader`` holding a position its ``load_state_dict`` restored, which a rebuilt
+            loader would drop.
     """
     if isinstance(loader, StatefulDataLoader):
         if not _uses_default_sampler(loader):

@@ -57,7 +57,7 @@ from cadence.state import State
 from cadence.step import TrainingStep
 from cadence.strategies import ReduceOp, Strategy, resolve_strategy
 from cadence.strategies.distributed import DEFAULT_TIMEOUT
-from cadence.wrappers import PreparedDataLoader, PreparedModule, PreparedOptimizer, PreparedScheduler
+from cadence.wrappers import PreparedDataLoader, PreparedModule, PreparedOptimizer, PreparedScheduler, strategy_module
 
 
 class Engine:
@@ -465,13 +465,7 @@ class Engine:
         Returns:
             The ``nn.Module`` the user built.
         """
-        return self.strategy.unwrap_module(self._strategy_module(model))
-
-    def _strategy_module(self, model: nn.Module) -> nn.Module:
-        """What the strategy's ``setup_module`` returned, inside the precision and compile wrappers."""
-        if isinstance(model, PreparedModule):
-            model = model.module
-        return split_compiled(model)[0]
+        return self.strategy.unwrap_module(strategy_module(model))
 
     # --- the step ------------------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, *, num_items: Any = None) -> None:
@@ -518,7 +512,7 @@ class Engine:
         """
         if self.state.sync_gradients:
             return nullcontext()
-        return self.strategy.no_backward_sync(self._strategy_module(model))
+        return self.strategy.no_backward_sync(strategy_module(model))
 
     def _ready_gradients(self) -> bool:
         if not self.state.sync_gradients:

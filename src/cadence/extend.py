@@ -1,9 +1,10 @@
-"""The supported API for writing callbacks and loggers: every core helper a feature needs beyond ``cadence`` itself.
+"""The supported API for writing callbacks, loggers and front ends: every core helper they need beyond ``cadence``.
 
 A callback or a logger, yours or a built-in one (``cadence.callbacks``), imports cadence through two modules only:
 ``cadence`` (``Callback``, ``Engine``, ``Event``, ``State``, ``CadenceWarning``, ``CheckpointError`` ...) and this
-one. The built-in callbacks follow that rule (``tests/test_layering.py`` checks every import they make), so what
-they need is here, and a name here keeps its meaning across releases. The modules these names are defined in
+one; so does a front end, a module that builds an ``Engine`` behind an API of its own (``cadence.accelerate``). The
+built-in callbacks and front ends follow that rule (``tests/test_layering.py`` checks every import they make), so
+what they need is here, and a name here keeps its meaning across releases. The modules these names are defined in
 (``cadence.compat``, ``cadence.validators``, ``cadence.checkpoint`` ...) are internal: they may move or change.
 
 Arguments, checked in the engine's message style (``EMA(every_n_steps=...) needs an integer >= 1; got 0.``):
@@ -49,6 +50,32 @@ Planning a run:
 
 - ``steps_in_run``: the optimizer updates a run takes, from its epochs, steps per epoch and ``max_steps``.
 
+Hyperparameters, for a tracker written to directly rather than through ``engine.log_hyperparams``:
+
+- ``flatten_hyperparams``: a nested mapping as ``engine.log_hyperparams`` hands it to loggers (names joined with
+  ``/``, every value a ``str``, ``int``, ``float`` or ``bool``).
+
+What ``engine.prepare`` makes of what it is given:
+
+- ``strategy_module``: the strategy's wrapper of a prepared model (DDP's, FSDP's), inside the precision and compile
+  wrappers: what ``engine.strategy.no_backward_sync`` takes.
+- ``PreparedOptimizer``, ``PreparedScheduler``: a prepared optimizer and scheduler (``engine.optimizers``,
+  ``engine.schedulers``): they step only when the engine's rules say so, and count the updates applied.
+- ``PreparedDataLoader``: a prepared dataloader (``engine.dataloaders``): its epoch, its position, its padding.
+- ``ResumableBatchSampler``: its batch sampler: one global order per seed and epoch, split across ranks, whose
+  position a checkpoint keeps; a subclass may order the samples its own way.
+- ``to_stateful``: a ``DataLoader`` rebuilt as ``engine.prepare`` rebuilds it, with a ``ResumableBatchSampler`` or
+  a subclass of it (``sampler_type=``), before it is prepared.
+- ``requested_num_samples``: the ``num_samples=`` a ``RandomSampler`` was given (torch keeps it private), to
+  rebuild one as it was.
+
+Building an ``Engine`` behind an API of your own (a front end), each argument checked before the Engine is built,
+so an error names your argument and nothing is half-done:
+
+- ``resolve_device``: the device ``Engine(accelerator=...)`` trains on.
+- ``compile_options``: the check ``Engine(compile=...)`` makes of a ``torch.compile`` setting.
+- ``is_preparable``: whether ``engine.prepare`` takes an object.
+
 Importing this module costs nothing beyond ``import cadence``: every name is defined in a module the engine loads.
 """
 
@@ -59,12 +86,18 @@ from cadence.checkpoint.checks import check_state_fields, check_state_items, ref
 from cadence.checkpoint.commit import fsync_path
 from cadence.checkpoint.layout import CheckpointDirectory
 from cadence.checkpoint.state_document import PROTECTS_KEY, SCORE_KEY
-from cadence.compat import foreach_copy_, foreach_lerp_, foreach_max_abs, version_counter
+from cadence.compat import foreach_copy_, foreach_lerp_, foreach_max_abs, requested_num_samples, version_counter
+from cadence.compile import compile_options
+from cadence.data import ResumableBatchSampler, to_stateful
 from cadence.errors import CheckpointCorrupted
+from cadence.hyperparams import flatten_hyperparams
+from cadence.inputs import is_preparable
 from cadence.precision import AutocastPrecision, GradScalerPrecision, Precision, check_scaler_state
 from cadence.schedule import steps_in_run
 from cadence.stacklevel import user_stacklevel
+from cadence.strategies import resolve_device
 from cadence.validators import boolean, integer, is_integer, is_number, optional_integer
+from cadence.wrappers import PreparedDataLoader, PreparedOptimizer, PreparedScheduler, strategy_module
 
 __all__ = [
     "PROTECTS_KEY",
@@ -75,10 +108,16 @@ __all__ = [
     "GradScalerPrecision",
     "PendingCheckpoint",
     "Precision",
+    "PreparedDataLoader",
+    "PreparedOptimizer",
+    "PreparedScheduler",
+    "ResumableBatchSampler",
     "boolean",
     "check_scaler_state",
     "check_state_fields",
     "check_state_items",
+    "compile_options",
+    "flatten_hyperparams",
     "foreach_copy_",
     "foreach_lerp_",
     "foreach_max_abs",
@@ -86,9 +125,14 @@ __all__ = [
     "integer",
     "is_integer",
     "is_number",
+    "is_preparable",
     "optional_integer",
     "refuse_state",
+    "requested_num_samples",
+    "resolve_device",
     "steps_in_run",
+    "strategy_module",
+    "to_stateful",
     "user_stacklevel",
     "version_counter",
 ]

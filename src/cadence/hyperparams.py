@@ -11,7 +11,18 @@ HyperparamValue = str | int | float | bool
 def flatten_hyperparams(params: Mapping[str, Any]) -> dict[str, HyperparamValue]:
     """``params`` as one flat mapping: a nested mapping's names joined with ``/`` (``{"optim": {"lr": 0.1}}`` gives
     ``optim/lr``), values that are not ``str``, ``int``, ``float`` or ``bool`` as their ``str()`` (``None``, lists,
-    tensors): every tracker stores those four kinds. Two entries that flatten to one name are refused."""
+    tensors): every tracker stores those four kinds. Two entries that flatten to one name are refused.
+
+    Args:
+        params: the hyperparameters, as ``engine.log_hyperparams`` takes them.
+
+    Returns:
+        The flat mapping of names to values.
+
+    Raises:
+        TypeError: ``params`` is not a mapping.
+        ValueError: two entries flatten to one name.
+    """
     if not isinstance(params, Mapping):
         raise TypeError(
             f"log_hyperparams() takes a mapping of names to values (e.g. {{'lr': 0.1}}); got {type(params).__name__}. "

@@ -100,6 +100,16 @@ def is_scheduler(obj: Any) -> bool:
 
 
 def is_preparable(obj: Any) -> bool:
+    """Whether ``engine.prepare`` takes ``obj``: a model, an optimizer, a dataloader, a scheduler or a ``Schedule``,
+    or what ``prepare`` already returned. A front end that changes what it passes on (a dataloader rebuilt) checks
+    every object first, so a call ``prepare`` refuses changes nothing.
+
+    Args:
+        obj: anything.
+
+    Returns:
+        True when ``engine.prepare(obj)`` would take it.
+    """
     return isinstance(obj, (nn.Module, Optimizer, DataLoader, PreparedDataLoader, PreparedScheduler)) or is_scheduler(
         obj
     )

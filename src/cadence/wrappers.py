@@ -9,6 +9,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from cadence.compat import foreach_div_
+from cadence.compile import split_compiled
 from cadence.cursor import DataCursor
 from cadence.event import Event
 from cadence.schedule import Interval, monitored_value
@@ -41,12 +42,35 @@ class PreparedModule(nn.Module):
         return precision.convert_output(output)
 
 
+def strategy_module(model: nn.Module) -> nn.Module:
+    """The strategy's wrapper of a prepared model (``DistributedDataParallel``, FSDP's module, or the model itself on
+    one device), found inside the precision and ``torch.compile`` wrappers ``engine.prepare`` may add around it:
+    what ``engine.strategy.no_backward_sync`` takes, or what a DDP communication hook is registered on.
+
+    Args:
+        model: a model ``engine.prepare`` returned.
+
+    Returns:
+        The module the strategy's ``setup_module`` returned for it.
+    """
+    if isinstance(model, PreparedModule):
+        model = model.module
+    return split_compiled(model)[0]
+
+
 class PreparedOptimizer(Optimizer):
     """The user's optimizer, stepping only on sync steps and never silently skipping.
 
     ``step()`` on an accumulation micro-step records ``"accumulating"`` on the State; on a sync step it readies
     the gradients once (unscale, divide), fires ``BEFORE_OPTIMIZER_STEP``, steps through the precision (which may
     skip on overflow), records the outcome and fires ``AFTER_OPTIMIZER_STEP``.
+
+    ``engine.prepare`` builds it; a feature reads it (``engine.optimizers``, ``engine.state.optimizer`` during a
+    step) rather than building one.
+
+    Args:
+        optimizer: the user's optimizer, which it forwards to.
+        engine: what it fires events on and reads the precision and the State from (the ``Engine``).
     """
 
     def __init__(self, optimizer: Optimizer, engine: RunSurface) -> None:
@@ -60,6 +84,7 @@ class PreparedOptimizer(Optimizer):
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
+        """The user's optimizer's ``param_groups`` (read and set through to it)."""
         return self.optimizer.param_groups
 
     @param_groups.setter
@@ -68,6 +93,7 @@ class PreparedOptimizer(Optimizer):
 
     @property
     def state(self) -> Any:
+        """The user's optimizer's per-parameter ``state`` (read and set through to it)."""
         return self.optimizer.state
 
     @state.setter
@@ -76,6 +102,7 @@ class PreparedOptimizer(Optimizer):
 
     @property
     def defaults(self) -> dict[str, Any]:
+        """The user's optimizer's ``defaults`` (read and set through to it)."""
         return self.optimizer.defaults
 
     @defaults.setter
@@ -96,6 +123,11 @@ class PreparedOptimizer(Optimizer):
         self.gradients_ready = True
 
     def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
+        """Update the parameters on a sync step, as the class says; on a micro-step only record ``"accumulating"``.
+
+        Args:
+            closure: what the user's optimizer's ``step`` takes (L-BFGS re-evaluates the loss with it).
+        """
         engine = self._engine
         state = engine.state
         if not state.sync_gradients:
@@ -119,17 +151,37 @@ class PreparedOptimizer(Optimizer):
         return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients on a sync step; nothing on an accumulation micro-step.
+
+        Args:
+            set_to_none: set each gradient to None rather than to zeros (torch's ``zero_grad``).
+        """
         # On a micro-step the gradients are being accumulated: clearing them would lose the window.
         if self._engine.state.sync_gradients:
             self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
+        """The user's optimizer's ``state_dict()``.
+
+        Returns:
+            The state dict.
+        """
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict into the user's optimizer.
+
+        Args:
+            state_dict: what ``state_dict()`` returned.
+        """
         self.optimizer.load_state_dict(state_dict)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a parameter group to the user's optimizer.
+
+        Args:
+            param_group: the group, as torch's ``add_param_group`` takes it.
+        """
         self.optimizer.add_param_group(param_group)
 
     def __repr__(self) -> str:
@@ -138,8 +190,19 @@ class PreparedOptimizer(Optimizer):
 
 class PreparedScheduler:
     """Steps the wrapped LR scheduler only when its optimizer really stepped since the scheduler last did, so
-    accumulation micro-steps and fp16 overflow skips never advance the schedule. ``interval``, ``frequency`` and
-    ``monitor`` come from a ``cadence.Schedule`` (a bare scheduler: every update, no metric)."""
+    accumulation micro-steps and fp16 overflow skips never advance the schedule. Attributes it does not define
+    (``last_epoch``, ``base_lrs`` ...) are the wrapped scheduler's.
+
+    ``engine.prepare`` builds it; a feature reads it (``engine.schedulers``) rather than building one.
+
+    Args:
+        scheduler: the user's LR scheduler (``Schedule.scheduler`` for a ``cadence.Schedule``).
+        optimizer: the prepared optimizer it schedules.
+        engine: what it reads the State from (the ``Engine``).
+        interval: ``"step"`` or ``"epoch"``, from the ``Schedule`` (a bare scheduler: ``"step"``).
+        frequency: step on every ``frequency``-th update or epoch, from the ``Schedule`` (a bare scheduler: 1).
+        monitor: the metric whose latest value each step passes, from the ``Schedule`` (a bare scheduler: None).
+    """
 
     def __init__(
         self,
@@ -161,7 +224,12 @@ class PreparedScheduler:
     def step(self, *args: Any, **kwargs: Any) -> None:
         """Step the scheduler if its optimizer updated since the last call. A ``"step"`` schedule steps on every
         ``frequency``-th update of the run and passes its ``monitor``'s latest value; arguments given here are passed
-        on as they are instead."""
+        on as they are instead.
+
+        Args:
+            *args: passed on to the scheduler's ``step`` (a metric for ``ReduceLROnPlateau``).
+            **kwargs: passed on to the scheduler's ``step``.
+        """
         count = self.optimizer.step_count
         if count == self._seen_steps:
             return
@@ -193,7 +261,14 @@ class PreparedScheduler:
 
     def end_epoch(self, epochs_done: int) -> bool:
         """Step an ``"epoch"`` schedule whose turn it is now that ``epochs_done`` epochs are done (``fit()`` calls this
-        after the epoch's validation); True when it stepped."""
+        after the epoch's validation).
+
+        Args:
+            epochs_done: the epochs completed so far.
+
+        Returns:
+            True when it stepped.
+        """
         if self.interval != "epoch" or epochs_done % self.frequency:
             return False
         args = () if self.monitor is None else (monitored_value(self.monitor, self._engine.state),)
@@ -206,12 +281,27 @@ class PreparedScheduler:
         self._seen_steps = self.optimizer.step_count
 
     def state_dict(self) -> dict[str, Any]:
+        """The user's scheduler's ``state_dict()``.
+
+        Returns:
+            The state dict.
+        """
         return dict(self.scheduler.state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict into the user's scheduler.
+
+        Args:
+            state_dict: what ``state_dict()`` returned.
+        """
         self.scheduler.load_state_dict(state_dict)
 
     def get_last_lr(self) -> list[float]:
+        """The learning rates the user's scheduler set last, one per parameter group.
+
+        Returns:
+            The learning rates.
+        """
         return list(self.scheduler.get_last_lr())
 
     def __getattr__(self, name: str) -> Any:
@@ -237,8 +327,14 @@ class PreparedDataLoader:
     A pass that does not drive training still moves batches, resumes, and marks its last batch (``in_last_batch``,
     which ``engine.gather_for_metrics`` reads to drop padding).
 
-    ``seed_chosen``: whether the loader's shuffling seed was chosen (``Engine(seed=...)``) rather than drawn by the
-    engine; a drawn one gives way to the seed a checkpoint recorded (see ``DataCursor``).
+    ``engine.prepare`` builds it; a feature reads it (``engine.dataloaders``) rather than building one.
+
+    Args:
+        loader: the ``StatefulDataLoader`` it iterates (``to_stateful`` built it).
+        engine: what it fires events on and reads the precision and training mode from (the ``Engine``).
+        mover: moves each batch to the device.
+        seed_chosen: whether the loader's shuffling seed was chosen (``Engine(seed=...)``) rather than drawn by the
+            engine; a drawn one gives way to the seed a checkpoint recorded (see ``DataCursor``).
     """
 
     def __init__(self, loader: Any, engine: RunSurface, mover: BatchMover, *, seed_chosen: bool = True) -> None:
@@ -274,7 +370,14 @@ class PreparedDataLoader:
     def set_epoch(self, epoch: int) -> None:
         """Accelerate's and torch's ``set_epoch``: the next pass shuffles as epoch ``epoch`` (the loader counts its
         epochs itself, so calling it with ``loader.epoch`` changes nothing). Refused during a pass or while a
-        position inside an epoch waits to be continued (a resumed or interrupted epoch), which it would drop."""
+        position inside an epoch waits to be continued (a resumed or interrupted epoch), which it would drop.
+
+        Args:
+            epoch: the epoch the next pass shuffles as, an integer >= 0.
+
+        Raises:
+            ValueError: a negative or non-integer epoch, or one that would drop a position inside an epoch.
+        """
         if type(epoch) is not int or epoch < 0:
             raise ValueError(f"set_epoch(epoch) takes an integer >= 0; got {epoch!r}.")
         if epoch == self.cursor.epoch:
@@ -301,10 +404,13 @@ class PreparedDataLoader:
 
     @property
     def dataset(self) -> Any:
+        """The user's dataset."""
         return self.loader.dataset
 
     @property
     def batch_size(self) -> int | None:
+        """The wrapped loader's ``batch_size``: None when a batch sampler batches, as cadence's own does for a
+        map-style loader with torch's default sampler (its ``batch_size`` is then each rank's)."""
         return self.loader.batch_size  # type: ignore[no-any-return]
 
     @property
@@ -318,11 +424,19 @@ class PreparedDataLoader:
         return self.cursor.state_dict()
 
     def check_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Raise ``CheckpointError``, changing nothing, when this dataloader cannot continue from ``state_dict``."""
+        """Raise ``CheckpointError``, changing nothing, when this dataloader cannot continue from ``state_dict``.
+
+        Args:
+            state_dict: what ``state_dict()`` returned, read back from a checkpoint.
+        """
         self.cursor.check_state_dict(state_dict)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a ``state_dict()``, after ``check_state_dict`` accepted it."""
+        """Restore a ``state_dict()``, after ``check_state_dict`` accepted it.
+
+        Args:
+            state_dict: what ``state_dict()`` returned, read back from a checkpoint.
+        """
         self.cursor.load_state_dict(state_dict)
 
     @property

@@ -28,7 +28,6 @@ from cadence import Callback, Engine, load_checkpoint_in_model
 from cadence.accelerate import arguments, operations
 from cadence.accelerate.checks import check_bool, refuse
 from cadence.accelerate.data import skip_first_batches
-from cadence.accelerate.internals import is_preparable
 from cadence.accelerate.plugins import (
     DataLoaderConfiguration,
     GradientAccumulationPlugin,
@@ -51,11 +50,11 @@ from cadence.accelerate.training import (
     in_accelerate_order,
     joined,
     save_on_main,
-    strategy_module,
     sync_in_backward,
     unscale,
 )
 from cadence.callbacks import Logger
+from cadence.extend import is_preparable, strategy_module
 
 __all__ = ["Accelerator", "DataLoaderConfiguration", "ProjectConfiguration", "load_checkpoint_in_model"]
 
@@ -174,7 +173,7 @@ class Accelerator:
         self.engine = Engine(
             accelerator=accelerator,
             callbacks=[*features, self._tracker_positions, *user_callbacks],
-            timeout=handlers.timeout,
+            **handlers.engine_arguments(),
             project_dir=self.project_dir,
             progress_bar=False,
             checkpoint_total_limit=project.total_limit,

@@ -13,11 +13,11 @@ from typing import Any, TypeVar, cast
 
 from cadence import Callback
 from cadence.accelerate.checks import check_bool, check_int, check_path, refuse
-from cadence.accelerate.internals import compile_options, resolve_device
 from cadence.accelerate.plugins import DataLoaderConfiguration, HandlerSettings, ProjectConfiguration
 from cadence.accelerate.training import AccelerateLossDivision
 from cadence.callbacks import GradientAccumulation, MixedPrecision
 from cadence.callbacks.mixed_precision import PrecisionName
+from cadence.extend import compile_options, resolve_device
 
 # Accelerate arguments the facade does not take, and what to use in cadence instead.
 _UNSUPPORTED = {

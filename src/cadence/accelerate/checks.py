@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import NoReturn
 
-from cadence.accelerate.internals import is_integer
+from cadence.extend import is_integer
 
 __all__ = ["check_bool", "check_int", "check_path", "refuse"]
 

@@ -31,16 +31,10 @@ from collections.abc import Callable, Iterator
 from typing import Any, Literal, cast
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
-from cadence.accelerate.internals import (
-    PreparedDataLoader,
-    ResumableBatchSampler,
-    is_integer,
-    is_iterable_dataset,
-    to_stateful,
-)
 from cadence.accelerate.samplers import SeedableRandomSampler
+from cadence.extend import PreparedDataLoader, ResumableBatchSampler, is_integer, to_stateful
 
 ShuffleMode = Literal["seedable", "draw", "stream", "generator"]
 
@@ -161,7 +155,8 @@ def accelerate_loader(
     own order, and so does a ``RandomSampler`` given a generator other than the loader's).
     ``broadcast(obj)`` returns rank 0's ``obj`` on every rank."""
     batch_size = loader.batch_size
-    if is_iterable_dataset(loader) or batch_size is None:
+    # A DataLoader fixes its dataset at construction, so this is the kind it decided on then.
+    if isinstance(loader.dataset, IterableDataset) or batch_size is None:
         return loader
     given = loader.sampler
     if isinstance(given, SeedableRandomSampler) and not given.replacement and len(given) == len(given.data_source):

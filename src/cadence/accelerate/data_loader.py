@@ -25,11 +25,11 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSa
 
 from cadence.accelerate.data import loader_arguments
 from cadence.accelerate.data import skip_first_batches as skip_in_prepared
-from cadence.accelerate.internals import PreparedDataLoader, is_integer, requested_num_samples
 from cadence.accelerate.operations import broadcast_object_list, find_batch_size, recursively_apply, send_to_device
 from cadence.accelerate.samplers import BatchSamplerShard, SeedableRandomSampler
 from cadence.accelerate.state import PartialState
 from cadence.accelerate.utils.random import synchronize_rng_state
+from cadence.extend import PreparedDataLoader, is_integer, requested_num_samples
 
 __all__ = [
     "BatchSamplerShard",

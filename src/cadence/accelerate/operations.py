@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cadence.accelerate.internals import is_integer
+from cadence.extend import is_integer
 
 __all__ = [
     "DistributedOperationException",

@@ -11,7 +11,6 @@ from datetime import timedelta
 from typing import Any
 
 from cadence.accelerate.checks import check_bool, check_int, refuse
-from cadence.accelerate.internals import DEFAULT_TIMEOUT
 
 
 @dataclass
@@ -184,10 +183,15 @@ def accumulation_steps(steps: object, plugin: object) -> int:
 
 @dataclass
 class HandlerSettings:
-    """What the kwargs handlers ask of cadence: ``MixedPrecision``'s scaler arguments and ``Engine(timeout=)``."""
+    """What the kwargs handlers ask of cadence: ``MixedPrecision``'s scaler arguments and ``Engine(timeout=)``
+    (None: the Engine's default)."""
 
     scaler: dict[str, Any]
-    timeout: timedelta = DEFAULT_TIMEOUT
+    timeout: timedelta | None = None
+
+    def engine_arguments(self) -> dict[str, Any]:
+        """The ``Engine`` arguments the handlers set; the Engine's defaults stand for the others."""
+        return {} if self.timeout is None else {"timeout": self.timeout}
 
 
 # Fields cadence passes on, per handler; any other field must keep its default.

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 import torch
 import torch.distributed as dist
 
-from cadence.accelerate.internals import resolve_device
 from cadence.accelerate.operations import pad_across_processes, send_to_device
+from cadence.extend import resolve_device
 
 if TYPE_CHECKING:
     from cadence import Engine

@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cadence import Callback
-from cadence.accelerate.internals import flatten_hyperparams, is_integer, refuse_state
 from cadence.callbacks import CSVLogger, Logger, MLflowLogger, TensorBoardLogger, WandbLogger
 from cadence.callbacks.logger import plain_rows
+from cadence.extend import flatten_hyperparams, is_integer, refuse_state
 
 if TYPE_CHECKING:
     from cadence import Engine

@@ -26,13 +26,7 @@ from torch.utils.data import DataLoader
 
 from cadence import Callback
 from cadence.accelerate.data import accelerate_loader
-from cadence.accelerate.internals import (
-    PreparedModule,
-    PreparedOptimizer,
-    PreparedScheduler,
-    scheduler_step_count,
-    split_compiled,
-)
+from cadence.extend import PreparedOptimizer, PreparedScheduler, strategy_module
 
 if TYPE_CHECKING:
     from cadence import Engine
@@ -57,7 +51,8 @@ class AcceleratedScheduler:
         self._seen_updates = updates
         total = getattr(self.scheduler, "total_steps", None)
         for _ in range(self.steps):
-            if total is not None and scheduler_step_count(self.scheduler) > total:
+            # OneCycleLR raises on a step that takes its (public) ``last_epoch`` past ``total_steps``.
+            if total is not None and self.scheduler.last_epoch >= total:
                 return
             self.scheduler.step(*args, **kwargs)
 
@@ -167,10 +162,3 @@ def sync_in_backward(model: nn.Module) -> Iterator[None]:
     finally:
         module.require_backward_grad_sync = backward_sync
         module.require_forward_param_sync = forward_sync
-
-
-def strategy_module(model: nn.Module) -> nn.Module:
-    """The strategy's wrapper (DDP, FSDP) inside the prepared model's precision and compile wrappers."""
-    if isinstance(model, PreparedModule):
-        model = model.module
-    return split_compiled(model)[0]
