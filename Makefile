@@ -1,7 +1,7 @@
 # Two commands for a fresh machine with Python 3.10+ and make:
 #   make demo   install into .venv and run the quickstart example
 #   make test   install into .venv and run lint, type checks and the whole test suite
-# While working: make test-fast (lint, then the tests not marked slow: under a minute, no subprocesses).
+# While working: make test-fast (ruff, then the tests not marked slow, on 2 workers: ~1.5 minutes, no subprocesses).
 # make docs builds the documentation site into site/ (--strict: a broken link or reference fails); make docs-serve
 # serves it at http://127.0.0.1:8000 while you edit.
 VENV := .venv
@@ -71,7 +71,7 @@ test-floor:
 	$(FLOOR_VENV)/bin/python -m pytest -q -m "not slow" -n 2
 
 test-fast: check-code
-	$(PYTHON) -m pytest -q -m "not slow"
+	$(PYTHON) -m pytest -q -m "not slow" -n 2
 
 bench: $(INSTALLED)
 	$(PYTHON) -m pip install --quiet --constraint constraints.txt --editable ".[dev,bench]" --config-settings editable_mode=strict
