@@ -82,6 +82,12 @@ def test_a_moved_release_tag_and_a_release_missing_from_the_clone_are_refused_wi
         api_breaks.release_commit(tmp_path, "v9.0.0", "0" * 40)
 
 
+def test_the_packages_checked_are_the_ones_the_api_reference_renders_and_the_docstring_test_reads() -> None:
+    from tests.test_docstrings import PACKAGES
+
+    assert checker().public_packages() == sorted(PACKAGES)
+
+
 def test_accepted_breaks_are_read_one_per_line_without_comments(tmp_path: Path) -> None:
     api_breaks = checker()
     listed = tmp_path / "accepted.txt"
