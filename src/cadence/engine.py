@@ -73,7 +73,7 @@ class Engine:
         seed: seeds python, numpy and torch, and the prepared dataloaders' shuffling.
         project_dir: where logs and checkpoints go (``project_dir/checkpoints/checkpoint_{n}``): a local path, or
             any fsspec URL (``s3://bucket/run``, ``gs://...``): checkpoints are then saved locally first (in
-            ``local_dir``) and published to the store, which ``resume="latest"`` reads (docs/scaling.md).
+            ``local_dir``) and published to the store, which ``resume="latest"`` reads (docs/howto/object-storage.md).
         progress_bar: ``fit()`` adds a progress bar when no callback shows one; False turns it off.
         model_summary: ``fit()`` prints each prepared model's modules and parameter counts when it starts (unless a
             ``ModelSummary`` callback is attached); False turns it off.

@@ -1,5 +1,5 @@
 """What each rank runs for ``test_llama_2d.py``: a tiny ``transformers`` Llama (built from a config, no download)
-trained on a 2x2 mesh with the ``parallelize_llama`` recipe exactly as docs/scaling.md prints it, then exported."""
+trained on a 2x2 mesh with the ``parallelize_llama`` recipe exactly as docs/howto/two-d.md prints it, then exported."""
 
 from __future__ import annotations
 
@@ -13,13 +13,13 @@ from torch.utils.data import DataLoader, TensorDataset
 import cadence
 from cadence.strategies import ModelParallelStrategy
 
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "scaling.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "howto" / "two-d.md"
 SEQUENCES, LENGTH, VOCAB, GLOBAL_BATCH = 16, 8, 64, 4
 
 
 def recipe() -> dict[str, Any]:
-    """The names docs/scaling.md's Llama recipe (its first ``python`` block under that heading) defines."""
-    section = DOCS.read_text().split("### A Hugging Face Llama model on a 2x2 mesh", 1)[1]
+    """The names docs/howto/two-d.md's Llama recipe (its first ``python`` block under that heading) defines."""
+    section = DOCS.read_text().split("## A Hugging Face Llama model on a 2x2 mesh", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.DOTALL)
     if code is None:
         raise LookupError(f"no python block under the Llama heading of {DOCS}")

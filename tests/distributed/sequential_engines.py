@@ -1,7 +1,8 @@
 """A script that tests start with ``cadence launch``: ``ENGINES`` engines one after another in one job, each in its
-own ``with Engine(...)`` block (the pattern docs/scaling.md recommends), alternating DDP and FSDP, each training a
-few steps and checking that every rank holds the same weights. Rank 0 lingers a random moment before leaving each
-block, so the other ranks start the next engine while its group (and the store rank 0 hosts) still stands.
+own ``with Engine(...)`` block (the pattern docs/howto/distributed.md recommends), alternating DDP and FSDP, each
+training a few steps and checking that every rank holds the same weights. Rank 0 lingers a random moment before
+leaving each block, so the other ranks start the next engine while its group (and the store rank 0 hosts) still
+stands.
 
     sequential_engines.py ENGINES TIMEOUT_SECONDS
 """

@@ -1,4 +1,4 @@
-"""docs/scaling.md's 2x2 recipe for a ``transformers`` Llama model (tensor parallel inside each decoder layer, FSDP
+"""docs/howto/two-d.md's 2x2 recipe for a ``transformers`` Llama model (tensor parallel inside each decoder layer, FSDP
 across replicas) on 4 CPU ranks: its losses are one process's, and its export loads with ``from_pretrained``."""
 
 from __future__ import annotations

@@ -116,7 +116,7 @@ def checked_project_config(project: object) -> ProjectConfiguration:
     check_int(owner, "total_limit", project.total_limit, minimum=1, none_means="to keep every checkpoint")
     check_int(owner, "iteration", project.iteration, minimum=0)
     if project.save_on_each_node:
-        refuse("save_on_each_node=True", "put project_dir on a filesystem every node shares (docs/scaling.md)")
+        refuse("save_on_each_node=True", "put project_dir on a filesystem every node shares (docs/howto/clusters.md)")
     return project
 
 

@@ -111,7 +111,7 @@ def torchrun_from_slurm(environ: Mapping[str, str]) -> dict[str, str]:
             f"SLURM_NTASKS={numbers['SLURM_NTASKS']} says this job runs {numbers['SLURM_NTASKS']} tasks, but this "
             "process was not started by srun (SLURM_STEP_ID is not set): it is the batch script's one process, and "
             "would wait for the others, which never come, until Engine(timeout=...). Run it under srun (`srun "
-            "python train.py`), or with torchrun (`srun cadence launch ...`; see docs/scaling.md, SLURM)."
+            "python train.py`), or with torchrun (`srun cadence launch ...`; see docs/howto/clusters.md, SLURM)."
         )
     if not 0 <= numbers["SLURM_PROCID"] < numbers["SLURM_NTASKS"]:
         raise ValueError(

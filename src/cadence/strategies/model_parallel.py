@@ -169,7 +169,7 @@ def _unsplittable_layers(model: nn.Module, error: str) -> str:
         "transformers' GPT-2 keeps its projections in Conv1D (a linear layer with the weight transposed). Leave "
         "those layers out of the plan (tensor_parallel_size=1, or FSDPStrategy, shards them with FSDP alone), "
         "swap them for nn.Linear before prepare, or use a model built on nn.Linear (transformers' Llama-style "
-        "models are: docs/scaling.md has a 2x2 recipe)."
+        "models are: docs/howto/two-d.md has a 2x2 recipe)."
     )
 
 
