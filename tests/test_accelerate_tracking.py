@@ -5,6 +5,8 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,21 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from cadence.accelerate import Accelerator, ProjectConfiguration
 from cadence.callbacks import CSVLogger, Logger, MLflowLogger, TensorBoardLogger, WandbLogger
+
+
+@pytest.fixture
+def wandb_disabled(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
+    """``WANDB_MODE=disabled`` as a user sets it, taken for sure: W&B reads the environment once, when its
+    process-wide settings are first made, so those an earlier test made are dropped before and after."""
+    if "wandb" in sys.modules:
+        sys.modules["wandb"].teardown()
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
+        monkeypatch.setenv(name, str(tmp_path / "wandb-home"))
+    yield
+    if "wandb" in sys.modules:
+        sys.modules["wandb"].teardown()
 
 
 def read_csv(path: Path) -> list[dict[str, str]]:
@@ -57,12 +74,10 @@ def test_tensorboard_tracker_writes_scalars_under_logging_dir(tmp_path: Path) ->
 
 
 @pytest.mark.slow  # starts every installed tracker (MLflow, W&B): seconds
-def test_all_starts_every_installed_backend_and_get_tracker_unwraps_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.mark.usefixtures("wandb_disabled")
+def test_all_starts_every_installed_backend_and_get_tracker_unwraps_it(tmp_path: Path) -> None:
     for package in ("tensorboard", "mlflow", "wandb"):
         pytest.importorskip(package)
-    monkeypatch.setenv("WANDB_MODE", "disabled")
     accelerator = Accelerator(cpu=True, project_dir=tmp_path, log_with="all")
     accelerator.init_trackers("run")
     assert [tracker.name for tracker in accelerator.trackers] == ["csv", "tensorboard", "mlflow", "wandb"]
@@ -164,8 +179,8 @@ def test_mlflow_tracker_logs_the_config_as_params_and_every_metric(tmp_path: Pat
 
 
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason='needs "cadence[wandb]"')
-def test_wandb_tracker_takes_the_project_name_and_the_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("WANDB_MODE", "disabled")
+@pytest.mark.usefixtures("wandb_disabled")
+def test_wandb_tracker_takes_the_project_name_and_the_config(tmp_path: Path) -> None:
     accelerator = Accelerator(cpu=True, project_dir=tmp_path, log_with="wandb")
     accelerator.init_trackers("experiment", config={"lr": 0.1})
     backend = accelerator.get_tracker("wandb", unwrap=True)
