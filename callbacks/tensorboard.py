@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
 
     from cadence import Engine
+    from cadence.extend import CheckpointDirectory
 
 INSTALL_HINT = 'pip install "cadence[tensorboard]"'
 
@@ -33,6 +34,11 @@ class TensorBoardLogger(Logger):
     validation row written after the save) are written again from the checkpoint into the new file. Nothing is
     deleted: a new event file starts with a purge marker (``SummaryWriter(purge_step=...)``) that makes
     TensorBoard discard the older files' events from that step on when it reads the directory.
+
+    With a URL ``project_dir`` (``s3://...``), each event file this logger writes is published to the same place
+    under the URL with every checkpoint and where ``fit()`` ends (``CheckpointDirectory.mirror``), so the run's
+    curves outlive the machine: ``tensorboard --logdir s3://bucket/run/tensorboard`` reads them all, a resumed
+    run's purge marker included.
 
     Hyperparameters (``engine.log_hyperparams``) go to the same directory as TensorBoard's hparams plugin summary
     (the HPARAMS tab), all logged so far each time some are logged.
@@ -56,6 +62,7 @@ class TensorBoardLogger(Logger):
         self.log_dir = self._requested_log_dir
         """Where the event files go: ``project_dir / log_dir`` from ``setup`` on."""
         self._writer: SummaryWriter | None = None
+        self._checkpoints: CheckpointDirectory | None = None  # the main rank's, which publishes the event files
         self._purge_step: int | None = 0  # a fresh run starts from step 0: earlier runs' events are hidden
         self._last_steps: dict[str, int] = {}
         self._refused: set[str] = set()
@@ -71,6 +78,8 @@ class TensorBoardLogger(Logger):
                 "TensorBoardLogger(log_dir=...) or move the file aside."
             )
         self.log_dir = log_dir
+        inside = log_dir.absolute().is_relative_to(self.project_dir.absolute())
+        self._checkpoints = engine.checkpoints if engine.is_main_process and inside else None
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         writer = self._open()
@@ -119,8 +128,13 @@ class TensorBoardLogger(Logger):
         if self._writer is None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             wait_until_newer_than_event_files(self.log_dir)
+            before = set(self.log_dir.glob("events.out.tfevents.*"))
             self._writer = self._summary_writer(str(self.log_dir), purge_step=self._purge_step)
             self._purge_step = None
+            if self._checkpoints is not None:
+                self._writer.flush()  # the event file exists once its first record is written
+                for path in sorted(set(self.log_dir.glob("events.out.tfevents.*")) - before):
+                    self._checkpoints.mirror(path)  # nothing without a store
         return self._writer
 
     def _refuse(self, name: str, value: Any) -> None:

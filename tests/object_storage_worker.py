@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import threading
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -133,28 +135,43 @@ def ddp_resume(url: str, local_dir: str, batch_size: int) -> dict[str, Any]:
     return {"after": seen, "weights": weights, "loaded": str(loaded)}
 
 
+REFUSED = {"s3_additional_kwargs": {"ACL": "no-such-acl"}, "config_kwargs": {"retries": {"max_attempts": 1}}}
+"""Storage options whose writes the store refuses (an ACL it does not know), its reads not, with no client retries."""
+
+
+def on_own_disk(url: str, root: str, refused: bool = False, **options: Any) -> cadence.Engine:
+    """An FSDP engine of this rank to ``url`` whose local working copy is ``root/rank_<r>``, a directory of its own,
+    as on machines with separate local disks; ``refused``: with ``REFUSED``'s storage options."""
+    return cadence.Engine(
+        accelerator="cpu",
+        strategy="fsdp",
+        project_dir=url,
+        local_dir=Path(root) / f"rank_{os.environ['RANK']}",
+        storage_options=REFUSED if refused else None,
+        progress_bar=False,
+        **options,
+    )
+
+
 def fsdp_on_own_disks(
-    url: str, root: str, saves: list[tuple[int, bool]], resume: bool, refused_rank: int | None = None
+    url: str,
+    root: str,
+    saves: list[tuple[int, bool]],
+    resume: bool,
+    refused_rank: int | None = None,
+    heal_after: int | None = None,
 ) -> dict[str, Any]:
     """A rank of an FSDP job to ``url`` whose local working copy is a directory of its own (``root/rank_<r>``), as
     on machines with separate local disks: resume from the store's newest checkpoint when ``resume``, train 2 epochs
     with an automatic save at each step of ``saves`` (``blocking`` beside it). ``refused_rank``: that rank's writes
-    to the store are refused (an ACL the store does not know), its reads are not. Returns the global sample ids after
-    the last save, the full weights at each save and at the end, and each save's failure, if any."""
+    to the store are refused (an ACL the store does not know), its reads are not, until step ``heal_after`` (if
+    any), where the ACL is dropped from that rank's store client, as an administrator fixing the policy would.
+    Returns the global sample ids after the last save, the full weights at each save and at the end, each save's
+    failure (if any), and the warnings."""
     from tests.distributed import workers
 
     rank = int(os.environ["RANK"])
-    refused = {"s3_additional_kwargs": {"ACL": "no-such-acl"}, "config_kwargs": {"retries": {"max_attempts": 1}}}
-    options = refused if rank == refused_rank else None
-    engine = cadence.Engine(
-        accelerator="cpu",
-        strategy="fsdp",
-        seed=5,
-        project_dir=url,
-        local_dir=Path(root) / f"rank_{rank}",
-        storage_options=options,
-        progress_bar=False,
-    )
+    engine = on_own_disk(url, root, rank == refused_rank, seed=5)
     net = workers.model()
     net, optimizer, data = engine.prepare(
         net, torch.optim.AdamW(net.parameters(), lr=0.01), DataLoader(workers.dataset(), 4, shuffle=True)
@@ -165,21 +182,28 @@ def fsdp_on_own_disks(
     at_save: list[list[torch.Tensor]] = []
     failures: list[str | None] = []
     pending = dict(saves)
-    while data.epoch < 2:
-        for inputs, targets, ids in data:
-            workers.train_step(engine, net, optimizer, inputs, targets)
-            after.extend(engine.gather(ids).tolist())
-            if engine.state.step in pending:
-                after.clear()
-                try:
-                    engine.save_state(blocking=pending.pop(engine.state.step))
-                    engine.wait_for_checkpoint()
-                    failures.append(None)
-                except CheckpointError as error:
-                    failures.append(str(error))
-                at_save.append(workers.full_weights(engine, net))
-    engine.wait_for_checkpoint()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        while data.epoch < 2:
+            for inputs, targets, ids in data:
+                workers.train_step(engine, net, optimizer, inputs, targets)
+                after.extend(engine.gather(ids).tolist())
+                if engine.state.step in pending:
+                    after.clear()
+                    try:
+                        engine.save_state(blocking=pending.pop(engine.state.step))
+                        engine.wait_for_checkpoint()
+                        failures.append(None)
+                    except CheckpointError as error:
+                        failures.append(str(error))
+                    at_save.append(workers.full_weights(engine, net))
+                if engine.state.step == heal_after and rank == refused_rank:
+                    remote = engine.checkpoints.remote
+                    assert remote is not None
+                    remote.storage.fs.s3_additional_kwargs.pop("ACL")  # type: ignore[attr-defined]
+        engine.wait_for_checkpoint()
     return {
+        "warnings": [str(warning.message) for warning in caught],
         "loaded": loaded,
         "at_load": at_load,
         "after": after,
@@ -187,4 +211,105 @@ def fsdp_on_own_disks(
         "final": workers.full_weights(engine, net),
         "failures": failures,
         "local": sorted(str(path.relative_to(root)) for path in Path(root).rglob("checkpoint_*")),
+    }
+
+
+def fsdp_fit_on_own_disks(
+    url: str, root: str, refused_rank: int | None, max_steps: int = 4, limit: int | None = None
+) -> dict[str, Any]:
+    """A rank of an FSDP ``fit()`` to ``url`` with a local directory of its own, saving every 2 steps
+    (``Checkpoint``'s blocking saves), keeping ``limit`` checkpoints, whose rank ``refused_rank`` (if any) may never
+    write to the store: what ``fit()`` ends with, the step it reached, the warnings, the kept parts on this rank's
+    disk, and the store requests made from the training thread at each batch's end and from each other thread
+    (every s3fs request goes through ``fsspec.asyn.sync``, on the thread that wants it)."""
+    import fsspec.asyn
+    import s3fs.core
+
+    rank = int(os.environ["RANK"])
+    requests: list[str] = []
+    original = fsspec.asyn.sync
+
+    def recorded(loop: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+        requests.append(threading.current_thread().name)
+        return original(loop, func, *args, **kwargs)
+
+    fsspec.asyn.sync = s3fs.core.sync = recorded
+    on_training_thread: list[int] = []
+
+    class Count(cadence.Callback):
+        def on_batch_end(self, engine: cadence.Engine) -> None:  # before the step's save (Checkpoint runs last)
+            on_training_thread.append(requests.count(threading.current_thread().name))
+
+    engine = on_own_disk(
+        url, root, rank == refused_rank, checkpoint_total_limit=limit, callbacks=[Count(), Checkpoint(every_n_steps=2)]
+    )
+    error = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            engine.fit(RegressionStep(), loader(), max_steps=max_steps)
+        except CheckpointError as failure:
+            error = str(failure)
+    return {
+        "error": error,
+        "step": engine.state.step,
+        "warnings": [str(warning.message) for warning in caught],
+        "kept": sorted(path.name for path in (Path(root) / f"rank_{rank}" / "checkpoints").glob(".checkpoint_*")),
+        "on_training_thread": on_training_thread,
+        "by_thread": {name: requests.count(name) for name in set(requests)},
+    }
+
+
+def fsdp_best_on_own_disks(url: str, root: str) -> dict[str, Any]:
+    """A rank of an FSDP ``fit()`` to ``url`` with a local directory of its own, ranking checkpoints by
+    ``val/mse`` with ``mode="max"`` (best 2 kept: as the loss falls, the oldest ones, which no rank holds locally),
+    then loading ``engine.checkpoints.best("val/mse", "max")`` on every rank: the step, score and full weights at
+    each save, and what was loaded."""
+    from tests.distributed import workers
+
+    saves: list[dict[str, Any]] = []
+
+    class Record(cadence.Callback):
+        def on_save_state(self, engine: cadence.Engine) -> None:
+            weights = workers.full_weights(engine, engine.models[0])
+            saves.append(
+                {"step": engine.state.step, "score": float(engine.state.metrics["val/mse"]), "weights": weights}
+            )
+
+    ranked = Checkpoint(monitor="val/mse", mode="max", save_top_k=2, save_last=False)
+    engine = on_own_disk(url, root, seed=5, callbacks=[Record(), ranked])
+    engine.fit(RegressionStep(), loader(), max_epochs=5, val_dataloader=loader())
+    best = engine.checkpoints.best("val/mse", "max")
+    loaded = engine.load_state(best)
+    return {
+        "saves": saves,
+        "best": str(best),
+        "loaded": str(loaded),
+        "weights": workers.full_weights(engine, engine.models[0]),
+    }
+
+
+def fsdp_explicit_url_on_own_disks(project: str, target: str, root: str, load: bool) -> dict[str, Any]:
+    """A rank of an FSDP job to ``project`` with a local directory of its own: train 3 steps and
+    ``save_state(target)``, or, with ``load``, ``load_state(target)`` on new disks. The full weights, the path
+    returned, and whether this rank's local directory holds any file of the save."""
+    from tests.distributed import workers
+
+    engine = on_own_disk(project, root, seed=5)
+    net = workers.model()
+    net, optimizer, data = engine.prepare(
+        net, torch.optim.AdamW(net.parameters(), lr=0.01), DataLoader(workers.dataset(), 4, shuffle=True)
+    )
+    if load:
+        returned = engine.load_state(target)
+    else:
+        for inputs, targets, _ in data:
+            workers.train_step(engine, net, optimizer, inputs, targets)
+            if engine.state.step == 3:
+                break
+        returned = engine.save_state(target)
+    return {
+        "weights": workers.full_weights(engine, net),
+        "returned": str(returned),
+        "files": sorted(str(path.relative_to(root)) for path in Path(root).rglob("*") if path.is_file()),
     }

@@ -731,8 +731,9 @@ class Engine:
         """
         refuse_lazy("save_state()", [self.unwrap_model(model) for model in self._models])
         if is_url(path):
-            local = self.save_state(url_save_target(self, str(path), blocking))
-            publish_state(self, str(path), local)
+            local = self._saves.save(self, url_save_target(self, str(path), blocking), True, url=str(path))
+            assert isinstance(local, Path)
+            publish_state(self, str(path), local)  # nothing left to do where the ranks published their parts
             return local
         return self._saves.save(self, Path(path) if path is not None else None, blocking)
 

@@ -426,7 +426,10 @@ def _finish(engine: Engine) -> None:
     state = engine.state
     save_failure = _finish_background_save(engine)
     engine.fire(Event.FIT_END)
-    save_failure = _finish_background_save(engine) or save_failure or engine.checkpoints.settle_uploads()
+    background = _finish_background_save(engine)
+    # On every rank, whatever failed: the parts kept from a publish from separate disks go up with collectives.
+    settled = engine.checkpoints.settle_uploads(engine.strategy, engine.is_main_process)
+    save_failure = background or save_failure or settled
     _raise_save_failure(save_failure, failing=state.exception)
     state.exception = None
 

@@ -24,17 +24,17 @@ from tests.helpers import loader
 Scalars = dict[str, list[tuple[int, float]]]
 
 
-@pytest.fixture
-def read_events() -> Any:
+def scalars_of(directory: Path) -> Scalars:
     """Reads a directory as TensorBoard does (purge markers applied): tag -> [(step, value)] in file order."""
     accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    events = accumulator.EventAccumulator(str(directory), size_guidance={accumulator.SCALARS: 0})
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
-    def read(directory: Path) -> Scalars:
-        events = accumulator.EventAccumulator(str(directory), size_guidance={accumulator.SCALARS: 0})
-        events.Reload()
-        return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
-    return read
+@pytest.fixture
+def read_events() -> Any:
+    return scalars_of
 
 
 def as_float32(value: str) -> float:

@@ -109,7 +109,11 @@ class CheckpointSaves:
         self._buffers = HostBuffers()
         self.in_flight: _Completion | None = None
 
-    def save(self, engine: Engine, path: Path | None, blocking: bool) -> Path | PendingCheckpoint:
+    def save(
+        self, engine: Engine, path: Path | None, blocking: bool, url: str | None = None
+    ) -> Path | PendingCheckpoint:
+        """Save now (``blocking``) or in the background; ``url``: ``path`` is the local copy of a
+        ``save_state(url)`` (see ``save_engine_state``)."""
         boolean("save_state", "blocking", blocking)
         self.wait(engine)
         # A strategy that cannot save in the background refuses before anything is claimed or written.
@@ -117,7 +121,7 @@ class CheckpointSaves:
         # The main rank names the checkpoint and alone deletes old ones: every rank must agree on one directory.
         number = engine.strategy.broadcast_object(engine.checkpoints.next_number())
         if collectives is None:
-            committed, number = save_engine_state(engine, path, number)
+            committed, number = save_engine_state(engine, path, number, publish_in_background=True, url=url)
             _after_commit(engine, committed, number, automatic=path is None, step=engine.state.step)
             return committed
         save = begin_engine_save(engine, path, number, self._buffers)

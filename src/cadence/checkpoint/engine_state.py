@@ -33,7 +33,16 @@ from cadence.checkpoint.commit import remove_abandoned
 from cadence.checkpoint.errors import CheckpointError
 from cadence.checkpoint.files import FORMAT_VERSION, MANIFEST, CheckpointReader, CheckpointWriter
 from cadence.checkpoint.rng import capture_rng_states, check_rng_states, restore_rng_states
-from cadence.checkpoint.shard_uploads import Identity, identity, publish_shards, sees
+from cadence.checkpoint.shard_uploads import (
+    ExplicitPrefix,
+    Identity,
+    KeptShards,
+    ShardPublish,
+    identity,
+    publish_and_retain,
+    publish_shards,
+    sees,
+)
 from cadence.checkpoint.state_document import (
     RANK_SECTIONS,
     SHARED_JSON,
@@ -46,6 +55,7 @@ from cadence.checkpoint.state_document import (
     rank_files,
     write_document,
 )
+from cadence.checkpoint.storage import open_storage
 from cadence.errors import CadenceWarning
 from cadence.stacklevel import user_stacklevel
 from cadence.strategies.storage import SHARDS
@@ -61,7 +71,9 @@ if TYPE_CHECKING:
 # would only restate Engine's signatures. The annotation is for type checking; nothing here imports engine.py.
 
 
-def save_engine_state(engine: Engine, target: Path | None, number: int) -> tuple[Path, int]:
+def save_engine_state(
+    engine: Engine, target: Path | None, number: int, publish_in_background: bool = False, url: str | None = None
+) -> tuple[Path, int]:
     """Write the engine's complete state as a committed checkpoint at ``target``, or, when ``target`` is None, at
     the first free ``checkpoint_{n}`` of ``engine.checkpoints`` from ``n = number`` on; returns the directory and
     its number.
@@ -70,12 +82,17 @@ def save_engine_state(engine: Engine, target: Path | None, number: int) -> tuple
     and optimizers, replicated under DDP); every rank writes its own RNG and dataloader state; after every rank's
     files are durable, the main rank writes the manifest listing all of them and moves the directory into place.
     A target that is not cadence's to replace is refused on every rank before anything is written.
+    ``publish_in_background``: where the ranks' local disks are separate, their publish to the store runs on a
+    thread while training goes on (``shard_uploads.ShardPublish``). ``url``: ``target`` is the local copy of a
+    ``save_state(url)``; where the ranks' local disks are separate, every rank publishes its files at ``url``
+    itself (``shard_uploads.ExplicitPrefix``) and none is kept locally.
     """
-    return begin_engine_save(engine, target, number).complete(engine.strategy)
+    background = engine.strategy.background_collectives if publish_in_background else None
+    return begin_engine_save(engine, target, number, url=url).complete(engine.strategy, background)
 
 
 def begin_engine_save(
-    engine: Engine, target: Path | None, number: int, buffers: HostBuffers | None = None
+    engine: Engine, target: Path | None, number: int, buffers: HostBuffers | None = None, url: str | None = None
 ) -> EngineSave:
     """The part of ``save_engine_state`` that must run on the training thread, on every rank: claim the temporary
     directory and hand every file's content to a writer. With ``buffers``, tensors are copied into them (a
@@ -85,15 +102,16 @@ def begin_engine_save(
     main = engine.is_main_process
     final = target if target is not None else engine.checkpoints.path(number)
     prepared: tuple[Path | None, str | None, Identity | None] = (None, None, None)
-    # An automatic save to a store asks whether the ranks share the main rank's local directory (shard_uploads.py).
-    probing = target is None and engine.checkpoints.remote is not None
+    # A save to a store (automatic, or to an explicit URL) asks whether the ranks share the main rank's local
+    # directory (shard_uploads.py).
+    probing = (target is None and engine.checkpoints.remote is not None) or url is not None
     if main:
         temporary, refusal = engine.checkpoints.claim(target, final)
         prepared = (temporary, refusal, identity(temporary) if probing and temporary is not None else None)
     temporary, refusal, probe = strategy.broadcast_object(prepared)
     if refusal is not None:
         raise CheckpointError(refusal)
-    alone = probe is not None and not sees(engine.checkpoints.root, probe)
+    alone = probe is not None and not sees(final.parent, probe)
     if alone:
         remove_abandoned(final.parent)  # what saves killed on this rank's disk left; the main rank clears its own
     writer = CheckpointWriter(final, None if alone else temporary, buffers, alone=alone)
@@ -116,7 +134,7 @@ def begin_engine_save(
         if main or writer.alone:
             writer.abort()
         raise
-    return EngineSave(engine, writer, target, number, mirrored)
+    return EngineSave(engine, writer, target, number, mirrored, url)
 
 
 class EngineSave:
@@ -130,8 +148,11 @@ class EngineSave:
         target: Path | None,
         number: int,
         mirrored: list[tuple[Path, str]] | None = None,
+        url: str | None = None,
     ) -> None:
         self._mirrored = mirrored or []
+        self._url = url
+        self._storage_options = engine.storage_options
         self._checkpoints = engine.checkpoints
         self._main = engine.is_main_process
         self._manifest = {"step": engine.state.step, "world_size": engine.world_size}
@@ -139,14 +160,20 @@ class EngineSave:
         self._target = target
         self._number = number
 
-    def complete(self, collectives: ObjectCollectives) -> tuple[Path, int]:
-        """Every rank calls this, with collectives over the same group; returns the committed path and number."""
+    def complete(
+        self, collectives: ObjectCollectives, background: Callable[[], ObjectCollectives] | None = None
+    ) -> tuple[Path, int]:
+        """Every rank calls this, with collectives over the same group; returns the committed path and number.
+        ``background``: where the ranks' local directories are separate, publish on a thread of its own with the
+        collectives it gives (called on every rank), returning once every rank's files are durable."""
         writer = self._writer
         try:
             gathered = collectives.all_gather_object((writer.finish(), writer.alone))
             every_file = {name: entry for table, _ in gathered for name, entry in table.items()}
             if any(alone for _, alone in gathered):
-                return self._publish_shards(collectives, every_file)
+                if self._url is not None and self._target is not None:
+                    return self._publish_to_url(collectives, every_file, self._url, self._target)
+                return self._publish_shards(collectives, every_file, background)
             outcome: tuple[Path | None, int, str | None] = (None, self._number, None)
             if self._main:
                 outcome = self._checkpoints.commit(writer, every_file, self._target, self._mirrored, **self._manifest)
@@ -159,31 +186,70 @@ class EngineSave:
                 writer.abort()
             raise
 
-    def _publish_shards(self, collectives: ObjectCollectives, every_file: dict[str, Any]) -> tuple[Path, int]:
-        """The ranks' local directories are separate: every rank uploads its own files and the main rank commits
-        in the store (``shard_uploads.py``). No rank holds the whole checkpoint, so none is kept locally: the store's
-        copy is the checkpoint, downloaded by every rank that loads it."""
+    def _publish_to_url(
+        self, collectives: ObjectCollectives, every_file: dict[str, Any], url: str, target: Path
+    ) -> tuple[Path, int]:
+        """``save_state(url)`` from ranks whose local directories are separate: every rank uploads its own files
+        to ``url`` and the main rank commits there, or every rank raises; no rank keeps its part (the caller asked
+        for this one save: nothing retries it). Returns ``target``, which no rank holds."""
         writer = self._writer
         record = {"format_version": FORMAT_VERSION, **self._manifest, "run": self._checkpoints.run_id}
-        remote = self._checkpoints.remote
-        if remote is None:  # pragma: no cover - only automatic saves to a store probe the ranks' disks
-            raise CheckpointError("No remote store.")
-        mirrored = self._mirrored if self._main else []
+        kept = KeptShards(
+            path=target,
+            directory=writer.directory,
+            owned=True,
+            files=writer.files,
+            record=record | {"files": every_file},
+            first=self._number,
+            mirrored=[],
+        )
         try:
-            _, number = publish_shards(
-                collectives,
-                remote,
-                self._main,
-                writer.directory,
-                writer.files,
-                record | {"files": every_file},
-                self._number,
-                mirrored,
-            )
+            prefix = ExplicitPrefix(open_storage(url, self._storage_options))
+            _, _, failure = publish_shards(collectives, prefix, self._main, kept, self._number)
         finally:
             if self._main or writer.alone:
-                writer.abort()  # removes this rank's local directory, uploaded or not
-        return self._checkpoints.path(number), number
+                writer.abort()
+        if failure is not None:
+            raise CheckpointError(
+                f"save_state(): {failure}, and no rank keeps its part. Save again to a new URL: an object store "
+                f"cannot replace objects in one step, and {url} holds the uncommitted files."
+            )
+        return target, self._number
+
+    def _publish_shards(
+        self,
+        collectives: ObjectCollectives,
+        every_file: dict[str, Any],
+        background: Callable[[], ObjectCollectives] | None,
+    ) -> tuple[Path, int]:
+        """The ranks' local directories are separate: every rank uploads its own files and the main rank commits
+        in the store (``shard_uploads.py``), after the parts kept from earlier failed publishes; with
+        ``background``, on a thread of its own with those collectives while training goes on (the name returned is
+        then the one tried first: the store's is mapped to it once committed). No rank holds the whole checkpoint,
+        so none is kept locally once it is committed: the store's copy is the checkpoint, downloaded by every rank
+        that loads it. A failed publish keeps every rank's part for the next save and warns, as a failed upload of
+        a whole local copy does."""
+        writer = self._writer
+        checkpoints = self._checkpoints
+        record = {"format_version": FORMAT_VERSION, **self._manifest, "run": checkpoints.run_id}
+        if checkpoints.remote is None:  # pragma: no cover - only automatic saves to a store probe the ranks' disks
+            raise CheckpointError("No remote store.")
+        kept = KeptShards(
+            path=checkpoints.path(self._number),
+            directory=writer.directory,
+            owned=self._main or writer.alone,
+            files=writer.files,
+            record=record | {"files": every_file},
+            first=self._number,
+            mirrored=self._mirrored if self._main else [],
+        )
+        if background is not None:
+            checkpoints.publishing(ShardPublish(background(), checkpoints, self._main, kept))
+            return kept.path, self._number
+        failure, number = publish_and_retain(collectives, checkpoints, self._main, kept)
+        if failure is not None:
+            return kept.path, self._number
+        return checkpoints.path(number), number
 
 
 def _owner(engine: Engine, optimizer: PreparedOptimizer) -> nn.Module | None:

@@ -26,6 +26,8 @@ from cadence.stacklevel import user_stacklevel
 if TYPE_CHECKING:
     from cadence.checkpoint.files import CheckpointWriter
     from cadence.checkpoint.published import PublishedCheckpoints
+    from cadence.checkpoint.shard_uploads import KeptShards, ShardPublish
+    from cadence.strategies.base import ObjectCollectives
 
 _NAME = re.compile(r"^checkpoint_(\d+)$")
 
@@ -64,6 +66,9 @@ class CheckpointDirectory:
         self.remote = remote
         self.unpublished: list[Path] = []
         """Local checkpoints whose upload failed, oldest first: retried at the next save, never deleted."""
+        self.kept_shards: list[KeptShards] = []
+        """This rank's parts of checkpoints whose publish from separate local disks failed (``shard_uploads.py``),
+        oldest first: published before the next save's, never deleted before."""
         self.run_id = secrets.token_hex(8)  # os.urandom: seeding the run's RNGs must not make two runs one
         self._resumed = False
         self._told: str | None = None  # the run_id warn_about_other_runs last checked for
@@ -73,6 +78,7 @@ class CheckpointDirectory:
         self._remote_names: dict[Path, str] = {}  # a local copy's name in the store, where the two differ
         self._remote_listed = False  # _remote_seen came from a listing: numbering needs no other (see numbered)
         self._uploads: list[Upload] = []  # in flight or not yet taken in, oldest first
+        self._publishes: list[ShardPublish] = []  # the same, for publishes from separate local disks
         self._retention = threading.Lock()  # the two below are asked for on the training thread, run on uploads'
         self._deferred_keep: int | None = None  # a prune asked for, run once the newest upload is committed
         self._deferred_deletes: list[Path] = []  # deletes asked for, run once the newest upload is committed
@@ -314,12 +320,24 @@ class CheckpointDirectory:
             return None, -1, str(error)
 
     def finish_uploads(self) -> None:
-        """On the training thread (the main rank's): wait for the uploads in flight. Each warned of its own failure
+        """On the training thread: wait for the uploads in flight (the main rank's), and for the publish from separate
+        local disks (every rank's, ``shard_uploads.ShardPublish``). Each warned of its own failure
         when it failed (keeping its local copy, in ``unpublished``, which retention never deletes and the next
         upload publishes first) and ran the retention asked for once the newest state was committed."""
         uploads, self._uploads = self._uploads, []
         for upload in uploads:
             upload.join()
+        publishes, self._publishes = self._publishes, []
+        for publish in publishes:
+            publish.join()
+
+    def publishing(self, publish: ShardPublish) -> None:
+        """A publish from separate local disks now runs on its thread: ``finish_uploads`` waits for it.
+
+        Args:
+            publish: the publish in flight.
+        """
+        self._publishes.append(publish)
 
     def published(self, source: Path, name: str, number: int) -> None:
         """From an upload: ``source`` is committed in the store as ``name``.
@@ -337,7 +355,7 @@ class CheckpointDirectory:
     def retain(self) -> None:
         """Run the deletes and the prune asked for so far (on an upload's thread once the newest state is committed
         in the store, or where ``fit()`` ends); nothing while a checkpoint of this run is not in the store."""
-        if self.remote is None or self.unpublished:
+        if self.remote is None or self.unpublished or self.kept_shards:
             return
         with self._retention:
             deletes, self._deferred_deletes = self._deferred_deletes, []
@@ -378,18 +396,30 @@ class CheckpointDirectory:
                 copies.append((copy, self._mirror_key(path)))
         return copies
 
-    def settle_uploads(self) -> CheckpointError | None:
-        """Where ``fit()`` ends: publish the mirrored files (the loggers'), upload the checkpoints whose upload
-        failed once more, oldest first, and run the retention still asked for; the error naming the newest one's
-        local copy if it still cannot reach the store, else the error of the files' publish (None when all of it
-        is there)."""
+    def settle_uploads(self, collectives: ObjectCollectives | None = None, main: bool = True) -> CheckpointError | None:
+        """Where ``fit()`` ends, on every rank: publish the mirrored files (the loggers'), upload the checkpoints
+        whose upload failed once more, oldest first (with ``collectives``, the parts every rank kept from a publish
+        from separate local disks too: ``shard_uploads.publish_kept``), and run the retention still asked for; the
+        error naming the newest one's local copy if it still cannot reach the store, else the error of the files'
+        publish (None when all of it is there).
+
+        Args:
+            collectives: the engine's strategy, for the parts kept on separate local disks (every rank must call
+                this then); None to leave those for the next save.
+            main: whether this is the main rank (it commits in the store).
+
+        Returns:
+            The failure to raise where ``fit()`` ends, or None.
+        """
         self.finish_uploads()
         if self.remote is None:
             return None
+        kept = self._settle_kept_shards(collectives, main)
         logs = self._publish_mirrors()
         if not self.unpublished:
-            self.retain()
-            return logs
+            if kept is None:
+                self.retain()
+            return kept or logs
         newest = self.unpublished[-1]
         try:
             publish_in_order(self.remote, self, self.run_id, self.next_number(), None)
@@ -401,8 +431,25 @@ class CheckpointDirectory:
                 f"{error}). It is kept locally at {newest}{also}: resume from it with fit(resume={str(newest)!r}) on "
                 "this machine, or upload it with engine.save_state(<url>) after loading it."
             )
-        self.retain()
-        return logs
+        if kept is None:
+            self.retain()
+        return kept or logs
+
+    def _settle_kept_shards(self, collectives: ObjectCollectives | None, main: bool) -> CheckpointError | None:
+        if not self.kept_shards or collectives is None or self.remote is None:
+            return None  # every rank keeps as many parts (each learns the same outcome): all skip this, or none
+        from cadence.checkpoint.shard_uploads import publish_kept
+
+        failure, _ = publish_kept(collectives, self, main, None)
+        if failure is None:
+            return None
+        newest = self.kept_shards[-1]
+        return CheckpointError(
+            f"The run's newest checkpoint (step {newest.record['step']}) never reached {self.remote.describe()}: "
+            f"{failure}. Every rank keeps its part of it in its local directory (this rank's: {newest.directory}), "
+            "and this engine uploads it before its next save; fit(resume='latest') continues from the newest "
+            "checkpoint committed in the store."
+        )
 
     def _publish_mirrors(self) -> CheckpointError | None:
         if self.remote is None:  # pragma: no cover - called only with a remote
@@ -551,7 +598,7 @@ class CheckpointDirectory:
         """
         if not self.names(path) or path.is_symlink():
             return False
-        if self.is_protected(path) or path in self.unpublished:
+        if self.is_protected(path) or path in self.unpublished or any(kept.path == path for kept in self.kept_shards):
             return False
         if self.remote is not None:
             with self._retention:

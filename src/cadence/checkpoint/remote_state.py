@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cadence.checkpoint.commit import is_checkpoint
 from cadence.checkpoint.engine_state import load_engine_state
 from cadence.checkpoint.errors import CheckpointError
 from cadence.checkpoint.export import PICKLE_INDEX, SAFE_INDEX
@@ -91,9 +92,10 @@ def url_save_target(engine: Engine, url: str, blocking: bool) -> Path:
 
 
 def publish_state(engine: Engine, url: str, local: Path) -> None:
-    """On the main rank, publish the local checkpoint ``local`` at ``url``; every rank raises a failure."""
+    """On the main rank, publish the local checkpoint ``local`` at ``url``; every rank raises a failure. Nothing
+    when ``local`` is not a checkpoint: the ranks' local disks were separate, and each published its own files."""
     failure = None
-    if engine.is_main_process:
+    if engine.is_main_process and is_checkpoint(local):
         try:
             storage = open_storage(url, engine.storage_options)
             if publish(storage, local, "", engine.checkpoints.run_id) is None:

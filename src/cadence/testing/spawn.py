@@ -50,7 +50,8 @@ def spawn(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 
     """Run ``fn(*args)`` on every rank and return the results in rank order.
 
     ``fn`` must be importable (a module-level function). If a rank raises, the others are stopped and a
-    ``RuntimeError`` carries that rank's traceback; a job still running after ``timeout`` seconds is stopped too.
+    ``RuntimeError`` carries the traceback of every rank that failed (the others have a few seconds to report);
+    a job still running after ``timeout`` seconds is stopped too.
     """
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
@@ -79,7 +80,7 @@ def spawn(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 
                     raise RuntimeError(f"spawn: a rank died without reporting (exit codes {dead}).") from None
                 continue
             if not ok:
-                raise RuntimeError(f"spawn: rank {rank} failed:\n{value}")
+                raise RuntimeError(_failures({rank: value}, results, processes, outcomes))
             outcomes[rank] = pickle.loads(value)  # results of our own child processes, not files from disk
     finally:
         for process in processes:
@@ -88,3 +89,28 @@ def spawn(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 
                 process.kill()
                 process.join()
     return [outcomes[rank] for rank in range(world_size)]
+
+
+def _failures(failed: dict[int, str], results: Any, processes: list[Any], outcomes: dict[int, Any]) -> str:
+    """Every failed rank's traceback, not only the first one's: a rank that fails first makes the others fail in
+    their next collective ("Connection closed by peer"), and the report that arrives first may be one of those.
+    Waits a few seconds for the other ranks to report or exit."""
+    deadline = time.monotonic() + 5.0
+    while len(failed) + len(outcomes) < len(processes) and time.monotonic() < deadline:
+        try:
+            rank, ok, value = results.get(timeout=0.2)
+        except queue.Empty:
+            if all(not process.is_alive() for process in processes) and results.empty():
+                break
+            continue
+        if ok:
+            outcomes[rank] = None
+        else:
+            failed[rank] = value
+    parts = [f"rank {rank} failed:\n{failed[rank]}" for rank in sorted(failed)]
+    silent = [
+        f"rank {rank} exited with code {process.exitcode} without reporting"
+        for rank, process in enumerate(processes)
+        if rank not in failed and rank not in outcomes and process.exitcode not in (None, 0)
+    ]
+    return "spawn: " + "\n".join(parts + silent)
