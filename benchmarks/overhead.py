@@ -11,8 +11,14 @@ baseline's best in the same run (the plain loop; for the feature row, the hand-w
 (the live bar, on a forced-terminal console writing to ``os.devnull``), next to ``Engine(progress_bar=False)``.
 
     python benchmarks/overhead.py [--rounds 15] [--steps 150] [--threads 1] [--only tiny|medium] [--variant NAME]
+    python benchmarks/overhead.py --cpu-slope [--rounds 15] [--slope-steps 64 1088]  # marginal CPU time/step
     python benchmarks/overhead.py --instructions     # deterministic: instructions per step under callgrind
     python benchmarks/overhead.py --sync-counts      # collectives and host syncs per step of the Metric variant
+
+``--cpu-slope`` measures the marginal CPU time of a step, without what a run pays once (building the engine and
+the loader's iterator, ``fit()``'s start and end): each round runs each variant at ``LOW`` and at ``HIGH`` steps,
+interleaved, and takes the difference over ``HIGH - LOW`` steps; the median over the rounds is reported, with its
+ratio to the plain loop's. It uses SGD, the cheapest optimizer step, where a fixed cost per step weighs most.
 
 ``--instructions`` runs each variant under ``valgrind --tool=callgrind`` at two step counts and reports the
 slope, instructions per step: the same on every run of the same machine and build, so a 1% overhead is visible
@@ -71,6 +77,14 @@ def make_model(size: Size) -> nn.Module:
     return nn.Sequential(*layers)
 
 
+OPTIMIZER: Callable[..., torch.optim.Optimizer] = functools.partial(torch.optim.AdamW, lr=1e-3)
+"""The optimizer every variant builds; ``--cpu-slope`` makes it SGD, the cheapest step (the harshest ratio)."""
+
+
+def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return OPTIMIZER(model.parameters())
+
+
 def make_loader(size: Size, steps: int) -> DataLoader[Any]:
     generator = torch.Generator().manual_seed(0)
     samples = steps * size.batch_size
@@ -81,7 +95,7 @@ def make_loader(size: Size, steps: int) -> DataLoader[Any]:
 
 def plain(size: Size, steps: int) -> float:
     model = make_model(size)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = make_optimizer(model)
     loader = make_loader(size, steps)
     start = time.process_time()
     for inputs, targets in loader:
@@ -96,7 +110,7 @@ def plain(size: Size, steps: int) -> float:
 def plain_same_sampler(size: Size, steps: int) -> float:
     """The plain loop fed by cadence's ResumableBatchSampler: isolates the engine's cost from the sampler's."""
     model = make_model(size)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = make_optimizer(model)
     dataset = make_loader(size, steps).dataset
     sampler = ResumableBatchSampler(len(dataset), size.batch_size, shuffle=True, drop_last=False, seed=0)  # type: ignore[arg-type]
     loader = DataLoader(dataset, batch_sampler=sampler)
@@ -113,7 +127,7 @@ def plain_same_sampler(size: Size, steps: int) -> float:
 def cadence_loop(size: Size, steps: int) -> float:
     engine = cadence.Engine(accelerator="cpu", progress_bar=False)
     model = make_model(size)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = make_optimizer(model)
     loader = make_loader(size, steps)
     start = time.process_time()
     model, optimizer, loader = engine.prepare(model, optimizer, loader)
@@ -129,7 +143,7 @@ def cadence_loop(size: Size, steps: int) -> float:
 class RegressionStep(cadence.TrainingStep):
     def __init__(self, size: Size) -> None:
         self.model = make_model(size)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        self.optimizer = make_optimizer(self.model)
 
     def training_step(self, batch: Any) -> torch.Tensor:
         inputs, targets = batch
@@ -175,7 +189,7 @@ def accelerate_loop(size: Size, steps: int) -> float:
 
     accelerator = Accelerator(cpu=True)
     model = make_model(size)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = make_optimizer(model)
     loader = make_loader(size, steps)
     start = time.process_time()
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
@@ -192,7 +206,7 @@ def fabric_loop(size: Size, steps: int) -> float:
 
     fabric = Fabric(accelerator="cpu", devices=1)
     model = make_model(size)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = make_optimizer(model)
     loader = make_loader(size, steps)
     start = time.process_time()
     model, optimizer = fabric.setup(model, optimizer)
@@ -213,7 +227,7 @@ FEATURES_BASELINE = "plain: accumulate 4 + fp16 GradScaler + clip"
 def plain_features(size: Size, steps: int) -> float:
     """The hand-written reference: accumulate 4, fp16 autocast with GradScaler, unscale, clip, step, update."""
     model = make_model(size)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = make_optimizer(model)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.99)
     scaler = torch.amp.GradScaler("cpu")
     loader = make_loader(size, steps)
@@ -268,7 +282,7 @@ def plain_metrics(size: Size, steps: int) -> float:
     from torchmetrics import MeanSquaredError
 
     model = make_model(size)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = make_optimizer(model)
     metric = MeanSquaredError()
     loader = make_loader(size, steps)
     start = time.process_time()
@@ -463,6 +477,34 @@ def measure(size: Size, rounds: int, steps: int, names: list[str] | None) -> dic
     return {name: (micros, micros / best[baseline_of(name)]) for name, micros in best.items()}
 
 
+SLOPE_VARIANTS = ("plain PyTorch", "cadence imperative loop", FIT_NO_BAR, FIT_PLAIN_LINES)
+
+
+def cpu_slope_table(size: Size, rounds: int, low: int, high: int, names: list[str] | None) -> None:
+    """Marginal CPU time per step (see the module's docs): the median of the rounds' slopes, and its ratio to the
+    plain loop's median in the same run."""
+    variants = {name: run for name, run in selected(available_variants(), names).items() if name in SLOPE_VARIANTS}
+    for run in variants.values():  # warm-up: imports, allocator, first-call costs
+        run(size, low)
+    order = list(variants)
+    slopes: dict[str, list[float]] = {name: [] for name in variants}
+    for round_index in range(rounds):
+        shift = round_index % len(order)
+        for name in order[shift:] + order[:shift]:
+            few, many = variants[name](size, low), variants[name](size, high)
+            slopes[name].append((many - few) / (high - low) * 1e6)
+    plain_slopes = slopes["plain PyTorch"]
+    label = f"{size.name} MLP {'-'.join(map(str, size.widths))}, batch {size.batch_size}"
+    print(f"torch {torch.__version__}, SGD, marginal CPU time per step (slope between {low} and {high} steps), "
+          f"median of {rounds} interleaved rounds; the ratio is the median of each round's ratio to plain")  # fmt: skip
+    print("| model | variant | µs/step | vs plain | spread (min-max µs) |\n|---|---|---:|---:|---:|")
+    for name, values in slopes.items():
+        # Paired by round: the machine's speed drifts from round to round, and both sides of a ratio share it.
+        ratio = statistics.median(value / plain for value, plain in zip(values, plain_slopes, strict=True))
+        spread = f"{min(values):,.0f}-{max(values):,.0f}"
+        print(f"| {label} | {name} | {statistics.median(values):,.0f} | {ratio:.3f}x | {spread} |", flush=True)
+
+
 def selected(variants: dict[str, Callable[[Size, int], float]], names: list[str] | None) -> dict[str, Any]:
     """The variants named (with the baselines they are compared to), or all of them."""
     if not names:
@@ -571,6 +613,8 @@ def main() -> None:
     parser.add_argument("--only", choices=[size.name for size in SIZES])
     parser.add_argument("--variant", action="append", help="measure only this variant (and its baseline); repeatable")
     parser.add_argument("--instructions", action="store_true", help="count instructions under callgrind")
+    parser.add_argument("--cpu-slope", action="store_true", help="marginal CPU time per step, SGD (see above)")
+    parser.add_argument("--slope-steps", type=int, nargs=2, default=(64, 1088), metavar=("LOW", "HIGH"))
     parser.add_argument("--imports", type=int, metavar="RUNS", help="time `import cadence` against `import torch`")
     parser.add_argument(
         "--sync-counts", action="store_true", help="count collectives and host syncs per step of the Metric variant"
@@ -588,6 +632,12 @@ def main() -> None:
         return
     if args.sync_counts:
         sync_counts_table()
+        return
+    if args.cpu_slope:
+        global OPTIMIZER
+        OPTIMIZER = functools.partial(torch.optim.SGD, lr=1e-3)
+        low, high = args.slope_steps
+        cpu_slope_table(sizes[args.only or "tiny"], args.rounds, low=low, high=high, names=args.variant)
         return
     if args.instructions:
         instructions_table(sizes[args.only or "tiny"], low=50, high=150, names=args.variant)

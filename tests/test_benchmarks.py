@@ -72,6 +72,22 @@ def test_overhead_benchmark_compares_fit_with_and_without_its_default_bar() -> N
     assert rows["plain PyTorch"] == "1.000x |"
 
 
+def test_overhead_benchmark_measures_the_marginal_cpu_time_of_a_step() -> None:
+    command = [sys.executable, str(ROOT / "benchmarks" / "overhead.py"), "--cpu-slope", "--rounds", "2",
+               "--slope-steps", "8", "24"]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "SGD, marginal CPU time per step (slope between 8 and 24 steps)" in result.stdout
+    rows = {line.split(" | ")[1]: line.split(" | ")[3] for line in result.stdout.splitlines() if "tiny MLP" in line}
+    assert rows.keys() == {
+        "plain PyTorch",
+        "cadence imperative loop",
+        "cadence fit(), progress_bar=False",
+        "cadence fit(), default bar, not a terminal",
+    }
+    assert rows["plain PyTorch"] == "1.000x" and all(ratio.endswith("x") for ratio in rows.values()), rows
+
+
 def test_overhead_benchmark_times_import_cadence_against_import_torch() -> None:
     result = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "overhead.py"), "--imports", "1"],
