@@ -485,8 +485,11 @@ def test_parts_kept_from_a_failed_publish_go_up_before_the_next_save_and_resume_
     ]
     # The kept step 4 is the state that was saved then: a job resuming from it ends as the uninterrupted one.
     open_storage(f"{url}/checkpoints").delete("checkpoint_2")
-    resumed = spawn(2, worker, url, str(tmp_path / "b"), [], True)
+    resumed = spawn(2, worker, url, str(tmp_path / "b"), [(6, True)], True)
     assert_every_rank_resumed(resumed, tmp_path / "b", "checkpoint_1", saved[0]["at_save"][0], saved[0]["final"])
+    # Once step 6 is committed, rank 1 drops the copy it downloaded (rank 0's retention cannot see its disk); rank
+    # 0's copy is its retention's to delete, and there is no limit here.
+    assert resumed[1]["local"] == ["rank_0/checkpoints/checkpoint_1"], resumed[1]["local"]  # both ranks' disks
 
 
 @pytest.mark.slow

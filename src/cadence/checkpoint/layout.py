@@ -79,6 +79,7 @@ class CheckpointDirectory:
         self._remote_listed = False  # _remote_seen came from a listing: numbering needs no other (see numbered)
         self._uploads: list[Upload] = []  # in flight or not yet taken in, oldest first
         self._publishes: list[ShardPublish] = []  # the same, for publishes from separate local disks
+        self._downloads: list[Path] = []  # local copies this process downloaded for a load (drop_downloads)
         self._retention = threading.Lock()  # the two below are asked for on the training thread, run on uploads'
         self._deferred_keep: int | None = None  # a prune asked for, run once the newest upload is committed
         self._deferred_deletes: list[Path] = []  # deletes asked for, run once the newest upload is committed
@@ -532,7 +533,16 @@ class CheckpointDirectory:
             local if not os.path.lexists(local) else self.root.parent / "downloads" / f"{name}-{secrets.token_hex(4)}"
         )
         self.remote.fetch(name, target)
+        self._downloads.append(target)
         return target
+
+    def drop_downloads(self) -> None:
+        """Remove the local copies this process downloaded from the store for a load. A rank whose local disk is
+        its own calls this once a newer checkpoint is committed in the store: the main rank's retention cannot see
+        that disk, and the store holds what they held."""
+        downloads, self._downloads = self._downloads, []
+        for path in downloads:
+            shutil.rmtree(path, ignore_errors=True)
 
     def protect(self, path: Path, holder: str) -> None:
         """Keep ``path`` from ``prune`` until ``holder`` (a name, e.g. a callback's ``state_key``) releases it.

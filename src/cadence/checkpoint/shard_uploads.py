@@ -133,6 +133,8 @@ def publish_kept(
             checkpoints.kept_shards.remove(kept)
         if kept.owned:
             shutil.rmtree(kept.directory, ignore_errors=True)
+        if kept.owned and not main:
+            checkpoints.drop_downloads()  # a disk of its own: the main rank's retention never sees it
         checkpoints.published(kept.path, name, number)
     return None, number
 
