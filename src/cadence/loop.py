@@ -427,8 +427,10 @@ def _finish(engine: Engine) -> None:
     save_failure = _finish_background_save(engine)
     engine.fire(Event.FIT_END)
     background = _finish_background_save(engine)
-    # On every rank, whatever failed: the parts kept from a publish from separate disks go up with collectives.
-    settled = engine.checkpoints.settle_uploads(engine.strategy, engine.is_main_process)
+    # The parts kept from a publish from separate disks go up with collectives, on every rank: not while fit() is
+    # failing, when a rank may never get there (they stay kept; this engine's next save publishes them).
+    collectives = engine.strategy if state.exception is None else None
+    settled = engine.checkpoints.settle_uploads(collectives, engine.is_main_process)
     save_failure = background or save_failure or settled
     _raise_save_failure(save_failure, failing=state.exception)
     state.exception = None
