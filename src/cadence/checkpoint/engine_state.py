@@ -193,16 +193,7 @@ class EngineSave:
         to ``url`` and the main rank commits there, or every rank raises; no rank keeps its part (the caller asked
         for this one save: nothing retries it). Returns ``target``, which no rank holds."""
         writer = self._writer
-        record = {"format_version": FORMAT_VERSION, **self._manifest, "run": self._checkpoints.run_id}
-        kept = KeptShards(
-            path=target,
-            directory=writer.directory,
-            owned=True,
-            files=writer.files,
-            record=record | {"files": every_file},
-            first=self._number,
-            mirrored=[],
-        )
+        kept = self._part(target, every_file, owned=True, mirrored=[])
         try:
             prefix = ExplicitPrefix(open_storage(url, self._storage_options))
             _, _, failure = publish_shards(collectives, prefix, self._main, kept, self._number)
@@ -215,6 +206,23 @@ class EngineSave:
                 f"cannot replace objects in one step, and {url} holds the uncommitted files."
             )
         return target, self._number
+
+    def _part(
+        self, path: Path, every_file: dict[str, Any], owned: bool, mirrored: list[tuple[Path, str]]
+    ) -> KeptShards:
+        """This rank's part of the checkpoint to publish as ``path``, with the commit record listing every rank's
+        files (``every_file``); ``owned``: this rank removes the local directory once it is published."""
+        record = {"format_version": FORMAT_VERSION, **self._manifest, "run": self._checkpoints.run_id}
+        writer = self._writer
+        return KeptShards(
+            path=path,
+            directory=writer.directory,
+            owned=owned,
+            files=writer.files,
+            record=record | {"files": every_file},
+            first=self._number,
+            mirrored=mirrored,
+        )
 
     def _publish_shards(
         self,
@@ -229,20 +237,12 @@ class EngineSave:
         so none is kept locally once it is committed: the store's copy is the checkpoint, downloaded by every rank
         that loads it. A failed publish keeps every rank's part for the next save and warns, as a failed upload of
         a whole local copy does."""
-        writer = self._writer
         checkpoints = self._checkpoints
-        record = {"format_version": FORMAT_VERSION, **self._manifest, "run": checkpoints.run_id}
         if checkpoints.remote is None:  # pragma: no cover - only automatic saves to a store probe the ranks' disks
             raise CheckpointError("No remote store.")
-        kept = KeptShards(
-            path=checkpoints.path(self._number),
-            directory=writer.directory,
-            owned=self._main or writer.alone,
-            files=writer.files,
-            record=record | {"files": every_file},
-            first=self._number,
-            mirrored=self._mirrored if self._main else [],
-        )
+        owned = self._main or self._writer.alone
+        mirrored = self._mirrored if self._main else []
+        kept = self._part(checkpoints.path(self._number), every_file, owned, mirrored)
         if background is not None:
             checkpoints.publishing(ShardPublish(background(), checkpoints, self._main, kept))
             return kept.path, self._number

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from cadence.checkpoint.errors import CheckpointError
 from cadence.checkpoint.published import claim, commit_record, put, upload_files
+from cadence.checkpoint.uploads import retain_or_warn
 from cadence.errors import CadenceWarning
 
 if TYPE_CHECKING:
@@ -157,15 +158,8 @@ def publish_and_retain(
             stacklevel=2,
         )
         return failure, number
-    try:
-        checkpoints.retain()
-    except Exception as error:  # nothing was lost: what was not deleted is deleted by a later retention
-        warnings.warn(
-            f"Deleting old checkpoints in {checkpoints.remote.describe() if checkpoints.remote else ''} failed "
-            f"({type(error).__name__}: {error}); the next save tries again.",
-            CadenceWarning,
-            stacklevel=2,
-        )
+    assert checkpoints.remote is not None  # publish_kept asserted it
+    retain_or_warn(checkpoints, checkpoints.remote)
     return None, number
 
 

@@ -41,6 +41,19 @@ class Outbox(Protocol):
         ...
 
 
+def retain_or_warn(outbox: Outbox, remote: PublishedCheckpoints) -> None:
+    """``outbox.retain()`` once the newest state is committed in ``remote``; a failure warns instead of raising."""
+    try:
+        outbox.retain()
+    except Exception as error:  # nothing was lost: what was not deleted is deleted by a later retention
+        warnings.warn(
+            f"Deleting old checkpoints in {remote.describe()} failed ({type(error).__name__}: {error}); the next "
+            "save tries again.",
+            CadenceWarning,
+            stacklevel=1,
+        )
+
+
 class Upload:
     """Publishes the committed local checkpoint ``source`` as the store's first free ``checkpoint_{n}`` from
     ``n = first`` on, once ``previous`` (the upload before it) has ended, after the outbox's ``unpublished`` ones.
@@ -97,15 +110,7 @@ class Upload:
                 stacklevel=1,
             )
             return
-        try:
-            outbox.retain()
-        except Exception as error:  # nothing was lost: what was not deleted is deleted by a later retention
-            warnings.warn(
-                f"Deleting old checkpoints in {remote.describe()} failed ({type(error).__name__}: {error}); the "
-                "next save tries again.",
-                CadenceWarning,
-                stacklevel=1,
-            )
+        retain_or_warn(outbox, remote)
 
     def done(self) -> bool:
         return not self._thread.is_alive()
