@@ -145,6 +145,19 @@ def test_local_shard_of_a_plain_tensor_is_the_tensor() -> None:
     assert compat.local_shard(tensor) is tensor
 
 
+def test_is_dtensor_tells_a_dtensor_from_a_plain_tensor(tmp_path: Path) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        sharded = distribute_tensor(torch.arange(4.0), init_device_mesh("cpu", (1,)), [Shard(0)])
+        assert compat.is_dtensor(sharded)
+        assert not compat.is_dtensor(sharded.to_local()) and not compat.is_dtensor(torch.ones(2))
+    finally:
+        dist.destroy_process_group()
+
+
 def test_local_shard_of_a_dtensor_is_its_local_view(tmp_path: Path) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor

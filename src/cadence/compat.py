@@ -110,6 +110,13 @@ def dynamo_error_type() -> type[Exception]:
     return TorchDynamoException
 
 
+def is_dtensor(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a DTensor, without importing ``torch.distributed.tensor`` (about a second of every
+    process's start, sympy included) where nothing has: no tensor can be a DTensor before that module is loaded."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
+
+
 def local_shard(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a sharded (FSDP, DTensor) tensor, as a view; a plain tensor is itself."""
     to_local = getattr(tensor, "to_local", None)

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public, but not in the stubs
-from torch.distributed.tensor import DTensor
 
+from cadence.compat import is_dtensor
 from cadence.strategies.base import ObjectCollectives, ReduceOp, Strategy
 from cadence.strategies.environment import adopt_slurm_environment
 from cadence.strategies.group import OwnedGroup
@@ -183,7 +183,7 @@ def _buckets(module: nn.Module) -> list[list[torch.Tensor]]:
     seen: set[int] = set()
     groups: dict[tuple[torch.device, torch.dtype], list[list[torch.Tensor]]] = {}
     for tensor in [*module.parameters(), *module.buffers()]:
-        if id(tensor) in seen or tensor.is_meta or isinstance(tensor, DTensor):
+        if id(tensor) in seen or tensor.is_meta or is_dtensor(tensor):
             continue
         seen.add(id(tensor))
         buckets = groups.setdefault((tensor.device, tensor.dtype), [[]])
