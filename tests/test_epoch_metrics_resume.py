@@ -2,15 +2,13 @@
 step checkpoint) or by ``Preemption`` (SIGTERM, SIGUSR1) and resumed writes the same epoch values as the run that
 was never stopped, to the last bit (``float.hex``): torchmetrics objects returned by ``training_step``,
 ``engine.log(..., reduce=...)`` aggregates, a validation metric object, and every CSV row. On 1 and 2 ranks (gloo).
-The worker is tests/epoch_metrics_resume_worker.py."""
+The worker is tests/epoch_metrics_resume_worker.py, forked with preloaded imports (tests/forked.py)."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,14 +16,14 @@ import pytest
 
 from cadence.testing.spawn import free_port
 from tests.epoch_metrics_resume_worker import BATCHES_PER_EPOCH
+from tests.forked import Forked
 
-ROOT = Path(__file__).resolve().parents[1]
 STOP_BATCH = BATCHES_PER_EPOCH + 3
 """Epoch 1's fourth batch, step 14: Checkpoint(every_n_steps=3) saved at step 12, so a SIGKILL here loses steps 13
 and 14 and the resume starts mid-epoch with 2 batches of the epoch accumulated; Preemption saves at step 14."""
 
 
-def run_ranks(project: Path, world_size: int, *args: str) -> list[subprocess.Popen[str]]:
+def run_ranks(project: Path, world_size: int, *args: str) -> list[Forked]:
     project.mkdir(parents=True, exist_ok=True)
     port = free_port()
     processes = []
@@ -36,13 +34,12 @@ def run_ranks(project: Path, world_size: int, *args: str) -> list[subprocess.Pop
                 RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
             )  # fmt: skip
-        log = (project / f"rank{rank}.log").open("a")
-        command = [sys.executable, "-m", "tests.epoch_metrics_resume_worker", str(project), *args]
-        processes.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True))
+        log = project / f"rank{rank}.log"
+        processes.append(Forked("tests.epoch_metrics_resume_worker", str(project), *args, output=log, env=env))
     return processes
 
 
-def finish(processes: list[subprocess.Popen[str]]) -> list[int]:
+def finish(processes: list[Forked]) -> list[int]:
     try:
         return [process.wait(timeout=300) for process in processes]
     finally:
@@ -56,7 +53,7 @@ def logs(project: Path) -> str:
     return "\n".join(path.read_text() for path in sorted(project.glob("rank*.log")))
 
 
-def wait_for(flags: list[Path], processes: list[subprocess.Popen[str]], project: Path) -> None:
+def wait_for(flags: list[Path], processes: list[Forked], project: Path) -> None:
     deadline = time.monotonic() + 300
     while not all(flag.exists() for flag in flags):
         if any(process.poll() is not None for process in processes) or time.monotonic() > deadline:

@@ -15,7 +15,6 @@ import secrets
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import warnings
@@ -36,10 +35,10 @@ from cadence.checkpoint.published import PublishedCheckpoints, fetch
 from cadence.checkpoint.state_document import read_recorded
 from cadence.checkpoint.storage import open_storage
 from cadence.errors import CadenceWarning
+from tests import forked
 from tests.failing_store import FAULTS, FailingStore
 from tests.helpers import RegressionStep, assert_bitwise_equal, loader, parameters
 
-ROOT = Path(__file__).resolve().parents[1]
 moto_server = pytest.importorskip("moto.server")
 boto3 = pytest.importorskip("boto3")
 s3fs = pytest.importorskip("s3fs")
@@ -258,13 +257,7 @@ def test_a_missing_bucket_is_refused_at_engine(bucket: str, tmp_path: Path) -> N
 
 
 def run_worker(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "tests.object_storage_worker", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return forked.run("tests.object_storage_worker", *args)
 
 
 @pytest.mark.slow

@@ -8,8 +8,6 @@ import os
 import random
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -25,9 +23,9 @@ from cadence.callbacks import Checkpoint, GradientAccumulation, Preemption
 from cadence.testing import FakeEngine, TinyStep, tiny_dataloader
 from cadence.testing.spawn import free_port
 from tests.callbacks.preemption_worker import BATCHES_PER_EPOCH
+from tests.forked import Forked
 from tests.helpers import hand_written_loop
 
-ROOT = Path(__file__).resolve().parents[2]
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
@@ -272,12 +270,12 @@ def test_fit_off_the_main_thread_is_refused_with_the_way_out(guard: Guard) -> No
     assert all(signal.getsignal(sig) is guard for sig in SIGNALS)
 
 
-# --- real signals from outside, in subprocesses -------------------------------------------------------------------
+# --- real signals from outside, to worker processes (forked with preloaded imports: tests/forked.py) ------------
 
 
 def launch(
     project: Path, *args: str, rank: int = 0, world_size: int = 1, port: int = 0, group: int | None = None
-) -> subprocess.Popen[str]:
+) -> Forked:
     """One rank; with ``group`` it joins that process group (0: a new one, led by itself), as a job step's would."""
     env = dict(os.environ)
     if world_size > 1:
@@ -285,26 +283,22 @@ def launch(
             RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
         )  # fmt: skip
-    log = (project / f"rank{rank}.log").open("a")
-    return subprocess.Popen(
-        [sys.executable, "-m", "tests.callbacks.preemption_worker", str(project), *args],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
-        **({} if group is None else {"process_group": group}),
-    )  # fmt: skip
+    log = project / f"rank{rank}.log"
+    return Forked("tests.callbacks.preemption_worker", str(project), *args, output=log, env=env, process_group=group)
 
 
-def run_ranks(project: Path, world_size: int, *args: str, grouped: bool = False) -> list[subprocess.Popen[str]]:
+def run_ranks(project: Path, world_size: int, *args: str, grouped: bool = False) -> list[Forked]:
     """Every rank; ``grouped``: all in one new process group (its id is the first rank's pid), like a SLURM step."""
     port = free_port()
     project.mkdir(parents=True, exist_ok=True)
-    processes: list[subprocess.Popen[str]] = []
+    processes: list[Forked] = []
     for r in range(world_size):
         group = (processes[0].pid if processes else 0) if grouped else None
         processes.append(launch(project, *args, rank=r, world_size=world_size, port=port, group=group))
     return processes
 
 
-def finish(processes: list[subprocess.Popen[str]], project: Path) -> list[int]:
+def finish(processes: list[Forked], project: Path) -> list[int]:
     try:
         return [process.wait(timeout=240) for process in processes]
     finally:
@@ -318,7 +312,7 @@ def logs(project: Path) -> str:
     return "\n".join(path.read_text() for path in sorted(project.glob("rank*.log")))
 
 
-def wait_for(path: Path, processes: list[subprocess.Popen[str]], project: Path) -> None:
+def wait_for(path: Path, processes: list[Forked], project: Path) -> None:
     """The handshake: the worker writes ``path`` at the batch chosen, then waits until its handler noted our signal."""
     deadline = time.monotonic() + 240
     while not path.exists():

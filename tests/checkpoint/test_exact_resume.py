@@ -8,7 +8,6 @@ import json
 import random
 import signal
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,20 +15,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests import forked
 from tests.checkpoint.resume_worker import BATCHES_PER_EPOCH, MID_WINDOW_SAVE
 
-ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
 def worker(project_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "tests.checkpoint.resume_worker", str(project_dir), *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return forked.run("tests.checkpoint.resume_worker", str(project_dir), *args)
 
 
 def losses(path: Path) -> list[dict[str, Any]]:

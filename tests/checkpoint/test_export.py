@@ -12,8 +12,6 @@ import pathlib
 import pickle
 import re
 import shutil
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -31,6 +29,7 @@ from cadence.callbacks import MixedPrecision
 from cadence.checkpoint import export
 from cadence.checkpoint.export import load_checkpoint_in_model, parse_size, save_weights
 from cadence.wrappers import PreparedModule
+from tests import forked
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
 SHARD_NAME = re.compile(r"(model|pytorch_model)-(\d{5})-of-(\d{5})\.(safetensors|bin)")
@@ -855,13 +854,7 @@ def test_a_process_sigkilled_after_any_change_of_its_export_leaves_the_old_or_th
     old_export(tmp_path / "old", old_layout)
     torch.save(NEW.state_dict(), tmp_path / "new.pt")
     arguments = [str(tmp_path / "old"), str(tmp_path), str(tmp_path / "new.pt"), json.dumps(new_layout)]
-    finished = subprocess.run(
-        [sys.executable, "-m", "tests.checkpoint.export_worker", *arguments],
-        cwd=Path(__file__).resolve().parents[2],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    finished = forked.run("tests.checkpoint.export_worker", *arguments)
     assert finished.returncode == 0, finished.stderr
     last = int(finished.stdout)
     assert last > 4  # it was killed at every change up to the last, not once or never
