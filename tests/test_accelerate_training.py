@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -30,6 +28,7 @@ from cadence.accelerate.utils import (
 )
 from cadence.callback import Callback
 from cadence.testing.spawn import free_port, spawn
+from tests.forked import Forked
 
 accelerate_data = pytest.importorskip("accelerate.data_loader", reason="the comparisons need accelerate")
 SCRIPT = Path(__file__).with_name("accelerate_training_script.py")
@@ -364,13 +363,28 @@ def test_skip_first_batches_after_load_state_returns_the_loader_where_it_stands(
 
 
 def run_script(library: str, mode: str, out: Path, processes: int, resume: Path | None = None) -> list[Any]:
-    command = [sys.executable, str(SCRIPT), library, mode, str(out)] + ([str(resume)] if resume else [])
-    if processes > 1:
-        launcher = ["-m", "torch.distributed.run", "--nproc-per-node", str(processes)]
-        command = [sys.executable, *launcher, "--master-port", str(free_port()), *command[1:]]
-    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "PYTHONPATH": os.pathsep.join(sys.path)}
-    finished = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert finished.returncode == 0, finished.stderr[-3000:]
+    """The script on ``processes`` ranks wired as torchrun wires its workers, each forked with preloaded imports
+    (tests/forked.py); every rank's numbers."""
+    arguments = [library, mode, str(out)] + ([str(resume)] if resume else [])
+    port, ranks = free_port(), []
+    for rank in range(processes):
+        env = {**os.environ, "ACCELERATE_USE_CPU": "true"}
+        if processes > 1:
+            env.update(
+                RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(processes), LOCAL_WORLD_SIZE=str(processes),
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+            )  # fmt: skip
+        log = out.with_name(f"{out.name}.rank{rank}.log")
+        ranks.append(Forked("tests.accelerate_training_script", *arguments, output=log, env=env))
+    try:
+        codes = [rank.wait(timeout=300) for rank in ranks]
+    finally:
+        for rank in ranks:
+            if rank.poll() is None:
+                rank.kill()
+                rank.wait()
+    logs = "\n".join(out.with_name(f"{out.name}.rank{rank}.log").read_text() for rank in range(processes))
+    assert codes == [0] * processes, logs[-3000:]
     return [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(processes)]
 
 
