@@ -1,7 +1,8 @@
-"""``python -m MODULE ARGS`` for the tests that stop a worker from outside (SIGKILL, SIGTERM) and resume it: the
-worker runs in a process forked from the fork server ``cadence.testing.spawn`` uses, which has imported torch and
-cadence already, instead of in a fresh interpreter that imports them again (seconds of CPU each, most of what these
-tests cost). It is a process of its own all the same: its own pid, signals, exit code (``-9`` when SIGKILLed, the
+"""``python -m MODULE ARGS`` for the tests that run a worker module in processes of their own (to stop it from
+outside with SIGKILL or SIGTERM and resume it, or as ranks wired the way torchrun wires them): the worker runs in a
+process forked from the fork server ``cadence.testing.spawn`` uses, which has imported torch and cadence already,
+instead of in a fresh interpreter that imports them again (seconds of CPU each, most of what these tests cost). It
+is a process of its own all the same: its own pid, process group, signals, exit code (``-9`` when SIGKILLed, the
 code it exits with), environment, working directory and output files."""
 
 from __future__ import annotations
