@@ -31,7 +31,6 @@ from cadence.testing.spawn import free_port, spawn
 from tests.forked import Forked
 
 accelerate_data = pytest.importorskip("accelerate.data_loader", reason="the comparisons need accelerate")
-SCRIPT = Path(__file__).with_name("accelerate_training_script.py")
 
 
 def their_batches(sampler: Any, world_size: int, epochs: int, batch_size: int) -> list[list[list[list[int]]]]:
